@@ -1,0 +1,199 @@
+"""Documents -> one token stream -> fixed windows -> batches, with exactly resumable order.
+
+numpy only: the training loop places each batch on the Mesh itself. Everything per step is a
+handful of vectorised numpy calls on a cached permutation, so the real loader costs microseconds
+next to a step, and there is never a Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+import numpy as np
+
+from loaders.tokenizers import Tokenizer
+from utils.errors import CheckpointError, ConfigError, DataError
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Half the memory and disk of int32 for every vocabulary up to 64k ids, which is most of them."""
+    return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.uint32)
+
+
+def _save_atomic(path: str, array: np.ndarray) -> None:
+    """Write then rename, so a killed run (or another host writing the same cache) never leaves half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".npy.tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def tokenize_documents(
+    docs: list[str], tok: Tokenizer, cache_path: str | None = None, docs_per_batch: int = 512
+) -> np.ndarray:
+    """Encode and concatenate `docs`, each followed by `tok.eot_id`; reuse `cache_path` if it exists.
+
+    The cache is trusted as is: the caller's path must encode corpus, split and tokenizer (see
+    `corpus.corpus_fingerprint`). A hit is memory-mapped, so a large corpus costs no RAM up front.
+    """
+    dtype = token_dtype(tok.vocab_size)
+    if cache_path is not None and os.path.exists(cache_path):
+        tokens = np.load(cache_path, mmap_mode="r")
+        if tokens.ndim == 1 and tokens.dtype == dtype:
+            return tokens
+        # A file of the wrong kind cannot be this tokenizer's output: recompute and overwrite it.
+
+    eot_1 = np.array([tok.eot_id], dtype=np.int32)
+    chunks = []
+    for start in range(0, len(docs), docs_per_batch):
+        ids_list = tok.encode_batch(list(docs[start : start + docs_per_batch]))  # parallel in Rust for BPE/HF
+        chunk = np.concatenate([part for ids in ids_list for part in (np.asarray(ids, np.int32), eot_1)])
+        if chunk.size and (chunk.min() < 0 or chunk.max() >= tok.vocab_size):
+            raise DataError(
+                f"tokenizer {tok.name!r} emitted id {int(chunk.max())} outside its vocab_size={tok.vocab_size}: "
+                "its vocab_size is wrong; use another tokenizer.name_or_path or tokenizer=byte"
+            )
+        chunks.append(chunk.astype(dtype))
+    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype)
+
+    if cache_path is not None:
+        _save_atomic(cache_path, tokens)
+    return tokens
+
+
+class WindowDataset:
+    """Non-overlapping windows of `window` = context_length+1 tokens cut from the 1-D token stream.
+
+    The last partial window is dropped. Windows may start mid-document and span document ends:
+    the eot between documents is what tells the model a new one began.
+    """
+
+    def __init__(self, tokens: np.ndarray, window: int):
+        tokens = np.asarray(tokens)  # keeps a memmap's buffer; drops only the subclass
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if window < 2:
+            raise ValueError(f"window must be context_length+1 >= 2, got {window}")
+        num_windows = len(tokens) // window
+        if num_windows == 0:
+            raise DataError(
+                f"the dataset has {len(tokens)} tokens, fewer than one window of model.context_length+1={window}: "
+                "give dataset.paths more text (or raise dataset.val_fraction if this is the validation split), "
+                "or lower model.context_length"
+            )
+        self.window = window
+        # A reshape of a contiguous prefix is a view: no copy of the stream, even when it is a memmap.
+        self.windows_NxW = tokens[: num_windows * window].reshape(num_windows, window)
+
+    def __len__(self) -> int:
+        return self.windows_NxW.shape[0]
+
+    def get(self, idx: np.ndarray) -> np.ndarray:
+        """(len(idx), window) int32: the model's embedding lookup wants signed ids, the stream stores uint16."""
+        idx_N = np.asarray(idx).reshape(-1)
+        return np.asarray(self.windows_NxW[idx_N], dtype=np.int32)
+
+
+class BatchIterator:
+    """Infinite iterator of int32 arrays of shape batch_shape + (window,), e.g. (accum_steps, batch_size, T+1).
+
+    Order: windows are consumed from an endless stream that is epoch 0's order, then epoch 1's, ...
+    With shuffle=True each epoch's order is a fresh permutation from np.random.default_rng([seed, epoch]);
+    with shuffle=False it is 0, 1, 2, ... (validation). A batch that reaches an epoch's end simply takes
+    its remaining windows from the start of the next epoch's order, so every window is seen exactly once
+    per epoch and no window is dropped or repeated at the boundary.
+
+    Multi-host: every process walks the same global stream and returns only its rows
+    [process_index*B/process_count, (process_index+1)*B/process_count) of the batch axis (axis -2 of
+    the output), so the processes' slices concatenate to the single-process batch. The state counts
+    global windows, so it resumes correctly on a different number of processes too.
+    """
+
+    def __init__(
+        self,
+        dataset: WindowDataset,
+        batch_shape: tuple[int, ...],
+        seed: int,
+        shuffle: bool,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
+        batch_shape = tuple(int(b) for b in batch_shape)
+        if not batch_shape or min(batch_shape) < 1:
+            raise ValueError(f"batch_shape must be non-empty and positive, got {batch_shape}")
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
+        rows = batch_shape[-1]
+        if rows % process_count:
+            raise ConfigError(
+                f"train.batch_size={rows} does not split over {process_count} processes: "
+                f"set it to a multiple of {process_count}"
+            )
+        if int(seed) < 0:
+            raise ConfigError(f"random_seed={seed} must be a non-negative integer")
+        self.dataset = dataset
+        self.batch_shape = batch_shape
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self._rows = slice(process_index * rows // process_count, (process_index + 1) * rows // process_count)
+        self._windows_per_batch = math.prod(batch_shape)
+        self._epoch = 0
+        self._position = 0  # index into the current epoch's order of the next window to hand out
+        self._order_epoch = -1
+        self._order_N = np.zeros(0, np.int64)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """The epoch's window order, cached: a permutation costs O(num_windows) once per epoch, not per step."""
+        if epoch != self._order_epoch:
+            n = len(self.dataset)
+            if self.shuffle:
+                self._order_N = np.random.default_rng([self.seed, epoch]).permutation(n)
+            elif len(self._order_N) != n:
+                self._order_N = np.arange(n)
+            self._order_epoch = epoch
+        return self._order_N
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> np.ndarray:
+        num_windows = len(self.dataset)
+        pieces, need = [], self._windows_per_batch
+        while need:  # one pass per epoch touched: once, twice at a boundary, more only if batch > dataset
+            take = min(need, num_windows - self._position)
+            pieces.append(self._order(self._epoch)[self._position : self._position + take])
+            need -= take
+            self._position += take
+            if self._position == num_windows:
+                self._epoch, self._position = self._epoch + 1, 0
+        idx_global = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        idx_local = idx_global.reshape(self.batch_shape)[..., self._rows]
+        return self.dataset.get(idx_local).reshape(idx_local.shape + (self.dataset.window,))
+
+    def state_dict(self) -> dict:
+        """JSON-able; num_windows lets a resume notice that the dataset changed underneath it."""
+        return {"epoch": self._epoch, "position": self._position, "num_windows": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        num_windows = len(self.dataset)
+        saved_windows = state.get("num_windows", num_windows)
+        if saved_windows != num_windows:
+            raise CheckpointError(
+                f"the data iterator was saved over {saved_windows} windows but the dataset now has {num_windows}: "
+                "resume with the same dataset, tokenizer and model.context_length, or start a fresh run"
+            )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < num_windows:
+            raise CheckpointError(
+                f"data iterator state epoch={epoch} position={position} is invalid for {num_windows} windows: "
+                "the checkpoint is corrupt; resume from another one or start a fresh run"
+            )
+        self._epoch, self._position = epoch, position

@@ -1,0 +1,217 @@
+"""Text <-> token ids: raw bytes, a byte-level BPE trained on the corpus, or any Hugging Face tokenizer.
+
+All three answer the same small `Tokenizer` protocol so the rest of the pipeline never asks which
+one it has. Ids come back as int32 numpy arrays (no jax here: the caller places batches on devices).
+`decode` drops the end-of-text id in all three, so sampled text reads the same whichever is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from utils.errors import ConfigError, DataError
+
+EOT_TOKEN = "<|endoftext|>"
+# Bumped whenever the BPE recipe below changes, so old cached tokenizer files are not reused.
+_BPE_RECIPE = "bytelevel-bpe-v1"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the data pipeline and the sampler need from a tokenizer, nothing more."""
+
+    name: str  # e.g. "byte", "bpe-4096", "hf:gpt2"; goes into cache keys and logs
+    vocab_size: int  # number of ids it can emit, eot included: the model's embedding rows
+    eot_id: int  # appended after every document so the model learns where documents end
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
+
+    def decode(self, ids) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids: needs no training, no files, no network, and never fails to encode."""
+
+    name = "byte"
+    vocab_size = 257
+    eot_id = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        ids_N = np.asarray(ids).reshape(-1)
+        # A model can sample eot or (early in training) anything; keep only real bytes.
+        bytes_N = ids_N[(ids_N >= 0) & (ids_N < 256)].astype(np.uint8)
+        return bytes_N.tobytes().decode("utf-8", errors="replace")
+
+
+def byte_tokenizer() -> Tokenizer:
+    return ByteTokenizer()
+
+
+class BPETokenizer:
+    """A Hugging Face `tokenizers.Tokenizer` (Rust) behind the protocol; batch encoding is parallel."""
+
+    def __init__(self, backend, name: str):
+        self._tok = backend
+        self.name = name
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        eot_id = backend.token_to_id(EOT_TOKEN)
+        if eot_id is None:
+            raise DataError(
+                f"BPE tokenizer {name!r} has no {EOT_TOKEN} token: delete its cached file so it is retrained"
+            )
+        self.eot_id = int(eot_id)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        # encode_batch_fast skips the offsets we never use.
+        encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+    def decode(self, ids) -> str:
+        ids_N = np.asarray(ids).reshape(-1)
+        ids_N = ids_N[(ids_N >= 0) & (ids_N < self.vocab_size)]
+        # The ByteLevel decoder is lossy-UTF-8 in Rust: a cut multi-byte char becomes U+FFFD, not an error.
+        return self._tok.decode(ids_N.tolist(), skip_special_tokens=True)
+
+
+def _sample_hash(texts: Iterable[str]) -> str:
+    """Content hash of the training sample, so a different corpus gets (and caches) its own BPE."""
+    h = hashlib.md5(_BPE_RECIPE.encode())
+    for text in texts:
+        data = text.encode("utf-8", errors="replace")
+        h.update(len(data).to_bytes(8, "little"))  # length prefix: ["ab","c"] != ["a","bc"]
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
+def _train_bpe(vocab_size: int, texts: Iterable[str]):
+    """Train a GPT-2-style byte-level BPE; kept separate so tests can prove a cache hit skips it."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = RustTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: nothing is ever unknown
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer=trainer)
+    return backend
+
+
+def bpe_tokenizer(vocab_size: int, sample_texts: Callable[[], Iterable[str]], cache_dir: str) -> Tokenizer:
+    """Load the BPE trained on this exact sample from `cache_dir`, training and caching it on a miss.
+
+    `sample_texts` is a callable because the sample is read twice on a miss: once to hash, once to train.
+    """
+    from tokenizers import Tokenizer as RustTokenizer
+
+    min_size = 256 + 1 + 1
+    if vocab_size < min_size:
+        raise ConfigError(
+            f"tokenizer.vocab_size={vocab_size} is too small for byte-level BPE "
+            f"(256 bytes + {EOT_TOKEN} + at least one merge): set it to >= {min_size}, or use tokenizer=byte"
+        )
+    name = f"bpe-{vocab_size}"
+    path = os.path.join(os.path.expanduser(cache_dir), f"{name}-{_sample_hash(sample_texts())}.json")
+    if os.path.exists(path):
+        try:
+            return BPETokenizer(RustTokenizer.from_file(path), name)
+        except Exception as e:  # a truncated or foreign file; the message says how to recover
+            raise DataError(f"cached BPE tokenizer {path} cannot be read ({e}): delete it so it is retrained") from e
+
+    backend = _train_bpe(vocab_size, sample_texts())
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # Write then rename: a crash, or another process training the same BPE, never leaves half a file.
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".json.tmp")
+    os.close(fd)
+    try:
+        backend.save(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return BPETokenizer(backend, name)
+
+
+class TransformersTokenizer:
+    """A `transformers` tokenizer behind the protocol, for fine-tuning or comparing with released models."""
+
+    def __init__(self, tok, name: str):
+        self._tok = tok
+        self.name = name
+        self.vocab_size = len(tok)  # len() counts added tokens; .vocab_size does not
+        self.eot_id = int(tok.eos_token_id)
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        # verbose=False: documents are longer than model_max_length by design; we window them later.
+        ids = self._tok(list(texts), add_special_tokens=False, verbose=False, return_attention_mask=False)["input_ids"]
+        return [np.asarray(x, dtype=np.int32) for x in ids]
+
+    def decode(self, ids) -> str:
+        ids_N = np.asarray(ids).reshape(-1)
+        ids_N = ids_N[(ids_N >= 0) & (ids_N < self.vocab_size)]
+        return self._tok.decode(ids_N.tolist(), skip_special_tokens=True)
+
+
+def _short_reason(e: Exception) -> str:
+    first_line = (str(e).strip().splitlines() or [""])[0]
+    reason = f"{type(e).__name__}: {first_line}" if first_line else type(e).__name__
+    return reason if len(reason) <= 160 else reason[:157] + "..."
+
+
+def hf_tokenizer(name_or_path: str) -> Tokenizer:
+    """`AutoTokenizer.from_pretrained`, turning every load failure into one actionable line."""
+    # The "PyTorch was not found" advisory is noise for a JAX trainer; set before transformers is imported.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    old_verbosity = hf_logging.get_verbosity()
+    hub_logger = logging.getLogger("huggingface_hub")
+    old_hub_level = hub_logger.level
+    hf_logging.set_verbosity_error()
+    hub_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tok = AutoTokenizer.from_pretrained(name_or_path)
+    except Exception as e:
+        raise ConfigError(
+            f"tokenizer.name_or_path={name_or_path!r} cannot be loaded ({_short_reason(e)}): point it at a local "
+            "tokenizer directory, or use tokenizer=byte / tokenizer=bpe which need no network"
+        ) from None  # from None: the transformers traceback adds nothing the user can act on
+    finally:
+        hf_logging.set_verbosity(old_verbosity)
+        hub_logger.setLevel(old_hub_level)
+
+    if tok.eos_token_id is None:
+        raise ConfigError(
+            f"tokenizer.name_or_path={name_or_path!r} defines no eos token to mark document ends: "
+            "use a tokenizer that has one, or tokenizer=byte / tokenizer=bpe"
+        )
+    return TransformersTokenizer(tok, f"hf:{name_or_path}")

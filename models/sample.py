@@ -1,0 +1,39 @@
+"""Text generation from a trained model, for the end-of-run sample and scripts.
+
+One compiled function takes a fixed-size window and a position, so generating any number of
+tokens compiles once; the window slides when the text outgrows the context.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.gpt import GPT
+
+
+@eqx.filter_jit
+def _next_token(model: GPT, window_1xT: jax.Array, pos: jax.Array, key: jax.Array, temperature: float):
+    logits_V = model(window_1xT)[0, pos - 1]
+    if temperature == 0.0:
+        return jnp.argmax(logits_V)
+    return jax.random.categorical(key, logits_V / temperature)
+
+
+def generate(model: GPT, prompt_ids: np.ndarray, num_tokens: int, key: jax.Array,
+             temperature: float = 0.8, stop_id: int | None = None) -> np.ndarray:
+    """Prompt + up to `num_tokens` sampled ids (stops early at `stop_id`)."""
+    T = model.cfg.context_length
+    ids = [int(i) for i in prompt_ids] or [0]
+    for _ in range(num_tokens):
+        context = ids[-T:]
+        window = np.zeros((1, T), np.int32)
+        window[0, : len(context)] = context
+        key, sub = jax.random.split(key)
+        token = int(_next_token(model, jnp.asarray(window), jnp.int32(len(context)), sub, temperature))
+        if token == stop_id:
+            break
+        ids.append(token)
+    return np.asarray(ids, np.int32)

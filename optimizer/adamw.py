@@ -1,0 +1,40 @@
+"""AdamW (decoupled weight decay on >=2-D weights only, optional Nesterov momentum)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import optax
+
+from optimizer.groups import decay_mask
+from utils.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class AdamW:
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    nesterov: bool = False
+    decay_embeddings: bool = False
+
+    def check(self, prefix: str) -> None:
+        for knob in ("b1", "b2"):
+            if not 0.0 <= getattr(self, knob) < 1.0:
+                raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be in [0, 1)")
+        if self.eps <= 0:
+            raise ConfigError(f"{prefix}.eps={self.eps} must be positive")
+        if self.weight_decay < 0:
+            raise ConfigError(f"{prefix}.weight_decay={self.weight_decay} must be >= 0")
+
+    def build(self, schedule: optax.Schedule, labels) -> optax.GradientTransformation:
+        return optax.adamw(
+            learning_rate=schedule,
+            b1=self.b1,
+            b2=self.b2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            mask=decay_mask(labels, self.decay_embeddings),
+            nesterov=self.nesterov,
+        )

@@ -1,0 +1,276 @@
+"""eqtrain's single entry point: `python train_jax.py [hydra overrides]`.
+
+Reads as the recipe it runs: validate the config; build tokenizer, data, model, schedule and
+optimizer; compile one sharded, buffer-donating train step; run the host loop that logs,
+evaluates and finally samples a little text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import equinox as eqx
+import hydra
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from omegaconf import DictConfig, OmegaConf
+
+from loaders import corpus, tokenizers
+from loaders.batching import BatchIterator, WindowDataset, tokenize_documents
+from models.gpt import GPT, count_params, cross_entropy, flops_per_token, param_labels
+from models.sample import generate
+from optimizer import make_optimizer
+from utils import mesh as meshlib
+from utils.config import RunConfig, validate
+from utils.errors import ConfigError, EqtrainError
+from utils.flops import peak_flops
+from utils.metrics import RunLogger
+
+
+# ----------------------------------------------------------------------------- components
+
+
+def load_documents(run: RunConfig) -> tuple[list[str], list[str]]:
+    d = run.dataset
+    if d.name == "stdlib":
+        return tuple(corpus.stdlib_documents(s, d.val_fraction, d.include_tests) for s in ("train", "val"))
+    return tuple(corpus.text_file_documents(list(d.paths), s, d.val_fraction, d.text_key) for s in ("train", "val"))
+
+
+def init_tokenizer(run: RunConfig, train_docs: list[str]) -> tokenizers.Tokenizer:
+    t = run.tokenizer
+    if t.name == "byte":
+        return tokenizers.byte_tokenizer()
+    if t.name == "bpe":
+        return tokenizers.bpe_tokenizer(t.vocab_size, lambda: train_docs[: t.sample_docs], os.path.expanduser(run.cache_dir))
+    return tokenizers.hf_tokenizer(t.name_or_path)
+
+
+@dataclass
+class Data:
+    train: BatchIterator  # yields this process's rows of (accum_steps, batch_size, T+1)
+    val: WindowDataset  # read in order from the start at every evaluation
+    tokens_per_step: int
+
+
+def init_data(run: RunConfig, tokenizer: tokenizers.Tokenizer, docs: tuple[list[str], list[str]]) -> Data:
+    d, window = run.dataset, run.context_length + 1
+    cache_dir = os.path.join(os.path.expanduser(run.cache_dir), "tokens")
+
+    def windows(split_docs: list[str], split: str) -> WindowDataset:
+        digest = hashlib.md5("\x00".join(split_docs).encode("utf-8", "replace")).hexdigest()[:16]
+        name = f"{d.name}-{split}-{tokenizer.name.replace('/', '_').replace(':', '_')}-{digest}.npy"
+        return WindowDataset(tokenize_documents(split_docs, tokenizer, os.path.join(cache_dir, name)), window)
+
+    train = BatchIterator(windows(docs[0], "train"), (d.accum_steps, d.batch_size), run.random_seed, d.shuffle,
+                          jax.process_index(), jax.process_count())
+    return Data(train, windows(docs[1], "val"), d.accum_steps * d.batch_size * run.context_length)
+
+
+def resolve_vocab(run: RunConfig, tokenizer: tokenizers.Tokenizer) -> RunConfig:
+    """model.vocab_size null -> the tokenizer's, padded to model.vocab_multiple."""
+    m = run.model
+    if m.vocab_size is None:
+        padded = -(-tokenizer.vocab_size // m.vocab_multiple) * m.vocab_multiple
+        return _replace(run, model=_replace(m, vocab_size=padded))
+    if m.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} "
+                          "ids: raise it or set it to null")
+    return run
+
+
+def init_model(run: RunConfig, key: jax.Array) -> GPT:
+    dtype = jnp.dtype(run.train.param_dtype)
+    return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, GPT(run.model, key))
+
+
+def init_scheduler(run: RunConfig) -> optax.Schedule:
+    return run.optimizer.schedule.build(run.optimizer.schedule_steps)
+
+
+def init_optimizer(run: RunConfig, schedule: optax.Schedule, labels) -> optax.GradientTransformation:
+    return make_optimizer(run.optimizer.hparams, schedule, labels, run.train.gradient_clip_val)
+
+
+# ----------------------------------------------------------------------------- state and steps
+
+
+class TrainState(eqx.Module):
+    model: GPT
+    opt_state: optax.OptState
+    step: jax.Array  # int32 scalar: optimizer updates done
+    key: jax.Array  # uint32[2]: dropout randomness, split once per step
+
+
+def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh) -> tuple[TrainState, object]:
+    """Build the state directly into its shards (no host copy of the full model)."""
+
+    def build() -> TrainState:
+        model_key, train_key = jax.random.split(jax.random.PRNGKey(run.random_seed))
+        model = init_model(run, model_key)
+        return TrainState(model, tx.init(eqx.filter(model, eqx.is_array)), jnp.zeros((), jnp.int32), train_key)
+
+    shardings = meshlib.tree_shardings(mesh, jax.eval_shape(build))
+    return jax.jit(build, out_shardings=shardings)(), shardings
+
+
+def make_train_step(run: RunConfig, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    state_shardings, mesh) -> Callable:
+    """One jitted update: gradient accumulation as a scan over micro-batches, clipping and the
+    optimizer inside `tx`, metrics returned as device arrays (pulled only on logging steps)."""
+    compute_dtype = jnp.dtype(run.train.compute_dtype)
+    grad_fn = eqx.filter_value_and_grad(cross_entropy, has_aux=True)
+
+    def train_step(state: TrainState, batch_AxBxT1: jax.Array):
+        key, step_key = jax.random.split(state.key)
+        micro_keys = jax.random.split(step_key, batch_AxBxT1.shape[0])
+        use_dropout = run.model.dropout > 0
+
+        def micro(grads_sum, xs):
+            tokens_BxT1, k = xs
+            (loss, _), grads = grad_fn(state.model, tokens_BxT1, k if use_dropout else None, compute_dtype)
+            return jax.tree.map(jnp.add, grads_sum, grads), loss
+
+        accum = batch_AxBxT1.shape[0]
+        if accum == 1:  # no loop, no zero-filled accumulator: XLA fuses the step end to end
+            (loss, _), grads = grad_fn(state.model, batch_AxBxT1[0], micro_keys[0] if use_dropout else None,
+                                       compute_dtype)
+            losses_A = loss[None]
+        else:
+            zeros = jax.tree.map(jnp.zeros_like, eqx.filter(state.model, eqx.is_array))
+            grads_sum, losses_A = jax.lax.scan(micro, zeros, (batch_AxBxT1, micro_keys))
+            grads = jax.tree.map(lambda g: g / accum, grads_sum)
+        params = eqx.filter(state.model, eqx.is_array)
+        updates, opt_state = tx.update(grads, state.opt_state, params)
+        model = eqx.apply_updates(state.model, updates)
+        metrics = {
+            "train/loss": losses_A.mean(),
+            "train/grad_norm": optax.global_norm(grads),
+            "train/lr": schedule(state.step),
+            "aux/param_norm": optax.global_norm(params),
+            "aux/update_norm": optax.global_norm(updates),
+        }
+        return TrainState(model, opt_state, state.step + 1, key), metrics
+
+    return jax.jit(train_step, in_shardings=(state_shardings, meshlib.batch_sharding(mesh, 1)),
+                   out_shardings=(state_shardings, meshlib.replicated(mesh)), donate_argnums=0)
+
+
+def make_eval_step(run: RunConfig, mesh) -> Callable:
+    compute_dtype = jnp.dtype(run.train.compute_dtype)
+
+    def eval_step(model: GPT, tokens_BxT1: jax.Array):
+        loss, correct = cross_entropy(model, tokens_BxT1, None, compute_dtype)
+        return loss, correct / tokens_BxT1[:, 1:].size
+
+    return eqx.filter_jit(eval_step)
+
+
+def evaluate(eval_step: Callable, model: GPT, val: WindowDataset, run: RunConfig, batch_sharding) -> dict[str, float]:
+    """Mean loss/accuracy over the first `max_val_steps` batches of the validation split (the
+    same windows every time, so evaluations compare)."""
+    it = BatchIterator(val, (run.dataset.batch_size,), run.random_seed, False, jax.process_index(), jax.process_count())
+    steps = min(run.train.max_val_steps, max(len(val) // run.dataset.batch_size, 1))
+    results = [eval_step(model, meshlib.put_batch(next(it), batch_sharding)) for _ in range(steps)]
+    loss, acc = (float(np.mean([float(r[i]) for r in results])) for i in (0, 1))
+    return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0)), "val/accuracy": acc}
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None) -> dict[str, float]:
+    """Everything after validation. Returns the last logged metrics (handy for tests)."""
+    mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size)
+    docs = load_documents(run)
+    tokenizer = init_tokenizer(run, docs[0])
+    run = resolve_vocab(run, tokenizer)
+    data = init_data(run, tokenizer, docs)
+    schedule = init_scheduler(run)
+    labels = param_labels(eqx.filter_eval_shape(GPT, run.model, jax.random.PRNGKey(0)))
+    tx = init_optimizer(run, schedule, labels)
+    state, shardings = init_state(run, tx, mesh)
+    train_step = make_train_step(run, tx, schedule, shardings, mesh)
+    eval_step = make_eval_step(run, mesh)
+
+    n_params = count_params(state.model)
+    flops_per_step = flops_per_token(run.model, run.context_length) * data.tokens_per_step
+    peak = peak_flops(run.train.compute_dtype, run.cache_dir)
+    log = RunLogger(run.logging, run_dir, run.train.max_steps, 0, config_dict)
+    log.print(f"eqtrain: {n_params / 1e6:.2f}M params | {run.optimizer.name} + {run.optimizer.schedule_name} | "
+              f"{data.tokens_per_step:,} tokens/step | {len(jax.devices())} {jax.devices()[0].platform} device(s) "
+              f"| run dir {run_dir}")
+
+    batch_sharding, eval_sharding = meshlib.batch_sharding(mesh, 1), meshlib.batch_sharding(mesh, 0)
+    validate_now = lambda step: (not run.train.skip_validation) and (  # noqa: E731
+        (step == 0 and run.train.val_at_start) or step % run.train.val_freq == 0 or step == run.train.max_steps)
+    last: dict[str, float] = {}
+    if validate_now(0):
+        last = evaluate(eval_step, state.model, data.val, run, eval_sharding)
+        log.log(0, last)
+
+    t_last, step_last = time.perf_counter(), 0
+    for step in range(1, run.train.max_steps + 1):
+        batch = meshlib.put_batch(next(data.train), batch_sharding)
+        state, metrics = train_step(state, batch)  # dispatched; the host moves on at once
+        log.advance()
+        record: dict[str, float] = {}
+        if step % run.logging.log_every == 0 or step == run.train.max_steps:
+            record = {k: float(v) for k, v in metrics.items()}  # the only device sync on training steps
+            now = time.perf_counter()
+            if step_last > 0 or step == run.train.max_steps:  # the first interval holds compilation
+                seconds = (now - t_last) / (step - step_last)
+                record["train/step_time"] = seconds
+                record["train/tokens_per_sec"] = data.tokens_per_step / seconds
+                record["train/mfu"] = flops_per_step / seconds / peak if peak else float("nan")
+            t_last, step_last = now, step
+        if validate_now(step):
+            record.update(evaluate(eval_step, state.model, data.val, run, eval_sharding))
+            t_last = time.perf_counter()  # evaluation time is not training throughput
+        if record:
+            log.log(step, record)
+            last.update(record)
+            if not math.isfinite(record.get("train/loss", 0.0)):
+                log.print(f"error: train/loss is {record['train/loss']} at step {step}; stopping "
+                          "(lower optimizer.lr_config.lr or set train.gradient_clip_val)")
+                break
+
+    if run.train.sample_tokens:
+        prompt = tokenizer.encode(run.train.sample_prompt)
+        ids = generate(state.model, prompt, run.train.sample_tokens, jax.random.PRNGKey(run.random_seed),
+                       run.train.sample_temperature, stop_id=tokenizer.eot_id)
+        log.print("---- sample ----\n" + tokenizer.decode(ids) + "\n----------------")
+    log.close()
+    return last
+
+
+def _replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> dict[str, float]:
+    from hydra.core.hydra_config import HydraConfig
+
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" probe noise
+    try:
+        run = validate(cfg)
+        return run_training(run, HydraConfig.get().runtime.output_dir, OmegaConf.to_container(cfg, resolve=True))
+    except EqtrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Peak FLOP/s for model-FLOPs utilisation (MFU).
+
+Accelerators: dense peaks from the vendors' data sheets, looked up by device kind. CPUs have
+no data sheet figure that XLA reaches, so the peak is a float32 matmul microbenchmark, run
+once per machine and cached, which makes CPU MFU mean "fraction of the matmul speed this
+machine actually delivers".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+
+# device_kind substring -> {dtype: dense FLOP/s}
+ACCELERATOR_PEAKS = {
+    "H200": {"bfloat16": 989e12, "float32": 495e12},  # float32 counted as TF32 tensor cores
+    "H100": {"bfloat16": 989e12, "float32": 495e12},
+    "A100": {"bfloat16": 312e12, "float32": 156e12},
+    "L40S": {"bfloat16": 362e12, "float32": 183e12},
+    "A10G": {"bfloat16": 125e12, "float32": 62.5e12},
+    "TPU v4": {"bfloat16": 275e12, "float32": 275e12},
+    "TPU v5 lite": {"bfloat16": 197e12, "float32": 197e12},
+    "TPU v5": {"bfloat16": 459e12, "float32": 459e12},
+}
+
+
+def measure_matmul_flops(n: int = 2048, repeats: int = 5, device=None) -> float:
+    """Best-of-`repeats` float32 n×n matmul FLOP/s on one device."""
+    device = device or jax.devices()[0]
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def _cpu_cache_key() -> str:
+    return f"{platform.node()}-{platform.machine()}-{os.cpu_count()}-jax{jax.__version__}"
+
+
+def peak_flops(compute_dtype: str, cache_dir: str) -> float | None:
+    """Peak FLOP/s of the whole job, or None for an accelerator we have no figure for.
+
+    Accelerators: per-device peak times device count. CPU: the measured peak of this machine
+    times the process count (forced host devices share the same cores, so they add nothing).
+    """
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        for name, peaks in ACCELERATOR_PEAKS.items():
+            if name.lower() in device.device_kind.lower():
+                per_device = peaks.get(compute_dtype)
+                return None if per_device is None else per_device * jax.device_count()
+        return None
+    return _cpu_peak(cache_dir) * jax.process_count()
+
+
+def _cpu_peak(cache_dir: str) -> float:
+    path = os.path.join(os.path.expanduser(cache_dir), "cpu_peak_flops.json")
+    key = _cpu_cache_key()
+    try:
+        with open(path) as f:
+            cached = json.load(f)
+        if key in cached:
+            return float(cached[key])
+    except (OSError, ValueError):
+        cached = {}
+    peak = measure_matmul_flops()
+    cached[key] = peak
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(cached, f)
+    os.replace(tmp, path)
+    return peak
