@@ -31,7 +31,7 @@ from models.sample import generate
 from optimizer import make_optimizer
 from utils import mesh as meshlib
 from utils.config import RunConfig, validate
-from utils.errors import ConfigError, EqtrainError
+from utils.errors import ConfigError, EqtrainError, TrainingError
 from utils.flops import peak_flops
 from utils.metrics import RunLogger
 
@@ -154,10 +154,10 @@ def make_train_step(run: RunConfig, tx: optax.GradientTransformation, schedule: 
         model = eqx.apply_updates(state.model, updates)
         metrics = {
             "train/loss": losses_A.mean(),
-            "train/grad_norm": optax.global_norm(grads),
+            "train/grad_norm": optax.tree.norm(grads),
             "train/lr": schedule(state.step),
-            "aux/param_norm": optax.global_norm(params),
-            "aux/update_norm": optax.global_norm(updates),
+            "aux/param_norm": optax.tree.norm(params),
+            "aux/update_norm": optax.tree.norm(updates),
         }
         return TrainState(model, opt_state, state.step + 1, key), metrics
 
@@ -190,6 +190,7 @@ def evaluate(eval_step: Callable, model: GPT, val: WindowDataset, run: RunConfig
 
 def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None) -> dict[str, float]:
     """Everything after validation. Returns the last logged metrics (handy for tests)."""
+    meshlib.init_distributed()
     mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size)
     docs = load_documents(run)
     tokenizer = init_tokenizer(run, docs[0])
@@ -209,6 +210,9 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None) 
     log.print(f"eqtrain: {n_params / 1e6:.2f}M params | {run.optimizer.name} + {run.optimizer.schedule_name} | "
               f"{data.tokens_per_step:,} tokens/step | {len(jax.devices())} {jax.devices()[0].platform} device(s) "
               f"| run dir {run_dir}")
+
+    for warning in run.warnings:
+        log.print(f"warning: {warning}")
 
     batch_sharding, eval_sharding = meshlib.batch_sharding(mesh, 1), meshlib.batch_sharding(mesh, 0)
     validate_now = lambda step: (not run.train.skip_validation) and (  # noqa: E731
@@ -240,9 +244,9 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None) 
             log.log(step, record)
             last.update(record)
             if not math.isfinite(record.get("train/loss", 0.0)):
-                log.print(f"error: train/loss is {record['train/loss']} at step {step}; stopping "
-                          "(lower optimizer.lr_config.lr or set train.gradient_clip_val)")
-                break
+                log.close()
+                raise TrainingError(f"train/loss is {record['train/loss']} at step {step}: the run diverged; "
+                                    "lower optimizer.lr_config.lr or set train.gradient_clip_val")
 
     if run.train.sample_tokens:
         prompt = tokenizer.encode(run.train.sample_prompt)

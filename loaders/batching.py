@@ -134,7 +134,7 @@ class BatchIterator:
         rows = batch_shape[-1]
         if rows % process_count:
             raise ConfigError(
-                f"train.batch_size={rows} does not split over {process_count} processes: "
+                f"dataset.batch_size={rows} does not split over {process_count} processes: "
                 f"set it to a multiple of {process_count}"
             )
         if int(seed) < 0:

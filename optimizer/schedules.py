@@ -14,9 +14,11 @@ import optax
 from utils.errors import ConfigError
 
 
-def _check_common(prefix: str, lr: float, warmup: int, max_steps: int | None) -> None:
+def _check_common(prefix: str, lr: float, warmup: int, max_steps: int | None, min_lr: float = 0.0) -> None:
     if lr <= 0:
         raise ConfigError(f"{prefix}.lr={lr} must be positive")
+    if not 0.0 <= min_lr <= lr:
+        raise ConfigError(f"{prefix}.min_lr={min_lr} must be in [0, lr={lr}]")
     if warmup < 0:
         raise ConfigError(f"{prefix}.warmup={warmup} must be >= 0")
     if max_steps is not None and max_steps <= 0:
@@ -24,10 +26,21 @@ def _check_common(prefix: str, lr: float, warmup: int, max_steps: int | None) ->
 
 
 def _warmup_then(lr: float, warmup: int, after: optax.Schedule) -> optax.Schedule:
-    """Linear warmup from 0 to `lr` over `warmup` steps, then `after` (counted from the switch)."""
+    """Linear warmup, lr·(step+1)/warmup for steps 0..warmup-1 (so the first update is not a
+    no-op), then `after`, counted from step `warmup`."""
     if warmup == 0:
         return after
-    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
+    ramp = optax.linear_schedule(lr / warmup, lr, max(warmup - 1, 1))
+    return optax.join_schedules([ramp, after], [warmup])
+
+
+def warmup_warning(prefix: str, steps: int, max_steps: int, what: str = "warmup") -> str | None:
+    """A schedule whose warmup (and flat phase) outlasts the run never reaches its lr: worth a
+    warning (short smoke runs do it on purpose), not an error."""
+    if steps <= max_steps:
+        return None
+    return (f"{prefix}: {what} ({steps} steps) outlasts the schedule's {max_steps} steps, so the lr never "
+            f"reaches {prefix}.lr; shorten it or train longer")
 
 
 @dataclass(frozen=True)
@@ -55,9 +68,12 @@ class Linear:
     max_steps: int | None = None
 
     def check(self, prefix: str) -> None:
-        _check_common(prefix, self.lr, self.warmup, self.max_steps)
+        _check_common(prefix, self.lr, self.warmup, self.max_steps, self.min_lr)
         if self.const is not None and self.const < 0:
             raise ConfigError(f"{prefix}.const={self.const} must be >= 0 or null")
+
+    def warning(self, prefix: str, max_steps: int) -> str | None:
+        return warmup_warning(prefix, self.warmup + (self.const or 0), max_steps, "warmup + const")
 
     def build(self, max_steps: int) -> optax.Schedule:
         const = self.const or 0
@@ -78,7 +94,7 @@ class Cosine:
     max_steps: int | None = None
 
     def check(self, prefix: str) -> None:
-        _check_common(prefix, self.lr, self.warmup, self.max_steps)
+        _check_common(prefix, self.lr, self.warmup, self.max_steps, self.min_lr)
 
     def build(self, max_steps: int) -> optax.Schedule:
         decay = max(max_steps - self.warmup, 1)
@@ -98,16 +114,18 @@ class Trapezoid:
     max_steps: int | None = None
 
     def check(self, prefix: str) -> None:
-        _check_common(prefix, self.lr, self.warmup, self.max_steps)
+        _check_common(prefix, self.lr, self.warmup, self.max_steps, self.min_lr)
         if self.decay < 0:
             raise ConfigError(f"{prefix}.decay={self.decay} must be >= 0")
 
-    def build(self, max_steps: int) -> optax.Schedule:
+    def check_steps(self, prefix: str, max_steps: int) -> None:
         if self.warmup + self.decay > max_steps:
             raise ConfigError(
-                f"optimizer.lr_config: warmup ({self.warmup}) + decay ({self.decay}) exceed max_steps "
-                f"({max_steps}): shorten them or train longer"
+                f"{prefix}: warmup ({self.warmup}) + decay ({self.decay}) exceed the schedule's {max_steps} steps "
+                "(optimizer.lr_config.max_steps, or train.max_steps when null): shorten them or train longer"
             )
+
+    def build(self, max_steps: int) -> optax.Schedule:
         flat = max_steps - self.warmup - self.decay
         flat_then_decay = optax.join_schedules(
             [optax.constant_schedule(self.lr), optax.linear_schedule(self.lr, self.min_lr, max(self.decay, 1))],

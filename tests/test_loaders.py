@@ -301,7 +301,7 @@ def test_process_slices_concatenate_to_the_global_batch(process_count):
 
 
 def test_batch_size_must_divide_over_processes():
-    with pytest.raises(ConfigError, match="train.batch_size"):
+    with pytest.raises(ConfigError, match="dataset.batch_size"):
         BatchIterator(_dataset(9), (2, 3), seed=0, shuffle=True, process_index=0, process_count=2)
 
 

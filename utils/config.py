@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from models.gpt import GPTConfig
 from optimizer import OPTIMIZERS
-from optimizer.schedules import SCHEDULES
+from optimizer.schedules import SCHEDULES, warmup_warning
 from utils.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16")
@@ -153,6 +153,7 @@ class RunConfig:
     parallel: ParallelConfig
     random_seed: int
     cache_dir: str  # trained tokenizers, tokenized corpora, the measured CPU peak
+    warnings: tuple[str, ...] = ()  # legal but probably unintended settings, printed at start
 
     @property
     def context_length(self) -> int:
@@ -245,12 +246,19 @@ def validate(cfg: DictConfig) -> RunConfig:
     opt_name = _pop_name(opt_node, "optimizer", OPTIMIZERS)
     schedule_name = _pop_name(lr_node, "optimizer.lr_config", SCHEDULES)
     schedule = build_section(SCHEDULES[schedule_name], lr_node, "optimizer.lr_config")
+    schedule_steps = getattr(schedule, "max_steps", None) or train.max_steps
+    if hasattr(schedule, "check_steps"):
+        schedule.check_steps("optimizer.lr_config", schedule_steps)
+    if hasattr(schedule, "warning"):
+        warning = schedule.warning("optimizer.lr_config", schedule_steps)
+    else:
+        warning = warmup_warning("optimizer.lr_config", getattr(schedule, "warmup", 0), schedule_steps)
     optimizer = OptimizerConfig(
         name=opt_name,
         hparams=build_section(OPTIMIZERS[opt_name], opt_node, "optimizer"),
         schedule_name=schedule_name,
         schedule=schedule,
-        schedule_steps=getattr(schedule, "max_steps", None) or train.max_steps,
+        schedule_steps=schedule_steps,
     )
     seed = raw["random_seed"]
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -266,6 +274,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         parallel=build_section(ParallelConfig, raw["parallel"], "parallel"),
         random_seed=seed,
         cache_dir=str(raw["cache_dir"]),
+        warnings=(warning,) if warning else (),
     )
     if run.context_length > run.model.context_length:
         raise ConfigError(

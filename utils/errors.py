@@ -19,3 +19,7 @@ class DataError(EqtrainError):
 
 class CheckpointError(EqtrainError):
     """A checkpoint is missing, incomplete or does not match the run."""
+
+
+class TrainingError(EqtrainError):
+    """Training cannot usefully go on (the loss became NaN or infinite)."""

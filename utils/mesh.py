@@ -68,3 +68,21 @@ def tree_shardings(mesh: Mesh, abstract_tree):
 def put_batch(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """Host batch (this process's rows) -> one global array on the mesh, without a gather."""
     return jax.make_array_from_process_local_data(sharding, batch)
+
+
+_distributed_ready = False
+
+
+def init_distributed() -> None:
+    """Join a multi-process job when the environment describes one (SLURM with several tasks,
+    or JAX_COORDINATOR_ADDRESS set); a no-op on one process and on a second call (Hydra
+    multirun jobs share the process)."""
+    import os
+
+    global _distributed_ready
+    if _distributed_ready:
+        return
+    slurm_tasks = int(os.environ.get("SLURM_NTASKS", "1") or 1)
+    if slurm_tasks > 1 or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize()  # reads SLURM_* / JAX_* from the environment
+    _distributed_ready = True

@@ -1,0 +1,55 @@
+"""Shared fixtures: an offline, sandboxed environment and tiny validated run configs."""
+
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from utils.config import RunConfig, validate
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+# A model small enough to compile and step in well under a second on a CPU core.
+TINY_OVERRIDES = (
+    "model.dim=32",
+    "model.num_heads=2",
+    "model.num_blocks=2",
+    "model.context_length=16",
+    "model.vocab_size=64",
+    "dataset.batch_size=8",
+    "train.max_steps=20",
+    "train.sample_tokens=0",
+    "logging.progress_bar=false",
+)
+
+
+@pytest.fixture(scope="session")
+def _cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("eqtrain_cache")
+
+
+@pytest.fixture(autouse=True)
+def _offline_env(monkeypatch, _cache_dir):
+    """No network, no W&B, and a throwaway cache (shared by the session so tokenized corpora are
+    reused; a test that needs an empty cache can set EQTRAIN_CACHE to its own tmp_path)."""
+    monkeypatch.setenv("EQTRAIN_CACHE", str(_cache_dir))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+
+
+def compose_config(*overrides: str):
+    """conf/config.yaml composed with TINY_OVERRIDES then `overrides` (later ones win)."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=[*TINY_OVERRIDES, *overrides])
+
+
+@pytest.fixture
+def tiny_run():
+    """Factory: `tiny_run("optimizer=sgdm", "train.gradient_clip_val=null")` -> validated RunConfig
+    of a tiny GPT (dim 32, 2 blocks, context 16, vocab 64, batch 8) plus the given overrides."""
+
+    def make(*overrides: str) -> RunConfig:
+        return validate(compose_config(*overrides))
+
+    return make

@@ -1,0 +1,262 @@
+"""models/gpt.py: causality, initial loss, scan/unroll and remat equivalence, parameter groups,
+attention against a NumPy reference, the FLOP count, dropout. Tiny models only.
+
+Compilation dominates on a small CPU, so every model is built once per config (`build`) and
+its variants that differ only in execution flags (scan, remat, dropout) reuse its weights
+(`with_cfg`); forward and gradient functions are jitted and shared across tests.
+"""
+
+import dataclasses
+import functools
+import inspect
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import gpt
+from models.gpt import GPT, GPTConfig, causal_attention, cross_entropy, flops_per_token, param_labels
+
+CFG = GPTConfig(dim=32, num_heads=2, num_blocks=2, context_length=16, vocab_size=64)
+DROPOUT_CFG = dataclasses.replace(CFG, dropout=0.5)
+T = CFG.context_length
+# `model.remat` is a policy name (none | dots | full) in newer code, a bool in older.
+if hasattr(gpt, "REMAT_POLICIES"):
+    NO_REMAT, REMATS = "none", [name for name in gpt.REMAT_POLICIES if name != "none"]
+else:
+    NO_REMAT, REMATS = False, [True]
+
+
+@functools.lru_cache(maxsize=None)
+def build(cfg: GPTConfig, seed: int = 0) -> GPT:
+    return eqx.filter_jit(GPT)(cfg, jax.random.PRNGKey(seed))
+
+
+def with_cfg(model: GPT, cfg: GPTConfig) -> GPT:
+    """`model`'s weights under another (static) config: flags that change execution, not shapes.
+    (eqx.tree_at cannot replace a static field, so rebuild the tree from a shape-only model.)"""
+    treedef = jax.tree.structure(eqx.filter_eval_shape(GPT, cfg, jax.random.PRNGKey(0)))
+    return jax.tree.unflatten(treedef, jax.tree.leaves(model))
+
+
+forward = eqx.filter_jit(lambda model, tokens_BxT, key=None: model(tokens_BxT, key=key))
+loss_and_grads = eqx.filter_jit(eqx.filter_value_and_grad(cross_entropy, has_aux=True))
+
+
+def _tokens(shape, vocab=64, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, shape, dtype=np.int32)
+
+
+def _path_name(path) -> str:
+    return ".".join(p.name for p in path)
+
+
+def _leaves_by_name(tree) -> dict:
+    return {_path_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _numpy_nll(logits_NxV: np.ndarray, targets_N: np.ndarray) -> float:
+    x = logits_NxV.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    logp_NxV = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    return float(-logp_NxV[np.arange(len(targets_N)), targets_N].mean())
+
+
+# --- causality and initialisation ---------------------------------------------------------------
+
+
+def test_changing_a_token_changes_only_its_own_and_later_logits():
+    model = build(CFG)
+    t = 6
+    tokens_BxT = _tokens((2, T))
+    changed_BxT = tokens_BxT.copy()
+    changed_BxT[:, t + 1] = (changed_BxT[:, t + 1] + 17) % CFG.vocab_size
+    logits_BxTxV = np.asarray(forward(model, jnp.asarray(tokens_BxT)))
+    changed_logits_BxTxV = np.asarray(forward(model, jnp.asarray(changed_BxT)))
+
+    np.testing.assert_allclose(changed_logits_BxTxV[:, : t + 1], logits_BxTxV[:, : t + 1], rtol=0, atol=1e-6)
+    diff_BxT = np.abs(changed_logits_BxTxV - logits_BxTxV).max(-1)
+    assert (diff_BxT[:, t + 1 :] > 1e-5).all(), diff_BxT  # every later position sees the change
+
+
+def test_fresh_model_loss_is_close_to_log_vocab():
+    tokens_BxT1 = _tokens((8, T + 1), seed=1)
+    logits_BxTxV = np.asarray(forward(build(CFG), jnp.asarray(tokens_BxT1[:, :-1])))
+    loss = _numpy_nll(logits_BxTxV.reshape(-1, CFG.vocab_size), tokens_BxT1[:, 1:].reshape(-1))
+    assert abs(loss - math.log(CFG.vocab_size)) < 0.1
+
+
+def test_gpt2_init_scales():
+    """Embeddings and block matrices N(0, 0.02), residual projections 0.02/sqrt(2L) (here 0.01),
+    zero biases, unit gains. Loose statistical bounds: each array holds >= 512 values."""
+    leaves = _leaves_by_name(build(CFG))
+    resid = 0.02 / math.sqrt(2 * CFG.num_blocks)
+    for name, std in [("wte_VxD", 0.02), ("wpe_TxD", 0.02), ("blocks.attn_qkv.weight_IxO", 0.02),
+                      ("blocks.mlp_in.weight_IxO", 0.02), ("blocks.attn_out.weight_IxO", resid),
+                      ("blocks.mlp_out.weight_IxO", resid)]:
+        assert abs(float(jnp.std(leaves[name])) / std - 1) < 0.15, name
+    for name, leaf in leaves.items():
+        if "bias" in name:
+            assert not np.any(np.asarray(leaf)), name
+        if "gain" in name:
+            assert np.all(np.asarray(leaf) == 1.0), name
+    assert leaves["blocks.attn_qkv.weight_IxO"].shape == (CFG.num_blocks, CFG.dim, 3 * CFG.dim)
+    # The blocks are initialised independently (not one block copied L times).
+    w = np.asarray(leaves["blocks.attn_qkv.weight_IxO"])
+    assert not np.allclose(w[0], w[1])
+
+
+# --- equivalent execution paths ------------------------------------------------------------------
+
+
+def test_with_cfg_keeps_weights_and_swaps_flags():
+    model = build(CFG)
+    unrolled = with_cfg(model, dataclasses.replace(CFG, scan_blocks=False))
+    assert not unrolled.cfg.scan_blocks and model.cfg.scan_blocks
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(unrolled), strict=True):
+        assert a is b
+
+
+def test_scan_and_unrolled_blocks_give_the_same_logits():
+    tokens_BxT = jnp.asarray(_tokens((2, T)))
+    scanned = build(CFG)
+    unrolled = with_cfg(scanned, dataclasses.replace(CFG, scan_blocks=False))
+    logits_BxTxV = forward(scanned, tokens_BxT)
+    np.testing.assert_allclose(forward(unrolled, tokens_BxT), logits_BxTxV, rtol=1e-5, atol=1e-6)
+    if hasattr(CFG, "scan_unroll"):  # two blocks per scan iteration: the same maths
+        unrolled_2 = with_cfg(scanned, dataclasses.replace(CFG, scan_unroll=2))
+        np.testing.assert_allclose(forward(unrolled_2, tokens_BxT), logits_BxTxV, rtol=1e-5, atol=1e-6)
+    # With dropout on, block i gets the same key either way, so the masks match too.
+    key = jax.random.PRNGKey(4)
+    scanned_d = with_cfg(scanned, DROPOUT_CFG)
+    unrolled_d = with_cfg(scanned, dataclasses.replace(DROPOUT_CFG, scan_blocks=False))
+    dropped_BxTxV = forward(scanned_d, tokens_BxT, key)
+    np.testing.assert_allclose(forward(unrolled_d, tokens_BxT, key), dropped_BxTxV, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(dropped_BxTxV, logits_BxTxV, atol=1e-4)
+
+
+def test_remat_gives_the_same_loss_and_gradients():
+    tokens_BxT1 = jnp.asarray(_tokens((4, T + 1)))
+    model = with_cfg(build(CFG), dataclasses.replace(CFG, remat=NO_REMAT))
+    (loss, _), grads = loss_and_grads(model, tokens_BxT1, None, jnp.float32)
+    flat = _leaves_by_name(grads)
+    assert len(flat) == 16 and any(float(jnp.abs(g).max()) > 1e-4 for g in flat.values())  # not all zero
+    for flags in [{"remat": r} for r in REMATS]:
+        variant = with_cfg(model, dataclasses.replace(CFG, **flags))
+        (loss_v, _), grads_v = loss_and_grads(variant, tokens_BxT1, None, jnp.float32)
+        np.testing.assert_allclose(loss_v, loss, rtol=1e-6)
+        flat_v = _leaves_by_name(grads_v)
+        assert flat_v.keys() == flat.keys()
+        for name in flat:
+            np.testing.assert_allclose(flat_v[name], flat[name], rtol=1e-5, atol=1e-7, err_msg=f"{flags} {name}")
+
+
+def test_cross_entropy_matches_numpy():
+    model = build(CFG)
+    tokens_BxT1 = _tokens((4, T + 1), seed=9)
+    (loss, correct), _ = loss_and_grads(model, jnp.asarray(tokens_BxT1), None, jnp.float32)
+    logits_BxTxV = np.asarray(forward(model, jnp.asarray(tokens_BxT1[:, :-1])))
+    targets_BxT = tokens_BxT1[:, 1:]
+    nll = _numpy_nll(logits_BxTxV.reshape(-1, CFG.vocab_size), targets_BxT.reshape(-1))
+    np.testing.assert_allclose(float(loss), nll, rtol=1e-5)
+    assert int(correct) == int((logits_BxTxV.argmax(-1) == targets_BxT).sum())
+
+
+# --- parameter groups --------------------------------------------------------------------------
+
+BLOCK_LABELS = {
+    "blocks.ln1.gain_D": "scalar", "blocks.ln1.bias_D": "scalar",
+    "blocks.attn_qkv.weight_IxO": "hidden", "blocks.attn_qkv.bias_O": "scalar",
+    "blocks.attn_out.weight_IxO": "hidden", "blocks.attn_out.bias_O": "scalar",
+    "blocks.ln2.gain_D": "scalar", "blocks.ln2.bias_D": "scalar",
+    "blocks.mlp_in.weight_IxO": "hidden", "blocks.mlp_in.bias_O": "scalar",
+    "blocks.mlp_out.weight_IxO": "hidden", "blocks.mlp_out.bias_O": "scalar",
+    "ln_f.gain_D": "scalar", "ln_f.bias_D": "scalar",
+    "wte_VxD": "embed", "wpe_TxD": "embed",
+}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_param_labels_name_every_group(tied):
+    # Shape-only models (how train_jax builds the labels): no compilation needed.
+    model = eqx.filter_eval_shape(GPT, dataclasses.replace(CFG, tie_embeddings=tied), jax.random.PRNGKey(0))
+    labels = param_labels(model)
+    expected = dict(BLOCK_LABELS) if tied else {**BLOCK_LABELS, "head_DxV": "head"}
+    assert _leaves_by_name(labels) == expected
+    assert (model.head_DxV is None) == tied
+    # The label tree mirrors the parameter tree, so optax can use it as a mask/label pytree.
+    assert jax.tree.structure(labels) == jax.tree.structure(model)
+
+
+def test_param_labels_without_biases():
+    model = eqx.filter_eval_shape(GPT, dataclasses.replace(CFG, bias=False), jax.random.PRNGKey(0))
+    expected = {k: v for k, v in BLOCK_LABELS.items() if "bias" not in k}
+    assert _leaves_by_name(param_labels(model)) == expected
+
+
+# --- attention, FLOPs, dropout -----------------------------------------------------------------
+
+
+def _numpy_causal_attention(q, k, v):
+    B, H, T, K = q.shape
+    out = np.zeros(q.shape, np.float64)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                s = np.array([q[b, h, t] @ k[b, h, j] for j in range(t + 1)], np.float64) / np.sqrt(K)
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                out[b, h, t] = sum(p[j] * v[b, h, j] for j in range(t + 1))
+    return out
+
+
+def test_causal_attention_matches_numpy_reference():
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.normal(size=(2, 3, 8, 4)).astype(np.float32) for _ in range(3))
+    got = np.asarray(causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)))
+    np.testing.assert_allclose(got, _numpy_causal_attention(q, k, v), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[:, :, 0], v[:, :, 0], rtol=1e-6)  # the first position sees only itself
+
+
+@pytest.mark.skipif("block_size" not in inspect.signature(causal_attention).parameters,
+                    reason="causal_attention has no block_size")
+@pytest.mark.parametrize("block_size", [2, 4, 3])  # 3 does not divide T=8: falls back to one block
+def test_block_causal_attention_matches_numpy_reference(block_size):
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.normal(size=(2, 3, 8, 4)).astype(np.float32) for _ in range(3))
+    got = np.asarray(causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), block_size=block_size))
+    np.testing.assert_allclose(got, _numpy_causal_attention(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_flops_per_token_hand_count():
+    # dim 32, 2 blocks, mlp 4x, vocab 64, seq 16. Per block: qkv 32*96 + out 32*32 + mlp 2*32*128
+    # = 3072 + 1024 + 8192 = 12288 matmul weights; x2 blocks = 24576; head (tied: wte^T) 32*64 = 2048;
+    # N = 26624 -> 6N = 159744. Attention: 12 * 2 blocks * 32 dim * 16 seq = 12288. Total 172032.
+    assert flops_per_token(CFG, 16) == 172032
+    # The head does the same work tied or untied.
+    untied = dataclasses.replace(CFG, tie_embeddings=False)
+    assert flops_per_token(untied, 16) == 172032
+    # Cross-check against the matrices of a (shape-only, untied) model: block matrices + head.
+    leaves = _leaves_by_name(eqx.filter_eval_shape(GPT, untied, jax.random.PRNGKey(0)))
+    n_matmul = sum(x.size for name, x in leaves.items() if name.endswith("weight_IxO") or name == "head_DxV")
+    assert flops_per_token(CFG, 16) == 6 * n_matmul + 12 * CFG.num_blocks * CFG.dim * 16
+
+
+def test_dropout_needs_a_key_and_changes_outputs():
+    no_dropout = build(CFG)
+    model = with_cfg(no_dropout, DROPOUT_CFG)
+    tokens_BxT = jnp.asarray(_tokens((2, T)))
+    k1, k2 = jax.random.PRNGKey(1), jax.random.PRNGKey(2)
+
+    evaluation = np.asarray(forward(model, tokens_BxT))
+    np.testing.assert_array_equal(forward(model, tokens_BxT), evaluation)  # key=None: deterministic ...
+    np.testing.assert_allclose(forward(no_dropout, tokens_BxT), evaluation, rtol=1e-6, atol=1e-7)  # ... no dropout
+    dropped_1 = np.asarray(forward(model, tokens_BxT, k1))
+    np.testing.assert_array_equal(forward(model, tokens_BxT, k1), dropped_1)  # same key, same mask
+    assert not np.allclose(dropped_1, evaluation, atol=1e-4)
+    assert not np.allclose(dropped_1, forward(model, tokens_BxT, k2), atol=1e-4)
+    # dropout=0 ignores the key altogether.
+    np.testing.assert_allclose(forward(no_dropout, tokens_BxT, k1), evaluation, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,146 @@
+"""train_jax's compiled step on one device: gradient accumulation, learning, buffer donation,
+metrics; and (in a subprocess with 8 forced host devices) the sharded step against the 1-device
+one. Assembly as in bench/step_speed.py, with synthetic token batches (no corpus needed)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import train_jax as T
+from models.gpt import GPT, cross_entropy, param_labels
+from utils import mesh as meshlib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def assemble(run):
+    """(state, step_fn, schedule, mesh) for `run` on one device, the way train_jax.run_training
+    builds them."""
+    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
+    schedule = T.init_scheduler(run)
+    labels = param_labels(eqx.filter_eval_shape(GPT, run.model, jax.random.PRNGKey(0)))
+    tx = T.init_optimizer(run, schedule, labels)
+    state, shardings = T.init_state(run, tx, mesh)
+    return state, T.make_train_step(run, tx, schedule, shardings, mesh), schedule, mesh
+
+
+def put(batch_AxBxT1: np.ndarray, mesh) -> jax.Array:
+    return meshlib.put_batch(batch_AxBxT1, meshlib.batch_sharding(mesh, 1))
+
+
+def tokens(shape, vocab=64, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, shape, dtype=np.int32)
+
+
+def host_params(model) -> list[np.ndarray]:
+    return [np.array(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+
+
+# SGD (linear in the gradient, lr 1, no clip) makes the parameter comparison a direct comparison of
+# the gradients; momentum carries step 1's gradient into step 2.
+SGD = ("optimizer=sgdm", "optimizer.momentum=0.5", "optimizer/lr_config=constant", "optimizer.lr_config.lr=1.0",
+       "optimizer.lr_config.warmup=0", "train.gradient_clip_val=null")
+
+
+def test_gradient_accumulation_matches_one_big_batch(tiny_run):
+    batches_SxGxT1 = tokens((2, 8, 17))  # two steps of a global batch of 8 sequences
+    results = {}
+    for micro in (8, 2):
+        run = tiny_run(*SGD, f"dataset.batch_size={micro}", "dataset.total_batch_size=8")
+        assert run.dataset.accum_steps == 8 // micro
+        state, step, _, mesh = assemble(run)
+        losses, norms = [], []
+        for batch_GxT1 in batches_SxGxT1:
+            state, metrics = step(state, put(batch_GxT1.reshape(8 // micro, micro, 17), mesh))
+            losses.append(float(metrics["train/loss"]))
+            norms.append(float(metrics["train/grad_norm"]))
+        results[micro] = losses, norms, host_params(state.model)
+
+    (loss_1, norm_1, params_1), (loss_4, norm_4, params_4) = results[8], results[2]
+    np.testing.assert_allclose(loss_4, loss_1, rtol=1e-5)
+    np.testing.assert_allclose(norm_4, norm_1, rtol=1e-5)
+    assert loss_1[1] != loss_1[0]  # the second step saw updated weights
+    for a, b in zip(params_4, params_1, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_falls_on_a_fixed_batch_with_fresh_dropout_keys(tiny_run):
+    run = tiny_run("model.dropout=0.1", "optimizer/lr_config=constant", "optimizer.lr_config.lr=1e-2",
+                   "optimizer.lr_config.warmup=0")
+    state, step, _, mesh = assemble(run)
+    batch = put(tokens((1, 8, 17), seed=1), mesh)
+    losses, keys = [], []
+    for _ in range(8):
+        keys.append(np.array(state.key))
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["train/loss"]))
+    assert abs(losses[0] - np.log(64)) < 0.1  # fresh model: chance level
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert all(np.isfinite(losses))
+    assert len({k.tobytes() for k in keys}) == len(keys)  # a new dropout key every step
+
+
+def test_step_donates_state_and_reports_metrics(tiny_run):
+    # Plain SGD (no momentum, no clip) with warmup: the update is exactly -lr(step) * grad, and the
+    # grad comes from cross_entropy on the pre-step weights, so every metric can be checked.
+    run = tiny_run("optimizer=sgdm", "optimizer.momentum=0.0", "optimizer/lr_config=constant",
+                   "optimizer.lr_config.lr=0.1", "optimizer.lr_config.warmup=4", "train.gradient_clip_val=null")
+    state, step, schedule, mesh = assemble(run)
+    batch_1xBxT1 = tokens((1, 8, 17), seed=2)
+    grad_fn = eqx.filter_jit(eqx.filter_value_and_grad(cross_entropy, has_aux=True))
+    for i, expected_lr in enumerate([0.025, 0.05, 0.075]):  # warmup: 0.1 * (step + 1) / 4
+        (loss, _), grads = grad_fn(state.model, jnp.asarray(batch_1xBxT1[0]), None, jnp.float32)
+        grads = [np.asarray(g) for g in jax.tree.leaves(grads)]
+        before = host_params(state.model)
+        old = state
+        state, metrics = step(state, put(batch_1xBxT1, mesh))
+
+        assert {"train/loss", "train/grad_norm", "train/lr"} <= set(metrics)
+        assert all(a.is_deleted() for a in jax.tree.leaves(old)), "the step must donate its input state"
+        assert int(state.step) == i + 1
+        np.testing.assert_allclose(float(metrics["train/lr"]), expected_lr, rtol=1e-6)
+        np.testing.assert_allclose(float(metrics["train/lr"]), float(schedule(i)), rtol=1e-6)
+        np.testing.assert_allclose(float(metrics["train/loss"]), float(loss), rtol=1e-5)
+        np.testing.assert_allclose(float(metrics["train/grad_norm"]),
+                                   np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads)), rtol=1e-5)
+        for p_new, p, g in zip(host_params(state.model), before, grads, strict=True):
+            np.testing.assert_allclose(p_new, p - expected_lr * g, rtol=1e-5, atol=1e-7)
+
+
+# --- 8 forced host devices (subprocess: XLA_FLAGS must be set before jax is imported) ------------
+
+
+@pytest.fixture(scope="module")
+def sharded_result(tmp_path_factory):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "EQTRAIN_CACHE": str(tmp_path_factory.mktemp("sharded_cache"))}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_step_check.py")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_sharded_step_matches_single_device(sharded_result):
+    r = sharded_result
+    assert r["devices"] == 8 and r["mesh"] == {"data": 4, "fsdp": 2}
+    # Parameters and optimizer state really are split over fsdp, and the batch over all 8 devices.
+    assert r["wte_devices"] == 8 and r["wte_shard_shape"] == [32, 32] and r["wte_shape"] == [64, 32]
+    assert r["sharded_param_leaves"] >= 8 and r["sharded_opt_leaves"] >= 8
+    assert r["batch_shard_rows"] == 1
+    assert r["state_shardings_kept"]
+    np.testing.assert_allclose(r["losses_8"], r["losses_1"], rtol=1e-5)
+    assert r["losses_1"][-1] < r["losses_1"][0]
+    assert r["params_allclose"], f"max abs param difference {r['max_param_diff']}"
+    assert r["params_moved"] > 1e-3  # the comparison is not between two untouched inits
+
+
+def test_batch_not_divisible_by_devices_is_a_config_error(sharded_result):
+    assert "dataset.batch_size=12" in sharded_result["bad_batch_error"]
+    assert "parallel.data" in sharded_result["bad_mesh_error"]
