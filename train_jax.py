@@ -7,6 +7,7 @@ evaluates and finally samples a little text.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -81,7 +82,7 @@ def resolve_vocab(run: RunConfig, tokenizer: tokenizers.Tokenizer) -> RunConfig:
     m = run.model
     if m.vocab_size is None:
         padded = -(-tokenizer.vocab_size // m.vocab_multiple) * m.vocab_multiple
-        return _replace(run, model=_replace(m, vocab_size=padded))
+        return dataclasses.replace(run, model=dataclasses.replace(m, vocab_size=padded))
     if m.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} "
                           "ids: raise it or set it to null")
@@ -165,7 +166,7 @@ def make_train_step(run: RunConfig, tx: optax.GradientTransformation, schedule: 
                    out_shardings=(state_shardings, meshlib.replicated(mesh)), donate_argnums=0)
 
 
-def make_eval_step(run: RunConfig, mesh) -> Callable:
+def make_eval_step(run: RunConfig) -> Callable:
     compute_dtype = jnp.dtype(run.train.compute_dtype)
 
     def eval_step(model: GPT, tokens_BxT1: jax.Array):
@@ -188,20 +189,46 @@ def evaluate(eval_step: Callable, model: GPT, val: WindowDataset, run: RunConfig
 # ----------------------------------------------------------------------------- the run
 
 
-def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None) -> dict[str, float]:
-    """Everything after validation. Returns the last logged metrics (handy for tests)."""
+@dataclass
+class Trainer:
+    """Everything a run builds before its first step; benchmarks and tests build the same."""
+
+    run: RunConfig  # with model.vocab_size resolved from the tokenizer
+    mesh: jax.sharding.Mesh
+    tokenizer: tokenizers.Tokenizer
+    data: Data
+    schedule: optax.Schedule
+    tx: optax.GradientTransformation
+    state: TrainState
+    train_step: Callable
+    eval_step: Callable
+
+
+def build_trainer(run: RunConfig) -> Trainer:
     meshlib.init_distributed()
     mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size)
     docs = load_documents(run)
     tokenizer = init_tokenizer(run, docs[0])
     run = resolve_vocab(run, tokenizer)
     data = init_data(run, tokenizer, docs)
+    schedule, tx, state, train_step = init_training(run, mesh)
+    return Trainer(run, mesh, tokenizer, data, schedule, tx, state, train_step, make_eval_step(run))
+
+
+def init_training(run: RunConfig, mesh) -> tuple[optax.Schedule, optax.GradientTransformation, TrainState, Callable]:
+    """Schedule, optimizer, sharded initial state and the compiled-on-first-call train step
+    (model.vocab_size must be resolved)."""
     schedule = init_scheduler(run)
-    labels = param_labels(eqx.filter_eval_shape(GPT, run.model, jax.random.PRNGKey(0)))
-    tx = init_optimizer(run, schedule, labels)
+    tx = init_optimizer(run, schedule, param_labels(eqx.filter_eval_shape(GPT, run.model, jax.random.PRNGKey(0))))
     state, shardings = init_state(run, tx, mesh)
-    train_step = make_train_step(run, tx, schedule, shardings, mesh)
-    eval_step = make_eval_step(run, mesh)
+    return schedule, tx, state, make_train_step(run, tx, schedule, shardings, mesh)
+
+
+def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None) -> dict[str, float]:
+    """Everything after validation. Returns the merged metrics of the run (handy for tests)."""
+    trainer = build_trainer(run)
+    run, data, state, tokenizer = trainer.run, trainer.data, trainer.state, trainer.tokenizer
+    train_step, eval_step, mesh = trainer.train_step, trainer.eval_step, trainer.mesh
 
     n_params = count_params(state.model)
     flops_per_step = flops_per_token(run.model, run.context_length) * data.tokens_per_step
@@ -215,8 +242,12 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None) 
         log.print(f"warning: {warning}")
 
     batch_sharding, eval_sharding = meshlib.batch_sharding(mesh, 1), meshlib.batch_sharding(mesh, 0)
-    validate_now = lambda step: (not run.train.skip_validation) and (  # noqa: E731
-        (step == 0 and run.train.val_at_start) or step % run.train.val_freq == 0 or step == run.train.max_steps)
+
+    def validate_now(step: int) -> bool:
+        t = run.train
+        due = (step == 0 and t.val_at_start) or step % t.val_freq == 0 or step == t.max_steps
+        return due and not t.skip_validation
+
     last: dict[str, float] = {}
     if validate_now(0):
         last = evaluate(eval_step, state.model, data.val, run, eval_sharding)
@@ -255,12 +286,6 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None) 
         log.print("---- sample ----\n" + tokenizer.decode(ids) + "\n----------------")
     log.close()
     return last
-
-
-def _replace(obj, **changes):
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -24,17 +24,14 @@ import numpy as np  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 import train_jax as T  # noqa: E402
-from models.gpt import count_params, flops_per_token, param_labels, GPT  # noqa: E402
+from models.gpt import count_params, flops_per_token  # noqa: E402
 from utils import mesh as meshlib  # noqa: E402
 from utils.config import validate  # noqa: E402
 from utils.flops import peak_flops  # noqa: E402
 
 
 def time_steps(step_fn, state, batches, steps: int, warmup: int):
-    t0 = time.perf_counter()
-    state, metrics = step_fn(state, next(batches))
-    jax.block_until_ready(metrics)
-    compile_s = time.perf_counter() - t0
+    """Per-step wall times, each ended by a device sync, after `warmup` untimed steps."""
     for _ in range(warmup):
         state, metrics = step_fn(state, next(batches))
     jax.block_until_ready(metrics)
@@ -44,7 +41,7 @@ def time_steps(step_fn, state, batches, steps: int, warmup: int):
         state, metrics = step_fn(state, next(batches))
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
-    return state, compile_s, times
+    return state, times
 
 
 def main() -> None:
@@ -52,27 +49,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--data", choices=("both", "synthetic", "real"), default="both")
+    parser.add_argument("--repeats", type=int, default=1, help="measure each data source this many times")
     args, overrides = parser.parse_known_args()
     overrides = ["model=gpt_bench", "dataset.batch_size=16", *overrides]
     conf_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
     with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
         run = validate(compose("config", overrides=overrides))
 
-    mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size)
-    docs = T.load_documents(run)
-    tokenizer = T.init_tokenizer(run, docs[0])
-    run = T.resolve_vocab(run, tokenizer)
-    data = T.init_data(run, tokenizer, docs)
-    schedule = T.init_scheduler(run)
-    labels = param_labels(jax.eval_shape(lambda: GPT(run.model, jax.random.PRNGKey(0))))
-    tx = T.init_optimizer(run, schedule, labels)
-    state, shardings = T.init_state(run, tx, mesh)
-    step_fn = T.make_train_step(run, tx, schedule, shardings, mesh)
-    sharding = meshlib.batch_sharding(mesh, 1)
+    trainer = T.build_trainer(run)
+    run, data, state, step_fn = trainer.run, trainer.data, trainer.state, trainer.train_step
+    tokenizer, sharding = trainer.tokenizer, meshlib.batch_sharding(trainer.mesh, 1)
 
     flops_full = flops_per_token(run.model, run.context_length) * data.tokens_per_step
     flops_6n = 6 * count_params(state.model) * data.tokens_per_step
-    peak = peak_flops(run.train.compute_dtype, run.cache_dir)
+    peak = peak_flops(run.train.compute_dtype, run.cache_dir, fresh=True)
     print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind} | peak {peak / 1e9:,.0f} GFLOP/s "
           f"| params {count_params(state.model) / 1e6:.2f}M | tokens/step {data.tokens_per_step:,} "
           f"| {run.train.compute_dtype} | scan={run.model.scan_blocks} remat={run.model.remat}")
@@ -88,14 +78,22 @@ def main() -> None:
         while True:
             yield meshlib.put_batch(next(data.train), sharding)
 
+    t0 = time.perf_counter()
+    state, metrics = step_fn(state, next(synthetic()))  # the first call traces and compiles
+    jax.block_until_ready(metrics)
+    print(f"compile (first step): {time.perf_counter() - t0:.2f} s")
+
     medians = {}
-    for name, source in (("synthetic", synthetic), ("real", real)):
-        if args.data not in ("both", name):
-            continue
-        state, compile_s, times = time_steps(step_fn, state, source(), args.steps, args.warmup)
-        med = statistics.median(times)
+    sources = [(n, f) for n, f in (("synthetic", synthetic), ("real", real)) if args.data in ("both", n)]
+    times: dict[str, list[float]] = {n: [] for n, _ in sources}
+    for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits both alike
+        for name, source in sources:
+            state, more = time_steps(step_fn, state, source(), args.steps, args.warmup)
+            times[name] += more
+    for name, _ in sources:
+        med = statistics.median(times[name])
         medians[name] = med
-        print(f"{name:>9}: compile {compile_s:6.2f} s | step {med * 1e3:8.1f} ms (min {min(times) * 1e3:.1f}) | "
+        print(f"{name:>9}: step {med * 1e3:8.1f} ms median (min {min(times[name]) * 1e3:.1f}) | "
               f"{data.tokens_per_step / med:10,.0f} tokens/s | MFU(6N) {flops_6n / med / peak:6.1%} | "
               f"MFU(6N+attn) {flops_full / med / peak:6.1%}")
     if len(medians) == 2:

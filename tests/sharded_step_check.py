@@ -19,13 +19,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 import train_jax as T  # noqa: E402
-from models.gpt import GPT, param_labels  # noqa: E402
 from utils import mesh as meshlib  # noqa: E402
 from utils.config import validate  # noqa: E402
 from utils.errors import ConfigError  # noqa: E402
@@ -48,11 +46,8 @@ def build(parallel: tuple[int, int], devices):
         run = validate(compose("config", overrides=[*OVERRIDES, f"parallel.data={parallel[0]}",
                                                     f"parallel.fsdp={parallel[1]}"]))
     mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size, devices=devices)
-    schedule = T.init_scheduler(run)
-    labels = param_labels(eqx.filter_eval_shape(GPT, run.model, jax.random.PRNGKey(0)))
-    tx = T.init_optimizer(run, schedule, labels)
-    state, shardings = T.init_state(run, tx, mesh)
-    return state, shardings, T.make_train_step(run, tx, schedule, shardings, mesh), mesh
+    _, _, state, step = T.init_training(run, mesh)
+    return state, jax.tree.map(lambda x: x.sharding, state), step, mesh  # shardings as initialised
 
 
 def arrays(tree) -> list[jax.Array]:

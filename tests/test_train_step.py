@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import train_jax as T
-from models.gpt import GPT, cross_entropy, param_labels
+from models.gpt import cross_entropy
 from utils import mesh as meshlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,11 +24,8 @@ def assemble(run):
     """(state, step_fn, schedule, mesh) for `run` on one device, the way train_jax.run_training
     builds them."""
     mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
-    schedule = T.init_scheduler(run)
-    labels = param_labels(eqx.filter_eval_shape(GPT, run.model, jax.random.PRNGKey(0)))
-    tx = T.init_optimizer(run, schedule, labels)
-    state, shardings = T.init_state(run, tx, mesh)
-    return state, T.make_train_step(run, tx, schedule, shardings, mesh), schedule, mesh
+    schedule, _, state, step = T.init_training(run, mesh)
+    return state, step, schedule, mesh
 
 
 def put(batch_AxBxT1: np.ndarray, mesh) -> jax.Array:

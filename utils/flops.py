@@ -44,14 +44,17 @@ def measure_matmul_flops(n: int = 2048, repeats: int = 5, device=None) -> float:
 
 
 def _cpu_cache_key() -> str:
-    return f"{platform.node()}-{platform.machine()}-{os.cpu_count()}-jax{jax.__version__}"
+    # XLA flags can change matmul kernels (e.g. oneDNN): a peak measured under others is not ours.
+    return (f"{platform.node()}-{platform.machine()}-{os.cpu_count()}-jax{jax.__version__}"
+            f"-{os.environ.get('XLA_FLAGS', '')}")
 
 
-def peak_flops(compute_dtype: str, cache_dir: str) -> float | None:
+def peak_flops(compute_dtype: str, cache_dir: str, fresh: bool = False) -> float | None:
     """Peak FLOP/s of the whole job, or None for an accelerator we have no figure for.
 
     Accelerators: per-device peak times device count. CPU: the measured peak of this machine
-    times the process count (forced host devices share the same cores, so they add nothing).
+    times the process count (forced host devices share the same cores, so they add nothing);
+    `fresh` re-measures it (benchmarks do, so step and peak share the machine's current state).
     """
     device = jax.devices()[0]
     if device.platform != "cpu":
@@ -60,16 +63,16 @@ def peak_flops(compute_dtype: str, cache_dir: str) -> float | None:
                 per_device = peaks.get(compute_dtype)
                 return None if per_device is None else per_device * jax.device_count()
         return None
-    return _cpu_peak(cache_dir) * jax.process_count()
+    return _cpu_peak(cache_dir, fresh) * jax.process_count()
 
 
-def _cpu_peak(cache_dir: str) -> float:
+def _cpu_peak(cache_dir: str, fresh: bool = False) -> float:
     path = os.path.join(os.path.expanduser(cache_dir), "cpu_peak_flops.json")
     key = _cpu_cache_key()
     try:
         with open(path) as f:
             cached = json.load(f)
-        if key in cached:
+        if key in cached and not fresh:
             return float(cached[key])
     except (OSError, ValueError):
         cached = {}
