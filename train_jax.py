@@ -29,7 +29,7 @@ from loaders import corpus, tokenizers
 from loaders.batching import BatchIterator, WindowDataset, tokenize_documents
 from models.gpt import GPT, count_params, cross_entropy, flops_per_token, param_labels
 from models.sample import generate
-from optimizer import make_optimizer
+from optimizer import group_schedules, make_optimizer
 from utils import mesh as meshlib
 from utils.config import RunConfig, validate
 from utils.errors import ConfigError, EqtrainError, TrainingError
@@ -99,7 +99,8 @@ def init_scheduler(run: RunConfig) -> optax.Schedule:
 
 
 def init_optimizer(run: RunConfig, schedule: optax.Schedule, labels) -> optax.GradientTransformation:
-    return make_optimizer(run.optimizer.hparams, schedule, labels, run.train.gradient_clip_val)
+    o = run.optimizer
+    return make_optimizer(o.hparams, schedule, labels, run.train.gradient_clip_val, o.schedule.lr, o.group_overrides)
 
 
 # ----------------------------------------------------------------------------- state and steps
@@ -130,6 +131,10 @@ def make_train_step(run: RunConfig, tx: optax.GradientTransformation, schedule: 
     optimizer inside `tx`, metrics returned as device arrays (pulled only on logging steps)."""
     compute_dtype = jnp.dtype(run.train.compute_dtype)
     grad_fn = eqx.filter_value_and_grad(cross_entropy, has_aux=True)
+    o = run.optimizer
+    lr_by_group = group_schedules(o.hparams, schedule, o.schedule.lr, o.group_overrides)
+    if run.model.tie_embeddings:
+        lr_by_group.pop("head")  # no such parameter
 
     def train_step(state: TrainState, batch_AxBxT1: jax.Array):
         key, step_key = jax.random.split(state.key)
@@ -157,6 +162,7 @@ def make_train_step(run: RunConfig, tx: optax.GradientTransformation, schedule: 
             "train/loss": losses_A.mean(),
             "train/grad_norm": optax.tree.norm(grads),
             "train/lr": schedule(state.step),
+            **{f"train/lr/{g}": s(state.step) for g, s in lr_by_group.items()},
             "aux/param_norm": optax.tree.norm(params),
             "aux/update_norm": optax.tree.norm(updates),
         }

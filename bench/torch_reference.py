@@ -86,7 +86,7 @@ def main() -> None:
     decay = [p for n, p in model.named_parameters() if n.startswith("blocks") and p.dim() == 2]
     no_decay = [p for n, p in model.named_parameters() if not (n.startswith("blocks") and p.dim() == 2)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)  # fused: ~2x foreach on CPU
     forward = torch.compile(model) if args.compile else model
     batch = torch.randint(0, V, (B, T + 1), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
 

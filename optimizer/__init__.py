@@ -1,23 +1,36 @@
-"""Optimizer registry: the `optimizer.name` in a yaml -> the dataclass that builds its optax chain.
+"""Optimizer registry: `optimizer.name` in a yaml -> the frozen dataclass that builds its update.
 
-Adding an optimizer: one file here with a frozen dataclass (`check(prefix)`, `build(schedule,
-labels)`), one yaml in `conf/optimizer/`, one line below.
+Adding an optimizer: one file here with a frozen dataclass (its hyperparameters as fields,
+`GROUP_KNOBS` naming those a parameter group may override, `check(prefix)` raising ConfigError,
+`transform(group, schedule)` returning the optax update of one group), one yaml in
+`conf/optimizer/`, one line below. See README, "Add your own optimizer".
 """
 
 from __future__ import annotations
 
 import optax
 
+from optimizer.adafactor import Adafactor
 from optimizer.adamw import AdamW
+from optimizer.groups import group_schedules, per_group
+from optimizer.lion import Lion
+from optimizer.muon import Muon
 from optimizer.sgdm import SGDM
 
 OPTIMIZERS = {
     "adamw": AdamW,
     "sgdm": SGDM,
+    "muon": Muon,
+    "lion": Lion,
+    "adafactor": Adafactor,
 }
 
 
-def make_optimizer(hparams, schedule: optax.Schedule, labels, clip: float | None) -> optax.GradientTransformation:
-    """Global-norm clipping, then the optimizer, whose last stage applies the schedule."""
+def make_optimizer(hparams, schedule: optax.Schedule, labels, clip: float | None, base_lr: float | None = None,
+                   overrides: dict[str, dict[str, float]] | None = None) -> optax.GradientTransformation:
+    """Global-norm clipping, then the per-group optimizer, whose last stage applies the lr."""
     clip_tx = optax.clip_by_global_norm(clip) if clip else optax.identity()
-    return optax.chain(clip_tx, hparams.build(schedule, labels))
+    return optax.chain(clip_tx, per_group(hparams, schedule, labels, base_lr, overrides))
+
+
+__all__ = ["OPTIMIZERS", "make_optimizer", "group_schedules"]

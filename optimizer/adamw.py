@@ -1,4 +1,4 @@
-"""AdamW (decoupled weight decay on >=2-D weights only, optional Nesterov momentum)."""
+"""AdamW: Adam with decoupled weight decay (on >=2-D weights by default), optional Nesterov."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import optax
 
-from optimizer.groups import decay_mask
 from utils.errors import ConfigError
 
 
@@ -19,6 +18,8 @@ class AdamW:
     nesterov: bool = False
     decay_embeddings: bool = False
 
+    GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "eps")  # settable per group
+
     def check(self, prefix: str) -> None:
         for knob in ("b1", "b2"):
             if not 0.0 <= getattr(self, knob) < 1.0:
@@ -28,13 +29,6 @@ class AdamW:
         if self.weight_decay < 0:
             raise ConfigError(f"{prefix}.weight_decay={self.weight_decay} must be >= 0")
 
-    def build(self, schedule: optax.Schedule, labels) -> optax.GradientTransformation:
-        return optax.adamw(
-            learning_rate=schedule,
-            b1=self.b1,
-            b2=self.b2,
-            eps=self.eps,
-            weight_decay=self.weight_decay,
-            mask=decay_mask(labels, self.decay_embeddings),
-            nesterov=self.nesterov,
-        )
+    def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
+        return optax.adamw(schedule, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay,
+                           nesterov=self.nesterov)

@@ -1,12 +1,76 @@
-"""Weight-decay masks from the model's parameter-group labels (see `models.gpt.param_labels`)."""
+"""Parameter groups: one optax transform per group, each with its own hyperparameters.
+
+The model labels every parameter `hidden` (matrices inside blocks), `embed` (token/position
+embeddings), `head` (untied output projection) or `scalar` (biases, norm gains). An optimizer
+describes the update of ONE group (`transform(group, schedule)`); `per_group` builds it once
+per group with that group's overrides from `optimizer.groups.<group>` and combines them with
+`optax.multi_transform`. Each group's schedule is the run's schedule rescaled to the group's
+peak lr, so warmup and decay stay in step across groups.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
+import optax
+
+GROUPS = ("hidden", "embed", "head", "scalar")
 
 
 def decay_mask(labels, decay_embeddings: bool):
     """True where decoupled weight decay applies: block matrices and an untied head always,
     the embeddings only when asked; never biases or norm gains."""
-    decayed = {"hidden", "head"} | ({"embed"} if decay_embeddings else set())
+    decayed = decayed_groups(decay_embeddings)
     return jax.tree.map(lambda label: label in decayed, labels)
+
+
+def decayed_groups(decay_embeddings: bool) -> frozenset[str]:
+    return frozenset({"hidden", "head"} | ({"embed"} if decay_embeddings else set()))
+
+
+def scaled_schedule(schedule: optax.Schedule, factor: float) -> optax.Schedule:
+    """`schedule` times a constant. A function per call, so every group keeps its own factor
+    (no late binding)."""
+    if factor == 1.0:
+        return schedule
+    return lambda step: schedule(step) * factor
+
+
+def group_hparams(hparams: Any, group: str, overrides: dict[str, dict[str, float]]) -> Any:
+    """The optimizer dataclass as one group sees it: its overrides applied, and weight decay
+    zeroed for groups that do not decay by default unless the override sets it."""
+    own = {k: v for k, v in overrides.get(group, {}).items() if k != "lr"}
+    if hasattr(hparams, "weight_decay") and "weight_decay" not in own:
+        if group not in decayed_groups(getattr(hparams, "decay_embeddings", False)):
+            own["weight_decay"] = 0.0
+    return dataclasses.replace(hparams, **own)
+
+
+def group_lr(hparams: Any, group: str, base_lr: float, overrides: dict[str, dict[str, float]]) -> float:
+    """Peak lr of a group: its override, else the optimizer's default for that group (Muon
+    gives non-hidden groups their AdamW lr), else `optimizer.lr_config.lr`."""
+    if "lr" in overrides.get(group, {}):
+        return overrides[group]["lr"]
+    default = getattr(hparams, "default_group_lr", None)
+    return default(group, base_lr) if default else base_lr
+
+
+def group_schedules(hparams: Any, schedule: optax.Schedule, base_lr: float | None,
+                    overrides: dict[str, dict[str, float]]) -> dict[str, optax.Schedule]:
+    """Each group's lr schedule: the run's, rescaled to the group's peak lr. `base_lr=None`
+    (a bare schedule with no known peak) gives every group the schedule unchanged."""
+    if base_lr is None:
+        return {g: schedule for g in GROUPS}
+    return {g: scaled_schedule(schedule, group_lr(hparams, g, base_lr, overrides) / base_lr) for g in GROUPS}
+
+
+def per_group(hparams: Any, schedule: optax.Schedule, labels, base_lr: float | None = None,
+              overrides: dict[str, dict[str, float]] | None = None) -> optax.GradientTransformation:
+    """optax.multi_transform over the groups, each built by `hparams.transform`."""
+    overrides = overrides or {}
+    schedules = group_schedules(hparams, schedule, base_lr, overrides)
+    transforms = {g: group_hparams(hparams, g, overrides).transform(g, schedules[g]) for g in GROUPS}
+    # A callable, because a labels tree that is itself callable (an Equinox model) would be called.
+    return optax.multi_transform(transforms, lambda _params: labels)

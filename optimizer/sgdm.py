@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import optax
 
-from optimizer.groups import decay_mask
 from utils.errors import ConfigError
 
 
@@ -21,15 +20,17 @@ class SGDM:
     weight_decay: float = 0.0
     decay_embeddings: bool = False
 
+    GROUP_KNOBS = ("lr", "weight_decay", "momentum")
+
     def check(self, prefix: str) -> None:
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"{prefix}.momentum={self.momentum} must be in [0, 1)")
         if self.weight_decay < 0:
             raise ConfigError(f"{prefix}.weight_decay={self.weight_decay} must be >= 0")
 
-    def build(self, schedule: optax.Schedule, labels) -> optax.GradientTransformation:
+    def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
         return optax.chain(
             optax.trace(decay=self.momentum, nesterov=self.nesterov),
-            optax.add_decayed_weights(self.weight_decay, mask=decay_mask(labels, self.decay_embeddings)),
+            optax.add_decayed_weights(self.weight_decay),
             optax.scale_by_learning_rate(schedule),
         )

@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 import train_jax as T  # noqa: E402
+from optimizer import OPTIMIZERS  # noqa: E402
 from utils import mesh as meshlib  # noqa: E402
 from utils.config import validate  # noqa: E402
 from utils.errors import ConfigError  # noqa: E402
@@ -41,9 +42,9 @@ OVERRIDES = [
 STEPS, ACCUM, BATCH, WINDOW = 3, 2, 8, 17
 
 
-def build(parallel: tuple[int, int], devices):
+def build(parallel: tuple[int, int], devices, overrides=tuple(OVERRIDES)):
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
-        run = validate(compose("config", overrides=[*OVERRIDES, f"parallel.data={parallel[0]}",
+        run = validate(compose("config", overrides=[*overrides, f"parallel.data={parallel[0]}",
                                                     f"parallel.fsdp={parallel[1]}"]))
     mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size, devices=devices)
     _, _, state, step = T.init_training(run, mesh)
@@ -58,8 +59,8 @@ def is_split(x: jax.Array) -> bool:
     return tuple(x.sharding.shard_shape(x.shape)) != tuple(x.shape)
 
 
-def train(parallel, devices, batches_SxAxBxT1):
-    state, shardings, step, mesh = build(parallel, devices)
+def train(parallel, devices, batches_SxAxBxT1, overrides=tuple(OVERRIDES)):
+    state, shardings, step, mesh = build(parallel, devices, overrides)
     info = {
         "mesh": dict(mesh.shape),
         "wte_shape": list(state.model.wte_VxD.shape),
@@ -102,6 +103,15 @@ def main() -> None:
         "max_param_diff": max(float(np.abs(a - b).max()) for a, b in zip(params_1, params_8, strict=True)),
         "params_allclose": all(np.allclose(b, a, rtol=1e-5, atol=1e-6) for a, b in zip(params_1, params_8)),
     }
+    # Every registered optimizer runs sharded (fsdp=2) and matches its 1-device losses.
+    base = [o for o in OVERRIDES if not o.startswith(("optimizer=", "optimizer.eps"))]
+    result["optimizers"] = {}
+    for name in sorted(OPTIMIZERS):
+        overrides = (*base, f"optimizer={name}")
+        one, _, _ = train((1, 1), devices[:1], batches[:2], overrides)
+        eight, _, info = train((4, 2), devices, batches[:2], overrides)
+        result["optimizers"][name] = {"losses_1": one, "losses_8": eight,
+                                      "sharded_opt_leaves": info["sharded_opt_leaves"]}
     for name, args in (("bad_batch_error", (-1, 1, 12)), ("bad_mesh_error", (3, 2, 8))):
         try:
             meshlib.make_mesh(*args)

@@ -141,3 +141,14 @@ def test_sharded_step_matches_single_device(sharded_result):
 def test_batch_not_divisible_by_devices_is_a_config_error(sharded_result):
     assert "dataset.batch_size=12" in sharded_result["bad_batch_error"]
     assert "parallel.data" in sharded_result["bad_mesh_error"]
+
+
+def test_every_optimizer_runs_sharded_and_matches_one_device(sharded_result):
+    from optimizer import OPTIMIZERS
+
+    assert set(sharded_result["optimizers"]) == set(OPTIMIZERS)
+    for name, r in sharded_result["optimizers"].items():
+        assert r["sharded_opt_leaves"] > 0, name  # optimizer state is split over fsdp too
+        # Loose: sign-based (Lion) and normalising (Muon, Adam-eps 1e-8) updates amplify float
+        # summation-order differences a little; a wrong sharding gives O(1) differences.
+        np.testing.assert_allclose(r["losses_8"], r["losses_1"], rtol=2e-4, err_msg=name)

@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from models.gpt import GPTConfig
 from optimizer import OPTIMIZERS
+from optimizer.groups import GROUPS, group_hparams
 from optimizer.schedules import SCHEDULES, warmup_warning
 from utils.errors import ConfigError
 
@@ -140,6 +141,7 @@ class OptimizerConfig:
     schedule_name: str
     schedule: Any  # e.g. optimizer.schedules.Cosine
     schedule_steps: int  # lr_config.max_steps, or train.max_steps when null
+    group_overrides: dict  # {"hidden": {"lr": 0.02}, ...}: only the knobs set (non-null)
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,31 @@ def _pop_name(node: dict, prefix: str, registry: dict) -> str:
     return name
 
 
+def _group_overrides(node: dict, hparams) -> dict[str, dict[str, float]]:
+    """`optimizer.groups.<group>.<knob>` -> {group: {knob: value}} with nulls dropped; every
+    group's resulting hyperparameters are checked like the optimizer's own."""
+    if not isinstance(node, dict):
+        raise ConfigError(f"optimizer.groups must be a mapping of group -> knobs, got {node!r}")
+    knobs = getattr(type(hparams), "GROUP_KNOBS", ("lr",))
+    fields = typing.get_type_hints(type(hparams))
+    out: dict[str, dict[str, float]] = {}
+    for group, settings in node.items():
+        prefix = f"optimizer.groups.{group}"
+        if group not in GROUPS:
+            raise ConfigError(f"{prefix}: unknown parameter group; groups are {', '.join(GROUPS)}")
+        for knob, value in (settings or {}).items():
+            if knob not in knobs:
+                raise ConfigError(f"{prefix}.{knob} cannot be set per group; this optimizer allows {', '.join(knobs)}")
+            if value is None:
+                continue
+            value = _coerce(value, fields.get(knob, float), f"{prefix}.{knob}")
+            if knob == "lr" and value <= 0:
+                raise ConfigError(f"{prefix}.lr={value} must be positive")
+            out.setdefault(group, {})[knob] = value
+        group_hparams(hparams, group, out).check(prefix)
+    return out
+
+
 def validate(cfg: DictConfig) -> RunConfig:
     """The whole composed config -> RunConfig, or a ConfigError naming the first bad knob."""
     try:
@@ -243,6 +270,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     train = build_section(TrainConfig, raw["train"], "train")
     opt_node = dict(raw["optimizer"])
     lr_node = dict(opt_node.pop("lr_config", None) or {})
+    groups_node = opt_node.pop("groups", None) or {}
     opt_name = _pop_name(opt_node, "optimizer", OPTIMIZERS)
     schedule_name = _pop_name(lr_node, "optimizer.lr_config", SCHEDULES)
     schedule = build_section(SCHEDULES[schedule_name], lr_node, "optimizer.lr_config")
@@ -253,9 +281,11 @@ def validate(cfg: DictConfig) -> RunConfig:
         warning = schedule.warning("optimizer.lr_config", schedule_steps)
     else:
         warning = warmup_warning("optimizer.lr_config", getattr(schedule, "warmup", 0), schedule_steps)
+    hparams = build_section(OPTIMIZERS[opt_name], opt_node, "optimizer")
     optimizer = OptimizerConfig(
         name=opt_name,
-        hparams=build_section(OPTIMIZERS[opt_name], opt_node, "optimizer"),
+        hparams=hparams,
+        group_overrides=_group_overrides(groups_node, hparams),
         schedule_name=schedule_name,
         schedule=schedule,
         schedule_steps=schedule_steps,

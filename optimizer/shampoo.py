@@ -1,0 +1,382 @@
+"""Shampoo (Gupta, Koren & Singer 2018) with blocking, grafting and a diagonal fallback.
+
+`scale_by_shampoo` returns only the preconditioned direction; momentum, weight decay and the
+learning rate are chained after it (see `Shampoo.build`), as for the other optimizers here.
+
+For a gradient matrix G (m×n) it keeps a left statistic L (m×m) and a right one R (n×n),
+    L <- beta2·L + (1-beta2)·G Gᵀ,   R <- beta2·R + (1-beta2)·Gᵀ G   (beta2 = 1: plain sums),
+and returns L^{-1/4} G R^{-1/4}. The roots are recomputed only every `precondition_every`
+updates (an eigendecomposition is far dearer than a step) and cached in the state in between.
+
+Which leaves are preconditioned (the rule):
+  * with `labels` (e.g. `models.gpt.param_labels`): `scalar` leaves take the diagonal path;
+    every other leaf with ndim >= 2 is a stack of matrices: its last two axes are the matrix and
+    every leading axis a stack axis (the scan-stacked `hidden` weights are (num_blocks, d_in,
+    d_out)), preconditioned slice by slice, never flattened together;
+  * without labels: `stacked_leading_axes` (an int, or a function leaf -> int) says how many
+    leading axes are stack axes; a leaf with exactly two axes left is a matrix, anything else
+    (vectors, scalars, >2-D) takes the diagonal path.
+  * A matrix side longer than `max_preconditioner_dim` (e.g. a vocabulary axis) gets no
+    statistic: only the other side is preconditioned, with root 1/2 instead of 1/4 so that the
+    direction stays invariant to the gradient's scale (L^{-1/2} G is full-matrix Adagrad over
+    that side). Both sides too long: the diagonal path.
+
+Blocking: a preconditioned side longer than `block_size` is cut into blocks of `block_size`
+(the last one zero-padded); each block of the matrix has its own L and R. Zero rows add zero to
+R and a zero block to L, and the padded rows of G are zero, so the true entries of the result
+equal the per-block computation on the true sub-blocks; the padding is sliced off. A side that
+is not preconditioned is not cut: its whole length feeds the other side's statistics.
+
+Diagonal path: the Adam direction without momentum, g / (sqrt(nu_hat) + graft_eps) with
+nu <- graft_b2·nu + (1-graft_b2)·g² bias-corrected (graft_b2 = 1: Adagrad sums, no correction).
+
+Grafting, per block (per matrix when it fits in one block; per stacked slice always): the
+Shampoo direction takes its direction from Shampoo and its Frobenius norm from the graft:
+"adam" the diagonal-path direction above, "sgd" the raw gradient, "none" no rescaling. Before
+`start_preconditioning_step` the graft direction itself is returned (raw gradient for "none").
+
+State: a count and, per field, a tree with the params' structure; statistics and roots are
+float32 arrays (*stack, row_blocks, col_blocks, b, b) whose shapes follow from the param's; a
+field a leaf does not use holds an empty (0,) array, so every field mirrors the params.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optimizer.groups import decay_mask
+from utils.errors import ConfigError
+
+GRAFTS = ("adam", "sgd", "none")
+_HIGHEST = jax.lax.Precision.HIGHEST  # float32 matmuls in full precision (GPUs default to TF32)
+
+
+class ShampooState(NamedTuple):
+    count: jax.Array  # int32 scalar: updates done
+    left_stats: Any  # per leaf (*stack, R, C, M, M) or (0,)
+    right_stats: Any  # per leaf (*stack, R, C, N, N) or (0,)
+    left_roots: Any  # L^{-1/p} of each block, as of the last recompute
+    right_roots: Any
+    nu: Any  # diagonal second moment (param-shaped) where the diagonal path or Adam graft needs it
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one leaf is treated; static (Python ints), derived from its shape alone."""
+
+    kind: str  # "skip" (not an array: MaskedNode/None), "diag" or "shampoo"
+    m: int = 0  # matrix rows / cols (the last two axes)
+    n: int = 0
+    bm: int = 0  # block rows / cols
+    bn: int = 0
+    rows: int = 1  # blocks along m / n
+    cols: int = 1
+    left_p: float | None = None  # root of the left side (None: side not preconditioned)
+    right_p: float | None = None
+
+    def padded(self) -> bool:
+        return self.rows * self.bm != self.m or self.cols * self.bn != self.n
+
+
+def _is_function(labels) -> bool:
+    """A function params -> labels, not a labels tree; as optax decides for masks (an Equinox
+    model of labels is itself callable, but its leaves are strings)."""
+    leaves = jax.tree.leaves(labels)
+    return bool(leaves) and all(callable(leaf) for leaf in leaves)
+
+
+def _is_array(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _plan(x, matrix: bool, block_size: int, max_dim: int, exponent_override: float | None) -> _Plan:
+    if not _is_array(x):
+        return _Plan("skip")
+    if not matrix:
+        return _Plan("diag")
+    m, n = x.shape[-2:]
+    left, right = m <= max_dim, n <= max_dim
+    if not (left or right):
+        return _Plan("diag")
+    p = exponent_override or 2.0 * (left + right)
+    bm = min(m, block_size) if left else m
+    bn = min(n, block_size) if right else n
+    return _Plan("shampoo", m, n, bm, bn, -(-m // bm), -(-n // bn), p if left else None, p if right else None)
+
+
+def _to_blocks(x_MxN: jax.Array, plan: _Plan) -> jax.Array:
+    """(..., m, n) -> (..., R, C, bm, bn), zero-padded to whole blocks."""
+    lead = x_MxN.shape[:-2]
+    pad = [(0, 0)] * len(lead) + [(0, plan.rows * plan.bm - plan.m), (0, plan.cols * plan.bn - plan.n)]
+    x = jnp.pad(x_MxN, pad) if plan.padded() else x_MxN
+    return jnp.swapaxes(x.reshape(*lead, plan.rows, plan.bm, plan.cols, plan.bn), -3, -2)
+
+
+def _from_blocks(x_RxCxMxN: jax.Array, plan: _Plan) -> jax.Array:
+    lead = x_RxCxMxN.shape[:-4]
+    x = jnp.swapaxes(x_RxCxMxN, -3, -2).reshape(*lead, plan.rows * plan.bm, plan.cols * plan.bn)
+    return x[..., : plan.m, : plan.n]
+
+
+def _valid_mask(plan: _Plan) -> np.ndarray:
+    """1 on the true entries of the blocked layout, 0 on the padding (a trace-time constant)."""
+    ones = np.ones((plan.m, plan.n), np.float32)
+    pad = np.pad(ones, [(0, plan.rows * plan.bm - plan.m), (0, plan.cols * plan.bn - plan.n)])
+    return pad.reshape(plan.rows, plan.bm, plan.cols, plan.bn).swapaxes(1, 2)
+
+
+def _t(x: jax.Array) -> jax.Array:
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _inverse_root(stats_BxB: jax.Array, p: float, epsilon: float) -> jax.Array:
+    """(S + epsilon·λmax(S)·I)^{-1/p} of each symmetric PSD matrix in a batch, in float32.
+
+    The damping is relative to the largest eigenvalue, so it does not depend on the gradient's
+    scale; eigenvalues that rounding made negative are clamped to 0 first. In float32 a relative
+    epsilon below ~1e-7 only guards the null space (eigh itself is accurate to ~1e-7·λmax). An
+    all-zero statistic (nothing seen yet) has no information and gives the identity.
+    """
+    eigvals_B, eigvecs_BxB = jnp.linalg.eigh(stats_BxB.astype(jnp.float32))
+    lam_max = jnp.max(eigvals_B, axis=-1, keepdims=True)
+    positive = lam_max > 0
+    lam_max = jnp.where(positive, lam_max, 1.0)
+    scale_B = (jnp.maximum(eigvals_B / lam_max, 0.0) + epsilon) ** (-1.0 / p) * lam_max ** (-1.0 / p)
+    root_BxB = jnp.matmul(eigvecs_BxB * scale_B[..., None, :], _t(eigvecs_BxB), precision=_HIGHEST)
+    eye = jnp.eye(stats_BxB.shape[-1], dtype=jnp.float32)
+    return jnp.where(positive[..., None], root_BxB, eye)
+
+
+def scale_by_shampoo(
+    block_size: int = 256,
+    beta2: float = 0.999,
+    epsilon: float = 1e-12,
+    precondition_every: int = 10,
+    start_preconditioning_step: int = 1,
+    max_preconditioner_dim: int = 4096,
+    graft: str = "adam",
+    graft_b2: float = 0.999,
+    graft_eps: float = 1e-8,
+    exponent_override: float | None = None,
+    labels: Any = None,
+    stacked_leading_axes: int | Callable[[jax.Array], int] = 0,
+) -> optax.GradientTransformation:
+    """The Shampoo direction (no learning rate, no momentum); see the module docstring.
+
+    epsilon: damping relative to each statistic's largest eigenvalue. exponent_override: the p
+    of every root S^{-1/p} (default 4 for two-sided, 2 for one-sided). start_preconditioning_step:
+    the first update (counting from 1) that is preconditioned; roots are recomputed on it and on
+    every `precondition_every`-th update after it, and never before it. labels: a tree of group
+    names like the params, or a function params -> such a tree.
+    """
+    if graft not in GRAFTS:
+        raise ValueError(f"graft={graft!r} must be one of {GRAFTS}")
+
+    def plans(tree):
+        if labels is None:
+            def plan(x):
+                stack = stacked_leading_axes(x) if callable(stacked_leading_axes) else stacked_leading_axes
+                return _plan(x, x.ndim - stack == 2, block_size, max_preconditioner_dim, exponent_override)
+
+            return jax.tree.map(plan, tree)
+        tree_labels = labels(tree) if _is_function(labels) else labels
+
+        def plan_labelled(label, x):
+            matrix = label != "scalar" and _is_array(x) and x.ndim >= 2
+            return _plan(x, matrix, block_size, max_preconditioner_dim, exponent_override)
+
+        # Labels first: where a param is a MaskedNode/None (another group's leaf), the whole
+        # subtree arrives as `x` and the leaf is skipped.
+        return jax.tree.map(plan_labelled, tree_labels, tree)
+
+    def for_each(fn, plan_tree, *trees):
+        """fn(plan, *leaves) on the array leaves; a skipped position keeps the first tree's subtree."""
+        return jax.tree.map(lambda plan, x, *rest: x if plan.kind == "skip" else fn(plan, x, *rest),
+                            plan_tree, *trees)
+
+    empty = lambda: jnp.zeros((0,), jnp.float32)
+
+    def stats_shape(plan, x, side):
+        b = plan.bm if side == "left" else plan.bn
+        return (*x.shape[:-2], plan.rows, plan.cols, b, b)
+
+    def uses_nu(plan):
+        return plan.kind == "diag" or graft == "adam"
+
+    def init_fn(params):
+        plan_tree = plans(params)
+
+        def side(plan, x, which, fill):
+            p = plan.left_p if which == "left" else plan.right_p
+            if plan.kind != "shampoo" or p is None:
+                return empty()
+            shape = stats_shape(plan, x, which)
+            if fill == "zeros":
+                return jnp.zeros(shape, jnp.float32)
+            return jnp.broadcast_to(jnp.eye(shape[-1], dtype=jnp.float32), shape)
+
+        fields = {
+            f"{which}_{kind}": for_each(lambda plan, x, w=which, f=fill: side(plan, x, w, f), plan_tree, params)
+            for which in ("left", "right")
+            for kind, fill in (("stats", "zeros"), ("roots", "eye"))
+        }
+        nu = for_each(lambda plan, x: jnp.zeros(x.shape, jnp.float32) if uses_nu(plan) else empty(),
+                      plan_tree, params)
+        return ShampooState(count=jnp.zeros((), jnp.int32), nu=nu, **fields)
+
+    def accumulate(stats, outer):
+        if beta2 == 1.0:
+            return stats + outer
+        return beta2 * stats + (1.0 - beta2) * outer
+
+    def update_fn(updates, state, params=None):
+        del params
+        plan_tree = plans(updates)
+        step = state.count + 1  # this update, counting from 1
+        grads32 = for_each(lambda plan, g: g.astype(jnp.float32), plan_tree, updates)
+
+        # 1. Statistics, every step.
+        def new_stats(which):
+            def fn(plan, g, stats):
+                if plan.kind != "shampoo" or (plan.left_p if which == "left" else plan.right_p) is None:
+                    return stats
+                g_RxCxMxN = _to_blocks(g, plan)
+                if which == "left":
+                    return accumulate(stats, jnp.matmul(g_RxCxMxN, _t(g_RxCxMxN), precision=_HIGHEST))
+                return accumulate(stats, jnp.matmul(_t(g_RxCxMxN), g_RxCxMxN, precision=_HIGHEST))
+
+            return for_each(fn, plan_tree, grads32, getattr(state, f"{which}_stats"))
+
+        left_stats, right_stats = new_stats("left"), new_stats("right")
+
+        # 2. Roots, only on recompute steps: lax.cond runs one branch, so other steps skip eigh.
+        def recompute_roots(operands):
+            left_stats, right_stats, left_roots, right_roots = operands
+
+            def fn(which):
+                def root(plan, stats, old):
+                    p = plan.left_p if which == "left" else plan.right_p
+                    if plan.kind != "shampoo" or p is None:
+                        return old
+                    new = _inverse_root(stats, p, epsilon)
+                    finite = jnp.all(jnp.isfinite(new), axis=(-2, -1), keepdims=True)
+                    return jnp.where(finite, new, old)  # a NaN/inf block keeps its previous root
+
+                stats, old = (left_stats, left_roots) if which == "left" else (right_stats, right_roots)
+                return for_each(root, plan_tree, stats, old)
+
+            return fn("left"), fn("right")
+
+        recompute = (step >= start_preconditioning_step) & (
+            (step - start_preconditioning_step) % precondition_every == 0)
+        left_roots, right_roots = jax.lax.cond(
+            recompute, recompute_roots, lambda operands: (operands[2], operands[3]),
+            (left_stats, right_stats, state.left_roots, state.right_roots))
+
+        # 3. Diagonal second moment (diagonal path and Adam graft).
+        def new_nu(plan, g, nu):
+            if not uses_nu(plan):
+                return nu
+            if graft_b2 == 1.0:
+                return nu + g * g
+            return graft_b2 * nu + (1.0 - graft_b2) * g * g
+
+        nu = for_each(new_nu, plan_tree, grads32, state.nu)
+        correction = 1.0 if graft_b2 == 1.0 else 1.0 - graft_b2 ** step.astype(jnp.float32)
+
+        def adam_direction(g, nu):
+            return g / (jnp.sqrt(nu / correction) + graft_eps)
+
+        # 4. Direction.
+        def direction(plan, g_in, g, nu, left_root, right_root):
+            if plan.kind == "diag":
+                return adam_direction(g, nu).astype(g_in.dtype)
+            graft_MxN = adam_direction(g, nu) if graft == "adam" else g
+            g_RxCxMxN = _to_blocks(g, plan)
+            p_RxCxMxN = g_RxCxMxN
+            if plan.left_p is not None:
+                p_RxCxMxN = jnp.matmul(left_root, p_RxCxMxN, precision=_HIGHEST)
+            if plan.right_p is not None:
+                p_RxCxMxN = jnp.matmul(p_RxCxMxN, right_root, precision=_HIGHEST)
+            if plan.padded():  # numerical crumbs on the padding would bias the block norms
+                p_RxCxMxN = p_RxCxMxN * _valid_mask(plan)
+            if graft != "none":
+                graft_RxCxMxN = _to_blocks(graft_MxN, plan)
+                graft_norm = jnp.linalg.norm(graft_RxCxMxN, axis=(-2, -1), keepdims=True)
+                shampoo_norm = jnp.linalg.norm(p_RxCxMxN, axis=(-2, -1), keepdims=True)
+                ratio = graft_norm / jnp.where(shampoo_norm > 0, shampoo_norm, 1.0)
+                p_RxCxMxN = jnp.where(shampoo_norm > 0, p_RxCxMxN * ratio, graft_RxCxMxN)
+            out_MxN = jnp.where(step >= start_preconditioning_step, _from_blocks(p_RxCxMxN, plan), graft_MxN)
+            return out_MxN.astype(g_in.dtype)
+
+        out = for_each(direction, plan_tree, updates, grads32, nu, left_roots, right_roots)
+        new_state = ShampooState(optax.safe_int32_increment(state.count), left_stats, right_stats,
+                                 left_roots, right_roots, nu)
+        return out, new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+@dataclass(frozen=True)
+class Shampoo:
+    """Shampoo direction -> momentum -> decoupled weight decay -> learning rate."""
+
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    decay_embeddings: bool = False
+    block_size: int = 256
+    beta2: float = 0.999
+    epsilon: float = 1e-12
+    precondition_every: int = 10
+    start_preconditioning_step: int = 1
+    max_preconditioner_dim: int = 4096
+    graft: str = "adam"
+    graft_b2: float = 0.999
+    graft_eps: float = 1e-8
+
+    def check(self, prefix: str) -> None:
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"{prefix}.momentum={self.momentum} must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise ConfigError(f"{prefix}.weight_decay={self.weight_decay} must be >= 0")
+        for knob in ("block_size", "precondition_every", "start_preconditioning_step", "max_preconditioner_dim"):
+            value = getattr(self, knob)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{prefix}.{knob}={value!r} must be a positive integer")
+        for knob in ("beta2", "graft_b2"):
+            if not 0.0 < getattr(self, knob) <= 1.0:
+                raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be in (0, 1] (1 = plain sums)")
+        if not 0.0 < self.epsilon < 1.0:
+            raise ConfigError(f"{prefix}.epsilon={self.epsilon} must be in (0, 1): it is relative to the "
+                              "largest eigenvalue of each statistic (try 1e-12 to 1e-4)")
+        if self.graft_eps <= 0:
+            raise ConfigError(f"{prefix}.graft_eps={self.graft_eps} must be positive")
+        if self.graft not in GRAFTS:
+            raise ConfigError(f"{prefix}.graft={self.graft!r} must be one of {', '.join(GRAFTS)}")
+
+    def build(self, schedule: optax.Schedule, labels) -> optax.GradientTransformation:
+        return optax.chain(
+            scale_by_shampoo(
+                block_size=self.block_size,
+                beta2=self.beta2,
+                epsilon=self.epsilon,
+                precondition_every=self.precondition_every,
+                start_preconditioning_step=self.start_preconditioning_step,
+                max_preconditioner_dim=self.max_preconditioner_dim,
+                graft=self.graft,
+                graft_b2=self.graft_b2,
+                graft_eps=self.graft_eps,
+                labels=labels,
+            ),
+            optax.trace(decay=self.momentum, nesterov=self.nesterov),
+            optax.add_decayed_weights(self.weight_decay, mask=decay_mask(labels, self.decay_embeddings)),
+            optax.scale_by_learning_rate(schedule),
+        )

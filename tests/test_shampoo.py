@@ -1,0 +1,342 @@
+"""optimizer/shampoo.py against independent float64 NumPy references (matrix roots by float64
+eigh, itself checked against SciPy's Schur-based power), blocks cut by hand, Adam written out; plus the
+recompute schedule (roots cached, eigh skipped off-schedule), stacking, grafting, the diagonal
+fallback and a toy problem that trains. Tiny shapes, jitted updates: the file runs in seconds."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import scipy.linalg
+
+import optimizer.shampoo as shampoo
+from models.gpt import GPT, GPTConfig, param_labels
+from optimizer.shampoo import Shampoo, scale_by_shampoo
+from utils.errors import ConfigError
+
+NO_BLOCKS = 10_000  # a block_size larger than every test matrix
+
+
+# --- references ----------------------------------------------------------------------------------
+
+
+def np_root(stats, p, eps):
+    """(S + eps·λmax·I)^{-1/p} by NumPy's float64 eigh (checked against SciPy just below)."""
+    lam, vecs = np.linalg.eigh(np.asarray(stats, np.float64))
+    lam = np.maximum(lam, 0.0) + eps * lam.max()
+    return (vecs * lam ** (-1.0 / p)) @ vecs.T
+
+
+def test_reference_root_agrees_with_scipy():
+    """The reference itself, against SciPy's Schur-based fractional power: a check on the check."""
+    g = np.random.default_rng(0).normal(size=(7, 3))
+    stats = g @ g.T  # rank 3 of 7: the damping matters
+    for p in (2, 4):
+        expected = scipy.linalg.fractional_matrix_power(stats + 1e-3 * np.linalg.eigvalsh(stats).max() * np.eye(7),
+                                                        -1.0 / p)
+        np.testing.assert_allclose(np_root(stats, p, 1e-3), np.real(expected), rtol=1e-8, atol=1e-10)
+
+
+def np_shampoo(grads, beta2, eps, every=1, start=1, left=True, right=True, p=None):
+    """Directions L^{-1/p} G R^{-1/p} for a sequence of 2-D gradients, roots refreshed on steps
+    start, start+every, ... and held in between (identity before the first refresh)."""
+    p = p or 2.0 * (left + right)
+    m, n = grads[0].shape
+    L, R = np.zeros((m, m)), np.zeros((n, n))
+    root_l, root_r = np.eye(m), np.eye(n)
+    out = []
+    for t, g in enumerate(grads, 1):
+        g = np.asarray(g, np.float64)
+        if beta2 == 1.0:
+            L, R = L + g @ g.T, R + g.T @ g
+        else:
+            L, R = beta2 * L + (1 - beta2) * g @ g.T, beta2 * R + (1 - beta2) * g.T @ g
+        if t >= start and (t - start) % every == 0:
+            root_l, root_r = np_root(L, p, eps), np_root(R, p, eps)
+        out.append((root_l if left else np.eye(m)) @ g @ (root_r if right else np.eye(n)))
+    return out
+
+
+def np_adam(grads, b2=0.999, eps=1e-8):
+    """Adam's direction without momentum: g / (sqrt(nu / (1 - b2^t)) + eps)."""
+    nu, out = 0.0, []
+    for t, g in enumerate(grads, 1):
+        g = np.asarray(g, np.float64)
+        nu = nu + g * g if b2 == 1.0 else b2 * nu + (1 - b2) * g * g
+        out.append(g / (np.sqrt(nu / (1.0 if b2 == 1.0 else 1 - b2**t)) + eps))
+    return out
+
+
+def rel_err(a, b):
+    return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+
+
+def run(tx, grads_seq):
+    """Jitted init + updates over a list of gradient trees -> (updates as NumPy, states)."""
+    state = jax.jit(tx.init)(grads_seq[0])
+    update = jax.jit(tx.update)
+    outs, states = [], []
+    for g in grads_seq:
+        u, state = update(g, state)
+        outs.append(jax.tree.map(np.asarray, u))
+        states.append(state)
+    return outs, states
+
+
+def random_grads(shapes: dict, steps: int, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()} for _ in range(steps)]
+
+
+# --- the preconditioner --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("shape", "beta2", "eps"), [((6, 4), 0.9, 1e-4), ((6, 4), 1.0, 1e-4), ((5, 5), 0.9, 1e-12)],
+                         ids=["ema", "sum", "default-eps"])
+def test_two_sided_matches_numpy(shape, beta2, eps):
+    """A 6x4 gradient leaves L rank-deficient on step 1, where float32 eigh can only resolve a
+    relative damping well above its rounding (~1e-7): eps 1e-4 there; the square case has
+    full-rank statistics from step 1 and runs at the default 1e-12."""
+    grads = random_grads({"w": shape}, 5)
+    tx = scale_by_shampoo(block_size=NO_BLOCKS, beta2=beta2, epsilon=eps, precondition_every=1, graft="none")
+    outs, _ = run(tx, grads)
+    ref = np_shampoo([g["w"] for g in grads], beta2, eps)
+    for t, (u, r) in enumerate(zip(outs, ref), 1):
+        assert rel_err(u["w"], r) < 1e-5, f"step {t}: {rel_err(u['w'], r)}"
+
+
+def test_blocking_matches_per_block_references():
+    """600x300 with block_size 256: rows [0:256, 256:512, 512:600] x cols [0:256, 256:300], each
+    block its own L and R; the ragged blocks are computed on their true sub-blocks. Tolerance
+    3e-5: float32 rounding in 256-wide eighs and matmuls (a square random block's statistic is
+    badly conditioned on step 1) measures ~1e-5, the small-matrix tests hold 1e-5."""
+    grads = random_grads({"w": (600, 300)}, 3, seed=1)
+    tx = scale_by_shampoo(block_size=256, beta2=0.9, epsilon=1e-4, precondition_every=1, graft="none")
+    outs, states = run(tx, grads)
+    assert states[-1].left_stats["w"].shape == (3, 2, 256, 256)
+    assert states[-1].right_stats["w"].shape == (3, 2, 256, 256)
+    for r0, r1 in [(0, 256), (256, 512), (512, 600)]:
+        for c0, c1 in [(0, 256), (256, 300)]:
+            ref = np_shampoo([g["w"][r0:r1, c0:c1] for g in grads], 0.9, 1e-4)
+            for t, (u, r) in enumerate(zip(outs, ref), 1):
+                err = rel_err(u["w"][r0:r1, c0:c1], r)
+                assert err < 3e-5, f"block rows {r0}:{r1} cols {c0}:{c1} step {t}: {err}"
+
+
+def test_side_longer_than_max_dim_is_one_sided_and_both_is_diagonal():
+    """5x12 with max_preconditioner_dim 8: only L, with root 1/2 (L^{-1/2} G); 12x12: diagonal."""
+    grads = random_grads({"wide": (5, 12), "big": (12, 12)}, 4, seed=2)
+    tx = scale_by_shampoo(block_size=4, max_preconditioner_dim=8, beta2=0.9, epsilon=1e-4,
+                          precondition_every=1, graft="none")
+    outs, states = run(tx, grads)
+    # The long side is not cut into blocks: 2 row blocks (4 + padded 1), one column block of 12.
+    assert states[-1].left_stats["wide"].shape == (2, 1, 4, 4)
+    assert states[-1].right_stats["wide"].shape == (0,)
+    assert states[-1].left_stats["big"].shape == (0,) and states[-1].nu["big"].shape == (12, 12)
+    for r0, r1 in [(0, 4), (4, 5)]:
+        ref = np_shampoo([g["wide"][r0:r1] for g in grads], 0.9, 1e-4, right=False)
+        for u, r in zip(outs, ref):
+            assert rel_err(u["wide"][r0:r1], r) < 1e-5
+    for u, r in zip(outs, np_adam([g["big"] for g in grads])):
+        np.testing.assert_allclose(u["big"], r, rtol=1e-5, atol=1e-6)
+
+
+# --- the recompute schedule ----------------------------------------------------------------------
+
+
+def test_roots_are_held_between_recomputes():
+    """precondition_every=3: steps 2-3 use step 1's roots, 5-6 step 4's, though the statistics move."""
+    grads = random_grads({"w": (5, 5)}, 7, seed=3)  # square: full-rank roots on step 1
+    tx = scale_by_shampoo(block_size=NO_BLOCKS, beta2=0.9, epsilon=1e-4, precondition_every=3, graft="none")
+    outs, states = run(tx, grads)
+    ref = np_shampoo([g["w"] for g in grads], 0.9, 1e-4, every=3)
+    for t, (u, r) in enumerate(zip(outs, ref), 1):
+        assert rel_err(u["w"], r) < 1e-5, f"step {t}"
+    roots = [np.asarray(s.left_roots["w"]) for s in states]
+    stats = [np.asarray(s.left_stats["w"]) for s in states]
+    for t in (2, 3, 5, 6):  # 1-based steps that must not recompute
+        np.testing.assert_array_equal(roots[t - 1], roots[t - 2])
+        assert not np.allclose(stats[t - 1], stats[t - 2])
+    for t in (4, 7):
+        assert not np.allclose(roots[t - 1], roots[t - 2])
+
+
+@pytest.mark.parametrize(("every", "start", "steps", "recomputes"), [(3, 1, 7, 3), (2, 3, 6, 2)])
+def test_eigh_branch_runs_only_on_recompute_steps(monkeypatch, every, start, steps, recomputes):
+    """Count executions of the root computation with a callback inside it: lax.cond must skip it
+    at run time (under jit), not compute and discard it. Two sides per recompute."""
+    calls = []
+    original = shampoo._inverse_root
+
+    def counted(stats, p, eps):
+        jax.debug.callback(lambda: calls.append(1))
+        return original(stats, p, eps)
+
+    monkeypatch.setattr(shampoo, "_inverse_root", counted)
+    tx = scale_by_shampoo(block_size=NO_BLOCKS, precondition_every=every, start_preconditioning_step=start)
+    run(tx, random_grads({"w": (6, 4)}, steps, seed=4))
+    jax.effects_barrier()
+    assert len(calls) == 2 * recomputes
+
+    # And structurally: the only eigh is inside the cond's branch.
+    jaxpr = jax.make_jaxpr(tx.update)(*(lambda g: (g, tx.init(g)))(random_grads({"w": (6, 4)}, 1)[0])).jaxpr
+    top = {eqn.primitive.name for eqn in jaxpr.eqns}
+    assert "eigh" not in top and "cond" in top
+    conds = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "cond"]
+    assert any("eigh" in str(branch) for eqn in conds for branch in eqn.params["branches"])
+
+
+@pytest.mark.parametrize("graft", ["adam", "none"])
+def test_before_start_step_the_graft_direction_is_returned(graft):
+    grads = random_grads({"w": (6, 4)}, 4, seed=5)
+    tx = scale_by_shampoo(block_size=NO_BLOCKS, beta2=0.9, epsilon=1e-4, precondition_every=1,
+                          start_preconditioning_step=3, graft=graft)
+    outs, _ = run(tx, grads)
+    gs = [g["w"] for g in grads]
+    graft_dirs = np_adam(gs) if graft == "adam" else gs
+    for t in (1, 2):
+        np.testing.assert_allclose(outs[t - 1]["w"], graft_dirs[t - 1], rtol=1e-5, atol=1e-6)
+    shampoo_dirs = np_shampoo(gs, 0.9, 1e-4)  # statistics accumulate from step 1 all the same
+    for t in (3, 4):
+        expected = shampoo_dirs[t - 1]
+        if graft == "adam":
+            expected = expected * np.linalg.norm(graft_dirs[t - 1]) / np.linalg.norm(expected)
+        assert rel_err(outs[t - 1]["w"], expected) < 1e-5, f"step {t}"
+
+
+# --- grafting ------------------------------------------------------------------------------------
+
+BLOCKS_40x20 = [(slice(r0, r1), slice(c0, c1)) for r0, r1 in [(0, 16), (16, 32), (32, 40)] for c0, c1 in [(0, 16), (16, 20)]]
+
+
+@pytest.mark.parametrize("graft", ["adam", "sgd"])
+def test_grafting_takes_the_norm_per_block_and_keeps_the_direction(graft):
+    grads = random_grads({"w": (40, 20)}, 3, seed=6)
+    kw = dict(block_size=16, beta2=0.9, epsilon=1e-4, precondition_every=1)
+    grafted, _ = run(scale_by_shampoo(graft=graft, **kw), grads)
+    raw, _ = run(scale_by_shampoo(graft="none", **kw), grads)
+    gs = [g["w"] for g in grads]
+    graft_dirs = np_adam(gs) if graft == "adam" else gs
+    for t in range(3):
+        for rows, cols in BLOCKS_40x20:
+            u, v = grafted[t]["w"][rows, cols], raw[t]["w"][rows, cols]
+            np.testing.assert_allclose(np.linalg.norm(u), np.linalg.norm(graft_dirs[t][rows, cols]), rtol=1e-5)
+            assert rel_err(u / np.linalg.norm(u), v / np.linalg.norm(v)) < 1e-5
+
+
+# --- leaves: diagonal path and stacks ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("graft_b2", [0.99, 1.0])
+def test_vectors_and_scalar_labelled_leaves_take_the_diagonal_path(graft_b2):
+    """A (num_blocks, d) bias is 2-D but labelled scalar: Adam-style diagonal, like a 1-D leaf
+    (graft_b2 = 1: Adagrad sums, no bias correction)."""
+    shapes = {"bias": (3, 4), "gain": (5,), "w": (6, 4)}
+    labels = {"bias": "scalar", "gain": "embed", "w": "head"}
+    grads = random_grads(shapes, 4, seed=7)
+    tx = scale_by_shampoo(block_size=NO_BLOCKS, graft="sgd", graft_b2=graft_b2, graft_eps=1e-6, labels=labels)
+    outs, states = run(tx, grads)
+    for k in ("bias", "gain"):
+        for u, r in zip(outs, np_adam([g[k] for g in grads], graft_b2, 1e-6)):
+            np.testing.assert_allclose(u[k], r, rtol=1e-5, atol=1e-6)
+        assert states[-1].left_stats[k].shape == (0,) and states[-1].nu[k].shape == shapes[k]
+    assert states[-1].left_stats["w"].shape == (1, 1, 6, 6)
+    assert states[-1].nu["w"].shape == (0,)  # sgd graft: no second moment for Shampoo leaves
+    # Without labels the same (3, 4) leaf is a matrix.
+    assert run(scale_by_shampoo(), grads[:1])[1][0].left_stats["bias"].shape == (1, 1, 3, 3)
+
+
+def test_stacked_hidden_leaf_is_preconditioned_per_slice():
+    """(3, 6, 4) `hidden` = three independent 6x4 matrices (grafted per slice), not one 18x4."""
+    grads = random_grads({"w": (3, 6, 4)}, 4, seed=8)
+    kw = dict(block_size=NO_BLOCKS, beta2=0.9, epsilon=1e-4, precondition_every=2)
+    stacked, states = run(scale_by_shampoo(labels={"w": "hidden"}, **kw), grads)
+    slices = [{str(i): g["w"][i] for i in range(3)} for g in grads]
+    separate, _ = run(scale_by_shampoo(labels={str(i): "hidden" for i in range(3)}, **kw), slices)
+    assert states[-1].left_stats["w"].shape == (3, 1, 1, 6, 6)
+    for t in range(4):
+        for i in range(3):
+            np.testing.assert_allclose(stacked[t]["w"][i], separate[t][str(i)], rtol=1e-5, atol=1e-7)
+    # The same leaf with an int stacked_leading_axes and no labels.
+    by_int, _ = run(scale_by_shampoo(stacked_leading_axes=1, **kw), grads)
+    for t in range(4):
+        np.testing.assert_allclose(by_int[t]["w"], stacked[t]["w"], rtol=1e-6, atol=1e-7)
+
+
+def test_masked_leaves_from_other_groups_pass_through():
+    """Under optax.masked / multi_transform the other groups' leaves arrive as MaskedNode."""
+    grads = random_grads({"w": (6, 4), "b": (4,)}, 2, seed=9)
+    labels = {"w": "hidden", "b": "scalar"}
+    tx = optax.masked(scale_by_shampoo(block_size=NO_BLOCKS, labels=labels), {"w": True, "b": False})
+    outs, _ = run(tx, grads)
+    np.testing.assert_array_equal(outs[0]["b"], grads[0]["b"])  # untouched by the masked transform
+    assert not np.allclose(outs[0]["w"], grads[0]["w"])
+
+
+# --- training ------------------------------------------------------------------------------------
+
+
+def test_trains_a_least_squares_problem_under_jit():
+    rng = np.random.default_rng(10)
+    x_BxI = jnp.asarray(rng.normal(size=(64, 12)) * np.linspace(0.1, 3.0, 12), jnp.float32)  # ill-conditioned
+    target_BxO = x_BxI @ jnp.asarray(rng.normal(size=(12, 6)), jnp.float32)
+    params = {"w": jnp.zeros((12, 6)), "b": jnp.zeros((6,))}
+    tx = optax.chain(scale_by_shampoo(block_size=8, precondition_every=5), optax.scale(-0.05))
+
+    def loss_fn(p):
+        return jnp.mean((x_BxI @ p["w"] + p["b"] - target_BxO) ** 2)
+
+    @jax.jit
+    def step(p, state):
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        u, state = tx.update(g, state, p)
+        return optax.apply_updates(p, u), state, loss
+
+    state = tx.init(params)
+    losses = []
+    for _ in range(40):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    assert np.all(np.isfinite(losses))
+    assert losses[-1] < 0.05 * losses[0], losses
+
+
+def test_config_builds_on_gpt_params():
+    """Shampoo.build with the model's labels: hidden stacks per block, embeddings and head as
+    matrices, biases and gains diagonal; one jitted step is finite and moves every weight."""
+    cfg = GPTConfig(dim=32, num_heads=2, num_blocks=2, context_length=16, vocab_size=64, tie_embeddings=False)
+    model = eqx.filter_eval_shape(GPT, cfg, jax.random.PRNGKey(0))
+    labels = param_labels(model)
+    rng = np.random.default_rng(11)
+    params = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), model)
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), model)
+    opt = Shampoo(weight_decay=0.1, block_size=64)
+    tx = opt.build(optax.constant_schedule(0.01), labels)
+    updates, state = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
+    sh = state[0]
+    assert sh.left_stats.blocks.mlp_in.weight_IxO.shape == (2, 1, 1, 32, 32)  # (num_blocks, R, C, 32, 32)
+    assert sh.right_stats.blocks.mlp_in.weight_IxO.shape == (2, 1, 2, 64, 64)  # 128 columns -> 2 blocks
+    assert sh.left_stats.wte_VxD.shape == (1, 1, 64, 64)
+    assert sh.left_stats.blocks.mlp_in.bias_O.shape == (0,) and sh.nu.blocks.mlp_in.bias_O.shape == (2, 128)
+    for u in jax.tree.leaves(updates):
+        assert np.all(np.isfinite(u)) and np.any(u != 0)
+
+
+# --- config --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("knob", "value"), [
+    ("momentum", 1.0), ("block_size", 0), ("precondition_every", 0), ("start_preconditioning_step", 0),
+    ("max_preconditioner_dim", 2.5), ("beta2", 0.0), ("beta2", 1.5), ("graft_b2", 0.0), ("epsilon", 0.0),
+    ("graft_eps", 0.0), ("graft", "adagrad"), ("weight_decay", -0.1),
+])
+def test_bad_knobs_are_config_errors(knob, value):
+    Shampoo().check("optimizer")  # the defaults pass
+    with pytest.raises(ConfigError, match=rf"^optimizer\.{knob}="):
+        dataclasses.replace(Shampoo(), **{knob: value}).check("optimizer")
