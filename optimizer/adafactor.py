@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import optax
 
+from optimizer.groups import check_non_negative, check_unit_interval
 from utils.errors import ConfigError
 
 
@@ -27,10 +28,8 @@ class Adafactor:
     def check(self, prefix: str) -> None:
         if not 0.0 < self.decay_rate <= 1.0:
             raise ConfigError(f"{prefix}.decay_rate={self.decay_rate} must be in (0, 1]")
-        if self.momentum is not None and not 0.0 <= self.momentum < 1.0:
-            raise ConfigError(f"{prefix}.momentum={self.momentum} must be in [0, 1) or null")
-        if self.weight_decay < 0:
-            raise ConfigError(f"{prefix}.weight_decay={self.weight_decay} must be >= 0")
+        check_unit_interval(prefix, self, "momentum")
+        check_non_negative(prefix, self, "weight_decay")
 
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
         return optax.adafactor(

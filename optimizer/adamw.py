@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import optax
 
+from optimizer.groups import check_non_negative, check_unit_interval
 from utils.errors import ConfigError
 
 
@@ -21,13 +22,10 @@ class AdamW:
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "eps")  # settable per group
 
     def check(self, prefix: str) -> None:
-        for knob in ("b1", "b2"):
-            if not 0.0 <= getattr(self, knob) < 1.0:
-                raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be in [0, 1)")
+        check_unit_interval(prefix, self, "b1", "b2")
+        check_non_negative(prefix, self, "weight_decay")
         if self.eps <= 0:
             raise ConfigError(f"{prefix}.eps={self.eps} must be positive")
-        if self.weight_decay < 0:
-            raise ConfigError(f"{prefix}.weight_decay={self.weight_decay} must be >= 0")
 
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
         return optax.adamw(schedule, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay,

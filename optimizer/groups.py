@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import optax
 
+from utils.errors import ConfigError
+
 GROUPS = ("hidden", "embed", "head", "scalar")
 
 
@@ -74,3 +76,17 @@ def per_group(hparams: Any, schedule: optax.Schedule, labels, base_lr: float | N
     transforms = {g: group_hparams(hparams, g, overrides).transform(g, schedules[g]) for g in GROUPS}
     # A callable, because a labels tree that is itself callable (an Equinox model) would be called.
     return optax.multi_transform(transforms, lambda _params: labels)
+
+
+def check_unit_interval(prefix: str, hparams: Any, *knobs: str) -> None:
+    """Momentum-like knobs (betas, momentum) must lie in [0, 1)."""
+    for knob in knobs:
+        value = getattr(hparams, knob)
+        if value is not None and not 0.0 <= value < 1.0:
+            raise ConfigError(f"{prefix}.{knob}={value} must be in [0, 1)")
+
+
+def check_non_negative(prefix: str, hparams: Any, *knobs: str) -> None:
+    for knob in knobs:
+        if getattr(hparams, knob) < 0:
+            raise ConfigError(f"{prefix}.{knob}={getattr(hparams, knob)} must be >= 0")

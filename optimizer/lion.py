@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import optax
 
-from utils.errors import ConfigError
+from optimizer.groups import check_non_negative, check_unit_interval
 
 
 @dataclass(frozen=True)
@@ -20,11 +20,8 @@ class Lion:
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2")
 
     def check(self, prefix: str) -> None:
-        for knob in ("b1", "b2"):
-            if not 0.0 <= getattr(self, knob) < 1.0:
-                raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be in [0, 1)")
-        if self.weight_decay < 0:
-            raise ConfigError(f"{prefix}.weight_decay={self.weight_decay} must be >= 0")
+        check_unit_interval(prefix, self, "b1", "b2")
+        check_non_negative(prefix, self, "weight_decay")
 
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
         return optax.lion(schedule, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay)

@@ -14,6 +14,7 @@ import jax
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
+from optimizer.groups import check_non_negative, check_unit_interval
 from utils.errors import ConfigError
 
 STACKED_MATRIX = MuonDimensionNumbers(reduction_axis=1, output_axis=2)
@@ -38,13 +39,10 @@ class Muon:
     GROUP_KNOBS = ("lr", "weight_decay", "momentum", "adam_b1", "adam_b2", "adam_eps")
 
     def check(self, prefix: str) -> None:
-        for knob in ("momentum", "adam_b1", "adam_b2"):
-            if not 0.0 <= getattr(self, knob) < 1.0:
-                raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be in [0, 1)")
+        check_unit_interval(prefix, self, "momentum", "adam_b1", "adam_b2")
+        check_non_negative(prefix, self, "weight_decay")
         if self.ns_steps <= 0:
             raise ConfigError(f"{prefix}.ns_steps={self.ns_steps} must be a positive integer")
-        if self.weight_decay < 0:
-            raise ConfigError(f"{prefix}.weight_decay={self.weight_decay} must be >= 0")
         if self.adam_lr <= 0 or self.adam_eps <= 0:
             raise ConfigError(f"{prefix}.adam_lr and {prefix}.adam_eps must be positive")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import optax
 
-from utils.errors import ConfigError
+from optimizer.groups import check_non_negative, check_unit_interval
 
 
 @dataclass(frozen=True)
@@ -23,10 +23,8 @@ class SGDM:
     GROUP_KNOBS = ("lr", "weight_decay", "momentum")
 
     def check(self, prefix: str) -> None:
-        if not 0.0 <= self.momentum < 1.0:
-            raise ConfigError(f"{prefix}.momentum={self.momentum} must be in [0, 1)")
-        if self.weight_decay < 0:
-            raise ConfigError(f"{prefix}.weight_decay={self.weight_decay} must be >= 0")
+        check_unit_interval(prefix, self, "momentum")
+        check_non_negative(prefix, self, "weight_decay")
 
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
         return optax.chain(

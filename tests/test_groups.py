@@ -1,7 +1,6 @@
 """Parameter groups and the optimizer zoo: per-group overrides reach the right leaves, Muon
 orthogonalises each stacked block, and every registered optimizer trains the tiny model."""
 
-import dataclasses
 
 import equinox as eqx
 import jax
