@@ -15,6 +15,7 @@ from optimizer.adamw import AdamW
 from optimizer.groups import group_schedules, per_group
 from optimizer.lion import Lion
 from optimizer.muon import Muon
+from optimizer.shampoo import Shampoo
 from optimizer.sgdm import SGDM
 
 OPTIMIZERS = {
@@ -23,6 +24,7 @@ OPTIMIZERS = {
     "muon": Muon,
     "lion": Lion,
     "adafactor": Adafactor,
+    "shampoo": Shampoo,
 }
 
 

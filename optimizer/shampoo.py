@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optimizer.groups import decay_mask
+from optimizer.groups import check_non_negative, check_unit_interval, decay_mask
 from utils.errors import ConfigError
 
 GRAFTS = ("adam", "sgd", "none")
@@ -136,6 +136,27 @@ def _t(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, -1, -2)
 
 
+def _eigh(stats_BxB: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """jnp.linalg.eigh over any leading batch axes; on CPU one matrix at a time.
+
+    jaxlib 0.10's CPU LAPACK kernels fan a batch out over XLA's intra-op thread pool and block a
+    pool thread until it is done; two batched eighs running side by side (one per leaf, as here)
+    can take every thread of a small pool and wait forever (seen on a 2-core machine; later
+    jaxlibs drop that fan-out). A single matrix is not fanned out, so on CPU the batch is walked
+    with lax.map; other backends keep the batched call.
+    """
+
+    def one_at_a_time(x_BxB):
+        flat_NxBxB = x_BxB.reshape(-1, *x_BxB.shape[-2:])
+        eigvals_N, eigvecs_N = jax.lax.map(lambda x: tuple(jnp.linalg.eigh(x)), flat_NxBxB)
+        return eigvals_N.reshape(x_BxB.shape[:-1]), eigvecs_N.reshape(x_BxB.shape)
+
+    def batched(x_BxB):
+        return tuple(jnp.linalg.eigh(x_BxB))
+
+    return jax.lax.platform_dependent(stats_BxB, cpu=one_at_a_time, default=batched)
+
+
 def _inverse_root(stats_BxB: jax.Array, p: float, epsilon: float) -> jax.Array:
     """(S + epsilon·λmax(S)·I)^{-1/p} of each symmetric PSD matrix in a batch, in float32.
 
@@ -144,7 +165,7 @@ def _inverse_root(stats_BxB: jax.Array, p: float, epsilon: float) -> jax.Array:
     epsilon below ~1e-7 only guards the null space (eigh itself is accurate to ~1e-7·λmax). An
     all-zero statistic (nothing seen yet) has no information and gives the identity.
     """
-    eigvals_B, eigvecs_BxB = jnp.linalg.eigh(stats_BxB.astype(jnp.float32))
+    eigvals_B, eigvecs_BxB = _eigh(stats_BxB.astype(jnp.float32))
     lam_max = jnp.max(eigvals_B, axis=-1, keepdims=True)
     positive = lam_max > 0
     lam_max = jnp.where(positive, lam_max, 1.0)
@@ -201,7 +222,8 @@ def scale_by_shampoo(
         return jax.tree.map(lambda plan, x, *rest: x if plan.kind == "skip" else fn(plan, x, *rest),
                             plan_tree, *trees)
 
-    empty = lambda: jnp.zeros((0,), jnp.float32)
+    def empty():  # a field this leaf does not use
+        return jnp.zeros((0,), jnp.float32)
 
     def stats_shape(plan, x, side):
         b = plan.bm if side == "left" else plan.bn
@@ -342,11 +364,11 @@ class Shampoo:
     graft_b2: float = 0.999
     graft_eps: float = 1e-8
 
+    GROUP_KNOBS = ("lr", "weight_decay", "momentum", "beta2", "epsilon", "graft_b2", "graft_eps")
+
     def check(self, prefix: str) -> None:
-        if not 0.0 <= self.momentum < 1.0:
-            raise ConfigError(f"{prefix}.momentum={self.momentum} must be in [0, 1)")
-        if self.weight_decay < 0:
-            raise ConfigError(f"{prefix}.weight_decay={self.weight_decay} must be >= 0")
+        check_unit_interval(prefix, self, "momentum")
+        check_non_negative(prefix, self, "weight_decay")
         for knob in ("block_size", "precondition_every", "start_preconditioning_step", "max_preconditioner_dim"):
             value = getattr(self, knob)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -363,6 +385,16 @@ class Shampoo:
             raise ConfigError(f"{prefix}.graft={self.graft!r} must be one of {', '.join(GRAFTS)}")
 
     def build(self, schedule: optax.Schedule, labels) -> optax.GradientTransformation:
+        """The whole model in one chain: `labels` (models.gpt.param_labels) pick each leaf's path
+        and the weight-decay mask."""
+        return self._chain(schedule, labels, decay_mask(labels, self.decay_embeddings))
+
+    def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
+        """One parameter group's update (optimizer.groups.per_group): every leaf it sees carries
+        `group`'s label, so `scalar` takes the diagonal path; weight decay is the group's own."""
+        return self._chain(schedule, lambda tree: jax.tree.map(lambda _: group, tree), None)
+
+    def _chain(self, schedule: optax.Schedule, labels, mask) -> optax.GradientTransformation:
         return optax.chain(
             scale_by_shampoo(
                 block_size=self.block_size,
@@ -377,6 +409,6 @@ class Shampoo:
                 labels=labels,
             ),
             optax.trace(decay=self.momentum, nesterov=self.nesterov),
-            optax.add_decayed_weights(self.weight_decay, mask=decay_mask(labels, self.decay_embeddings)),
+            optax.add_decayed_weights(self.weight_decay, mask=mask),
             optax.scale_by_learning_rate(schedule),
         )

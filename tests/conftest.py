@@ -2,10 +2,13 @@
 
 import os
 
-import pytest
-from hydra import compose, initialize_config_dir
+# NumPy references in tests call BLAS; on a 2-core machine its threads fight XLA's for cores.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from utils.config import RunConfig, validate
+import pytest  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from utils.config import RunConfig, validate  # noqa: E402
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
