@@ -86,20 +86,24 @@ class Linear:
 
 @dataclass(frozen=True)
 class Cosine:
-    """Warmup, then cosine from `lr` down to `min_lr` at `max_steps`."""
+    """Warmup, then cosine from `lr` down to `min_lr` (null: lr / 10) at `max_steps`."""
 
     lr: float
     warmup: int = 0
-    min_lr: float = 0.0
+    min_lr: float | None = None
     max_steps: int | None = None
 
+    @property
+    def final_lr(self) -> float:
+        return self.lr / 10 if self.min_lr is None else self.min_lr
+
     def check(self, prefix: str) -> None:
-        _check_common(prefix, self.lr, self.warmup, self.max_steps, self.min_lr)
+        _check_common(prefix, self.lr, self.warmup, self.max_steps, self.final_lr)
 
     def build(self, max_steps: int) -> optax.Schedule:
         decay = max(max_steps - self.warmup, 1)
         return _warmup_then(
-            self.lr, self.warmup, optax.cosine_decay_schedule(self.lr, decay, alpha=self.min_lr / self.lr)
+            self.lr, self.warmup, optax.cosine_decay_schedule(self.lr, decay, alpha=self.final_lr / self.lr)
         )
 
 
