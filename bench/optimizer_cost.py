@@ -61,7 +61,7 @@ def main() -> None:
         with initialize_config_dir(config_dir=CONF, version_base="1.3"):
             run = validate(compose("config", overrides=[*overrides, *extra]))
         mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size)
-        run = T.resolve_vocab(run, T.tokenizers.byte_tokenizer()) if run.model.vocab_size is None else run
+        run = T.resolve_vocab(run, T.tokenizers.byte_tokenizer())  # synthetic bytes: no corpus needed
         _, tx, state, step = T.init_training(run, mesh)
         shape = (run.dataset.accum_steps, run.dataset.batch_size, run.context_length + 1)
         batch = meshlib.put_batch(np.random.default_rng(0).integers(0, 256, shape, dtype=np.int32),

@@ -7,6 +7,8 @@ are size 1 and every rule below degenerates to "replicated".
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -77,8 +79,6 @@ def init_distributed() -> None:
     """Join a multi-process job when the environment describes one (SLURM with several tasks,
     or JAX_COORDINATOR_ADDRESS set); a no-op on one process and on a second call (Hydra
     multirun jobs share the process)."""
-    import os
-
     global _distributed_ready
     if _distributed_ready:
         return
