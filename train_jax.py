@@ -7,6 +7,7 @@ evaluates and finally samples a little text.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -15,7 +16,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import equinox as eqx
 import hydra
@@ -23,15 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from loaders import corpus, tokenizers
 from loaders.batching import BatchIterator, WindowDataset, tokenize_documents
 from models.gpt import GPT, count_params, cross_entropy, flops_per_token, param_labels
 from models.sample import generate
 from optimizer import group_schedules, make_optimizer
+from utils import checkpoint as ckptlib
 from utils import mesh as meshlib
-from utils.config import RunConfig, validate
+from utils.config import RunConfig, checkpoint_section, to_dict, validate
 from utils.errors import ConfigError, EqtrainError, TrainingError
 from utils.flops import peak_flops
 from utils.metrics import RunLogger
@@ -113,16 +115,28 @@ class TrainState(eqx.Module):
     key: jax.Array  # uint32[2]: dropout randomness, split once per step
 
 
-def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh) -> tuple[TrainState, object]:
-    """Build the state directly into its shards (no host copy of the full model)."""
+def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh,
+               source: ckptlib.Source | None = None) -> tuple[TrainState, object]:
+    """Build the state directly into its shards (no host copy of the full model), or restore it
+    from `source` straight into the same shards."""
 
     def build() -> TrainState:
         model_key, train_key = jax.random.split(jax.random.PRNGKey(run.random_seed))
         model = init_model(run, model_key)
         return TrainState(model, tx.init(eqx.filter(model, eqx.is_array)), jnp.zeros((), jnp.int32), train_key)
 
-    shardings = meshlib.tree_shardings(mesh, jax.eval_shape(build))
-    return jax.jit(build, out_shardings=shardings)(), shardings
+    abstract = jax.eval_shape(build)
+    shardings = meshlib.tree_shardings(mesh, abstract)
+    if source is None:
+        return jax.jit(build, out_shardings=shardings)(), shardings
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+    restored = ckptlib.restore(source, target, dataclasses.asdict(run.model))
+    model = restored["model"]
+    if "opt_state" in restored:
+        opt_state = restored["opt_state"]
+    else:  # checkpoint.overwrite_optimizer: a fresh state of this run's optimizer for the restored weights
+        opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(eqx.filter(model, eqx.is_array))
+    return TrainState(model, opt_state, restored["progress"]["step"], restored["progress"]["key"]), shardings
 
 
 def make_train_step(run: RunConfig, tx: optax.GradientTransformation, schedule: optax.Schedule,
@@ -210,42 +224,63 @@ class Trainer:
     eval_step: Callable
 
 
-def build_trainer(run: RunConfig) -> Trainer:
+def build_trainer(run: RunConfig, source: ckptlib.Source | None = None) -> Trainer:
     meshlib.init_distributed()
     mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size)
     docs = load_documents(run)
     tokenizer = init_tokenizer(run, docs[0])
     run = resolve_vocab(run, tokenizer)
     data = init_data(run, tokenizer, docs)
-    schedule, tx, state, train_step = init_training(run, mesh)
+    if source is not None:
+        data.train.load_state_dict(source.manifest["data"])
+    schedule, tx, state, train_step = init_training(run, mesh, source)
     return Trainer(run, mesh, tokenizer, data, schedule, tx, state, train_step, make_eval_step(run))
 
 
-def init_training(run: RunConfig, mesh) -> tuple[optax.Schedule, optax.GradientTransformation, TrainState, Callable]:
-    """Schedule, optimizer, sharded initial state and the compiled-on-first-call train step
-    (model.vocab_size must be resolved)."""
+def init_training(run: RunConfig, mesh, source: ckptlib.Source | None = None
+                  ) -> tuple[optax.Schedule, optax.GradientTransformation, TrainState, Callable]:
+    """Schedule, optimizer, sharded initial (or restored) state and the compiled-on-first-call
+    train step (model.vocab_size must be resolved)."""
     schedule = init_scheduler(run)
     tx = init_optimizer(run, schedule, param_labels(eqx.filter_eval_shape(GPT, run.model, jax.random.PRNGKey(0))))
-    state, shardings = init_state(run, tx, mesh)
+    state, shardings = init_state(run, tx, mesh, source)
     return schedule, tx, state, make_train_step(run, tx, schedule, shardings, mesh)
 
 
-def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None) -> dict[str, float]:
-    """Everything after validation. Returns the merged metrics of the run (handy for tests)."""
-    trainer = build_trainer(run)
+def warn(message: str) -> None:
+    if jax.process_index() == 0:
+        print(f"warning: {message}", flush=True)
+
+
+def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None,
+                 source: ckptlib.Source | None = None) -> dict[str, float]:
+    """Everything after validation: train from step 0 or from `source` up to train.max_steps
+    (or checkpoint.num_steps more), saving checkpoints as configured. Returns the merged metrics
+    of the run (handy for tests); raises ckptlib.Preempted after saving on SIGTERM/SIGUSR1/SIGINT."""
+    trainer = build_trainer(run, source)
     run, data, state, tokenizer = trainer.run, trainer.data, trainer.state, trainer.tokenizer
     train_step, eval_step, mesh = trainer.train_step, trainer.eval_step, trainer.mesh
+    ck = run.checkpoint
+    start = int(state.step)
+    end = min(run.train.max_steps, start + ck.num_steps) if ck.num_steps else run.train.max_steps
 
     n_params = count_params(state.model)
     flops_per_step = flops_per_token(run.model, run.context_length) * data.tokens_per_step
     peak = peak_flops(run.train.compute_dtype, run.cache_dir)
-    log = RunLogger(run.logging, run_dir, run.train.max_steps, 0, config_dict)
+    log = RunLogger(run.logging, run_dir, run.train.max_steps, start, config_dict)
     log.print(f"eqtrain: {n_params / 1e6:.2f}M params | {run.optimizer.name} + {run.optimizer.schedule_name} | "
               f"{data.tokens_per_step:,} tokens/step | {len(jax.devices())} {jax.devices()[0].platform} device(s) "
               f"| run dir {run_dir}")
 
     for warning in run.warnings:
         log.print(f"warning: {warning}")
+    if source is not None:
+        log.print(f"resumed from {source.path} at step {start}"
+                  + ("" if source.with_opt_state else " with a fresh optimizer state (checkpoint.overwrite_optimizer)"))
+    if start >= run.train.max_steps:
+        log.print(f"nothing to train: the run is at step {start} = train.max_steps")
+        log.close()
+        return dict(source.manifest.get("metrics", {})) if source else {}
 
     batch_sharding, eval_sharding = meshlib.batch_sharding(mesh, 1), meshlib.batch_sharding(mesh, 0)
 
@@ -255,43 +290,76 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None) 
         return due and not t.skip_validation
 
     last: dict[str, float] = {}
-    if validate_now(0):
+    if start == 0 and validate_now(0):
         last = evaluate(eval_step, state.model, data.val, run, eval_sharding)
         log.log(0, last)
 
-    t_last, step_last = time.perf_counter(), 0
-    for step in range(1, run.train.max_steps + 1):
-        batch = meshlib.put_batch(next(data.train), batch_sharding)
-        state, metrics = train_step(state, batch)  # dispatched; the host moves on at once
-        log.advance()
-        record: dict[str, float] = {}
-        if step % run.logging.log_every == 0 or step == run.train.max_steps:
-            record = {k: float(v) for k, v in metrics.items()}  # the only device sync on training steps
-            now = time.perf_counter()
-            if step_last > 0 or step == run.train.max_steps:  # the first interval holds compilation
-                seconds = (now - t_last) / (step - step_last)
-                record["train/step_time"] = seconds
-                record["train/tokens_per_sec"] = data.tokens_per_step / seconds
-                record["train/mfu"] = flops_per_step / seconds / peak if peak else float("nan")
-            t_last, step_last = now, step
-        if validate_now(step):
-            record.update(evaluate(eval_step, state.model, data.val, run, eval_sharding))
-            t_last = time.perf_counter()  # evaluation time is not training throughput
-        if record:
-            log.log(step, record)
-            last.update(record)
-            if not math.isfinite(record.get("train/loss", 0.0)):
-                log.close()
-                raise TrainingError(f"train/loss is {record['train/loss']} at step {step}: the run diverged; "
-                                    "lower optimizer.lr_config.lr or set train.gradient_clip_val")
+    saver = ckptlib.Checkpointer(ck, config_dict or {}, dataclasses.asdict(run.model), warn) if ck.save else None
+
+    def save(step: int, reason: str) -> None:
+        if saver.save(step, state, data.train.state_dict(), last, reason):
+            log.print(f"checkpoint: saving {ck.save_path}/{ckptlib.STEP_PREFIX}_{step} ({reason})")
+
+    try:
+        with ckptlib.StopSignals(catch_interrupt=ck.save_on_interrupt) if saver else contextlib.nullcontext() as stop:
+            t_last, step_last = time.perf_counter(), start
+            for step in range(start + 1, end + 1):
+                batch = meshlib.put_batch(next(data.train), batch_sharding)
+                state, metrics = train_step(state, batch)  # dispatched; the host moves on at once
+                log.advance()
+                record: dict[str, float] = {}
+                if step % run.logging.log_every == 0 or step == end:
+                    record = {k: float(v) for k, v in metrics.items()}  # the only device sync on training steps
+                    now = time.perf_counter()
+                    if step_last > start or step == end:  # the first interval holds compilation
+                        seconds = (now - t_last) / (step - step_last)
+                        record["train/step_time"] = seconds
+                        record["train/tokens_per_sec"] = data.tokens_per_step / seconds
+                        record["train/mfu"] = flops_per_step / seconds / peak if peak else float("nan")
+                    t_last, step_last = now, step
+                if validate_now(step):
+                    record.update(evaluate(eval_step, state.model, data.val, run, eval_sharding))
+                    t_last = time.perf_counter()  # evaluation time is not training throughput
+                if record:
+                    log.log(step, record)
+                    last.update(record)
+                    if not math.isfinite(record.get("train/loss", 0.0)):
+                        raise TrainingError(f"train/loss is {record['train/loss']} at step {step}: the run diverged; "
+                                            "lower optimizer.lr_config.lr or set train.gradient_clip_val")
+                if saver is None:
+                    continue
+                if "val/loss" in record and saver.maybe_save_best(step, state, data.train.state_dict(), last):
+                    log.print(f"checkpoint: new best val/loss {record['val/loss']:.4f}, saving {ck.save_path}/best")
+                if saver.due(step) or step == end:
+                    save(step, "end" if step == end else "scheduled")
+                if stop.requested:
+                    save(step, stop.requested)
+                    saver.close()
+                    raise ckptlib.Preempted(stop.requested, step, f"{ck.save_path}/{ckptlib.STEP_PREFIX}_{step}")
+    finally:
+        if saver is not None:
+            saver.close()  # pending asynchronous writes finish before the process may exit
+        log.close()
 
     if run.train.sample_tokens:
         prompt = tokenizer.encode(run.train.sample_prompt)
         ids = generate(state.model, prompt, run.train.sample_tokens, jax.random.PRNGKey(run.random_seed),
                        run.train.sample_temperature, stop_id=tokenizer.eot_id)
-        log.print("---- sample ----\n" + tokenizer.decode(ids) + "\n----------------")
-    log.close()
+        if jax.process_index() == 0:
+            print("---- sample ----\n" + tokenizer.decode(ids) + "\n----------------", flush=True)
     return last
+
+
+def train(cfg: DictConfig | dict, run_dir: str, overrides: Sequence[str] = ()) -> dict[str, float]:
+    """What `main` does once Hydra has composed the config (tests call it in-process): pick the
+    checkpoint to start from, settle which config wins, validate, train."""
+    config_dict = to_dict(cfg)
+    validate(config_dict)  # every knob of this command line is checked before any file is touched
+    ck = checkpoint_section(config_dict)
+    source = ckptlib.resume_source(ck, warn)
+    if source is not None:
+        config_dict = ckptlib.merge_config(source, config_dict, overrides, ck, warn)
+    return run_training(validate(config_dict), run_dir, config_dict, source)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -299,9 +367,12 @@ def main(cfg: DictConfig) -> dict[str, float]:
     from hydra.core.hydra_config import HydraConfig
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" probe noise
+    hydra_cfg = HydraConfig.get()
     try:
-        run = validate(cfg)
-        return run_training(run, HydraConfig.get().runtime.output_dir, OmegaConf.to_container(cfg, resolve=True))
+        return train(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
+    except ckptlib.Preempted as e:
+        print(f"eqtrain: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     except EqtrainError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -19,6 +19,7 @@ from models.gpt import GPTConfig
 from optimizer import OPTIMIZERS
 from optimizer.groups import GROUPS, group_hparams
 from optimizer.schedules import SCHEDULES, warmup_warning
+from utils.checkpoint import CheckpointConfig
 from utils.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16")
@@ -155,6 +156,7 @@ class RunConfig:
     parallel: ParallelConfig
     random_seed: int
     cache_dir: str  # trained tokenizers, tokenized corpora, the measured CPU peak
+    checkpoint: CheckpointConfig = CheckpointConfig()
     warnings: tuple[str, ...] = ()  # legal but probably unintended settings, printed at start
 
     @property
@@ -251,18 +253,33 @@ def _group_overrides(node: dict, hparams) -> dict[str, dict[str, float]]:
     return out
 
 
-def validate(cfg: DictConfig) -> RunConfig:
-    """The whole composed config -> RunConfig, or a ConfigError naming the first bad knob."""
+def to_dict(cfg: DictConfig | dict) -> dict:
+    """The composed config as plain, resolved Python containers (hydra's own node dropped)."""
+    if isinstance(cfg, dict):
+        return {k: v for k, v in cfg.items() if k != "hydra"}
     try:
         raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
         raise ConfigError(f"config cannot be resolved: {str(e).splitlines()[0]}") from None
+    return {k: v for k, v in raw.items() if k != "hydra"}
+
+
+def checkpoint_section(cfg: DictConfig | dict) -> CheckpointConfig:
+    """Just the checkpoint group: read first, because a resumed run may train with the config
+    saved in its checkpoint rather than this command line's."""
+    return build_section(CheckpointConfig, to_dict(cfg).get("checkpoint") or {}, "checkpoint")
+
+
+def validate(cfg: DictConfig | dict) -> RunConfig:
+    """The whole composed config -> RunConfig, or a ConfigError naming the first bad knob."""
+    raw = to_dict(cfg)
 
     expected = {"model", "tokenizer", "dataset", "optimizer", "train", "logging", "parallel", "random_seed",
                 "cache_dir"}
-    unknown = sorted(set(raw) - expected - {"hydra", "checkpoint"})
+    unknown = sorted(set(raw) - expected - {"checkpoint"})
     if unknown:
-        raise ConfigError(f"unknown top-level config key {unknown[0]!r}: known keys are {', '.join(sorted(expected))}")
+        raise ConfigError(f"unknown top-level config key {unknown[0]!r}: known keys are "
+                          f"{', '.join(sorted(expected | {'checkpoint'}))}")
     missing = sorted(expected - set(raw))
     if missing:
         raise ConfigError(f"config lacks the {missing[0]!r} section: is conf/config.yaml's defaults list intact?")
@@ -304,6 +321,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         parallel=build_section(ParallelConfig, raw["parallel"], "parallel"),
         random_seed=seed,
         cache_dir=str(raw["cache_dir"]),
+        checkpoint=checkpoint_section(raw),
         warnings=(warning,) if warning else (),
     )
     if run.context_length > run.model.context_length:

@@ -1,0 +1,277 @@
+"""Checkpoints, in-process: which iterations are saved and kept, exact resume, which config wins
+on load, overwrite_optimizer, and every corruption ending in a CheckpointError naming the file.
+
+Runs go through `train_jax.train`, the function `main` calls after Hydra composes the config,
+so what is tested is the command line's path minus the process boundary (signals and kill -9,
+which need a real process, are in test_preemption.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import train_jax
+from tests.conftest import compose_config
+from utils.checkpoint import complete_steps, open_checkpoint
+from utils.errors import CheckpointError, ConfigError
+
+# Shuffled data, dropout on (so the RNG key matters) and a log record at every step.
+RUN = ("model.vocab_size=null", "train.max_steps=12", "logging.log_every=1", "train.val_freq=6", "train.max_val_steps=2",
+       "model.dropout=0.1", "optimizer/lr_config=constant", "optimizer.lr_config.lr=3e-3")
+
+
+def train(tmp_path: Path, name: str, *overrides: str, argv_overrides: tuple[str, ...] = ()) -> tuple[dict, Path]:
+    """One in-process run in its own run dir; returns (final metrics, run dir)."""
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    cfg = compose_config(*RUN, *overrides)
+    return train_jax.train(cfg, str(run_dir), list(argv_overrides or overrides)), run_dir
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+
+
+def arrays(ckpt_dir: Path, item: str) -> list[np.ndarray]:
+    """Every array of one orbax item, read back as numpy (no target needed)."""
+    tree = ocp.StandardCheckpointer().restore(os.fspath(ckpt_dir / item))
+    return [np.asarray(x) for x in __import__("jax").tree.leaves(tree)]
+
+
+def assert_same_arrays(a: Path, b: Path, item: str) -> None:
+    xs, ys = arrays(a, item), arrays(b, item)
+    assert len(xs) == len(ys) and xs
+    for x, y in zip(xs, ys):
+        np.testing.assert_array_equal(x, y)
+
+
+# ----------------------------------------------------------------------------- what is saved
+
+
+def test_interval_saves_every_n_and_keeps_the_newest(tmp_path):
+    ck = tmp_path / "ck"
+    train(tmp_path, "a", "checkpoint.save=true", f"checkpoint.save_path={ck}", "checkpoint.save_steps=4",
+          "checkpoint.max_to_keep=2")
+    assert complete_steps(str(ck)) == [8, 12]  # 4 was saved, then retired by max_to_keep
+    src = open_checkpoint(str(ck), "latest", with_opt_state=True)
+    assert src.step == 12 and src.manifest["step"] == 12 and src.config["train"]["max_steps"] == 12
+    assert src.manifest["data"]["position"] == 12 * 8  # 12 batches of 8 windows consumed
+    assert (ck / "iter_12" / "config" / "config.yaml").is_file()
+    assert (ck / "iter_12" / "manifest" / "manifest.json").is_file()
+    assert not list(ck.rglob("*.pkl")) and not list(ck.rglob("*.pickle"))
+
+
+def test_list_saves_exactly_those_iterations_and_keeps_them(tmp_path):
+    ck = tmp_path / "ck"
+    train(tmp_path, "a", "checkpoint.save=true", f"checkpoint.save_path={ck}", "checkpoint.save_steps=[3,7]",
+          "checkpoint.max_to_keep=1")
+    # 3 and 7 from the list (kept despite max_to_keep=1), 12 because the run ended there.
+    assert complete_steps(str(ck)) == [3, 7, 12]
+    assert open_checkpoint(str(ck), "iter_7.ckpt", True).step == 7  # the older spelling loads too
+
+
+def test_existing_save_path_is_refused_before_training(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"checkpoint.save_path=.*already exists.*checkpoint.resume=auto"):
+        train(tmp_path, "a", "checkpoint.save=true", f"checkpoint.save_path={ck}")
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
+    assert [p.name for p in ck.iterdir()] == ["keep.txt"]
+
+
+def test_keep_best_holds_the_lowest_val_loss(tmp_path):
+    ck = tmp_path / "ck"
+    metrics, run_dir = train(tmp_path, "a", "checkpoint.save=true", f"checkpoint.save_path={ck}",
+                             "checkpoint.keep_best=true", "checkpoint.save_steps=100")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    vals = {r["step"]: r["val/loss"] for r in records if "val/loss" in r}
+    best_step = min((s for s in vals if s > 0), key=vals.get)
+    assert complete_steps(str(ck / "best")) == [best_step]
+    best = open_checkpoint(str(ck / "best"), "latest", True)
+    assert best.manifest["metrics"]["val/loss"] == pytest.approx(vals[best_step])
+
+
+# ----------------------------------------------------------------------------- exact resume
+
+
+@pytest.mark.parametrize("extra", [(), ("dataset.total_batch_size=16",)], ids=["plain", "accumulation"])
+def test_resume_is_bit_identical(tmp_path, extra):
+    """Stop at step 5 and resume: losses at every step and the final weights and optimizer state
+    equal an uninterrupted run's exactly (data order and dropout keys included)."""
+    full_ck, seg_ck = tmp_path / "ck_full", tmp_path / "ck_seg"
+    train(tmp_path, "full", *extra, "checkpoint.save=true", f"checkpoint.save_path={full_ck}")
+    _, first = train(tmp_path, "first", *extra, "checkpoint.save=true", f"checkpoint.save_path={seg_ck}",
+                     "checkpoint.num_steps=5")
+    assert complete_steps(str(seg_ck)) == [5]
+    _, second = train(tmp_path, "second", *extra, "checkpoint.save=true", f"checkpoint.save_path={seg_ck}",
+                      "checkpoint.resume=auto")
+
+    full = losses(tmp_path / "full")
+    resumed = {**losses(first), **losses(second)}
+    assert sorted(resumed) == list(range(1, 13))
+    assert resumed == full  # exact float equality, step by step
+    assert 0 not in losses(second) and min(losses(second)) == 6
+    for item in ("model", "opt_state", "progress"):
+        assert_same_arrays(full_ck / "iter_12", seg_ck / "iter_12", item)
+
+
+def test_resume_auto_without_checkpoint_starts_fresh_and_finished_run_is_a_no_op(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    common = ("checkpoint.save=true", f"checkpoint.save_path={ck}", "checkpoint.resume=auto")
+    train(tmp_path, "a", *common)  # save_path does not exist: a new run
+    assert complete_steps(str(ck)) == [12]
+    capsys.readouterr()
+    metrics, run_dir = train(tmp_path, "b", *common)
+    assert "nothing to train" in capsys.readouterr().out
+    assert not losses_file_has_training(run_dir)
+    assert metrics["val/loss"] > 0  # the metrics saved with the checkpoint
+
+
+def losses_file_has_training(run_dir: Path) -> bool:
+    path = run_dir / "metrics.jsonl"
+    return path.exists() and any("train/loss" in line for line in path.read_text().splitlines())
+
+
+def test_interrupted_save_is_removed_with_a_warning(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    train(tmp_path, "a", "checkpoint.save=true", f"checkpoint.save_path={ck}", "checkpoint.num_steps=4")
+    # What kill -9 during a save leaves: orbax's tmp directory, never renamed to iter_N.
+    shutil.copytree(ck / "iter_4", ck / "iter_8.orbax-checkpoint-tmp")
+    shutil.rmtree(ck / "iter_8.orbax-checkpoint-tmp" / "opt_state")
+    assert complete_steps(str(ck)) == [4]
+    capsys.readouterr()
+    _, run_dir = train(tmp_path, "b", "checkpoint.save=true", f"checkpoint.save_path={ck}", "checkpoint.resume=auto")
+    out = capsys.readouterr().out
+    assert "removing the incomplete checkpoint" in out and "iter_8.orbax-checkpoint-tmp" in out
+    assert "resumed from" in out and "at step 4" in out
+    assert not (ck / "iter_8.orbax-checkpoint-tmp").exists()
+    assert min(losses(run_dir)) == 5 and complete_steps(str(ck)) == [4, 12]
+
+
+# ----------------------------------------------------------------------------- load: which config wins
+
+
+def _base(tmp_path) -> Path:
+    ck = tmp_path / "ck_base"
+    train(tmp_path, "base", "checkpoint.save=true", f"checkpoint.save_path={ck}", "checkpoint.num_steps=6")
+    return ck
+
+
+def test_load_keeps_saved_config_and_reports_ignored_overrides(tmp_path, capsys):
+    base = _base(tmp_path)
+    new = tmp_path / "new"
+    capsys.readouterr()
+    overrides = ("optimizer.lr_config.lr=0.5", "train.max_steps=8", "checkpoint.load=true",
+                 f"checkpoint.load_path={base}", "checkpoint.load_file=iter_6", "checkpoint.save=true",
+                 f"checkpoint.save_path={new}")
+    train(tmp_path, "load", *overrides)
+    out = capsys.readouterr().out
+    assert "checkpoint.overwrite_config=false" in out
+    assert "optimizer.lr_config.lr=0.5" in out and "train.max_steps=8" in out  # reported as ignored
+    # The saved config trained (max_steps 12, lr 3e-3); the checkpoint group of this command line applied.
+    assert complete_steps(str(new)) == [12]
+    saved = open_checkpoint(str(new), "latest", True).config
+    assert saved["optimizer"]["lr_config"]["lr"] == pytest.approx(3e-3)
+    assert saved["checkpoint"]["save_path"] == str(new)
+
+
+def test_load_with_overwrite_config_uses_the_new_config(tmp_path, capsys):
+    base = _base(tmp_path)
+    new = tmp_path / "new"
+    capsys.readouterr()
+    _, run_dir = train(tmp_path, "load", "train.max_steps=8", "optimizer.lr_config.lr=1e-3", "checkpoint.load=true",
+                       f"checkpoint.load_path={base}", "checkpoint.overwrite_config=true", "checkpoint.save=true",
+                       f"checkpoint.save_path={new}")
+    assert "train.max_steps: 12 -> 8" in capsys.readouterr().out
+    assert complete_steps(str(new)) == [8] and min(losses(run_dir)) == 7
+
+
+def test_load_with_overwrite_config_and_another_model_shape_fails_clearly(tmp_path):
+    base = _base(tmp_path)
+    with pytest.raises(CheckpointError, match=r"model.dim: 32 in the checkpoint, 64 now"):
+        train(tmp_path, "load", "model.dim=64", "checkpoint.load=true", f"checkpoint.load_path={base}",
+              "checkpoint.overwrite_config=true")
+
+
+def test_overwrite_optimizer_switches_adamw_to_sgdm(tmp_path):
+    base = _base(tmp_path)
+    new = tmp_path / "new"
+    common = ("optimizer=sgdm", "optimizer.lr_config.lr=0.1", "checkpoint.load=true", f"checkpoint.load_path={base}")
+    # Without overwrite_optimizer, AdamW's state cannot fill SGDM's: a clear error, not an orbax traceback.
+    with pytest.raises(CheckpointError, match=r"overwrite_optimizer"):
+        train(tmp_path, "refused", *common, "checkpoint.overwrite_config=true")
+    _, run_dir = train(tmp_path, "switch", *common, "checkpoint.overwrite_optimizer=true", "checkpoint.save=true",
+                       f"checkpoint.save_path={new}")
+    assert min(losses(run_dir)) == 7  # step kept
+    src = open_checkpoint(str(new), "latest", True)
+    assert src.config["optimizer"]["name"] == "sgdm" and src.step == 12
+    # SGDM keeps one momentum buffer per parameter (AdamW two): count the optimizer's big arrays.
+    model_sizes = sorted(a.size for a in arrays(new / "iter_12", "model"))
+    opt_sizes = sorted(a.size for a in arrays(new / "iter_12", "opt_state") if a.size > 1)
+    base_sizes = sorted(a.size for a in arrays(base / "iter_6", "opt_state") if a.size > 1)
+    assert opt_sizes == [s for s in model_sizes if s > 1]
+    assert base_sizes == sorted(2 * [s for s in model_sizes if s > 1])
+
+
+# ----------------------------------------------------------------------------- corruption
+
+
+def _load(tmp_path, base: Path, name: str = "load"):
+    return train(tmp_path, name, "checkpoint.load=true", f"checkpoint.load_path={base}")
+
+
+def _snapshot(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_deleted_array_file_is_a_checkpoint_error_naming_it(tmp_path):
+    base = _base(tmp_path)
+    data_files = sorted((base / "iter_6" / "model").rglob("d/*"))
+    assert data_files
+    for f in data_files:
+        f.unlink()
+    before = _snapshot(base)
+    with pytest.raises(CheckpointError, match=r"iter_6/model"):
+        _load(tmp_path, base)
+    assert _snapshot(base) == before  # nothing was written into the checkpoint
+
+
+def test_bad_manifest_json_is_a_checkpoint_error_naming_it(tmp_path):
+    base = _base(tmp_path)
+    (base / "iter_6" / "manifest" / "manifest.json").write_text('{"step": 6, "da')
+    with pytest.raises(CheckpointError, match=r"iter_6/manifest/manifest.json is not valid JSON"):
+        _load(tmp_path, base)
+
+
+def test_bad_config_yaml_is_a_checkpoint_error_naming_it(tmp_path):
+    base = _base(tmp_path)
+    (base / "iter_6" / "config" / "config.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(CheckpointError, match=r"iter_6/config/config.yaml is not valid YAML"):
+        _load(tmp_path, base)
+
+
+def test_another_models_checkpoint_is_a_checkpoint_error(tmp_path):
+    base = _base(tmp_path)
+    other = tmp_path / "ck_other"
+    train(tmp_path, "other", "model.dim=48", "model.num_heads=3", "checkpoint.save=true",
+          f"checkpoint.save_path={other}", "checkpoint.num_steps=2")
+    # Put the other model's arrays under this checkpoint's manifest and config: the shapes betray it.
+    shutil.rmtree(base / "iter_6" / "model")
+    shutil.copytree(other / "iter_2" / "model", base / "iter_6" / "model")
+    with pytest.raises(CheckpointError, match=r"another model's checkpoint"):
+        _load(tmp_path, base)
+
+
+def test_missing_load_file_lists_what_exists(tmp_path):
+    base = _base(tmp_path)
+    with pytest.raises(CheckpointError, match=r"no iter_7 in .*complete checkpoints: iter_6"):
+        train(tmp_path, "load", "checkpoint.load=true", f"checkpoint.load_path={base}", "checkpoint.load_file=iter_7")

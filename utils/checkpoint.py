@@ -1,0 +1,538 @@
+"""Checkpoints that never lose work, on orbax.
+
+Layout of `checkpoint.save_path`:
+
+    iter_{N}/model/        orbax (OCDBT) arrays of the model
+    iter_{N}/opt_state/    orbax arrays of the optimizer state
+    iter_{N}/progress/     orbax arrays: step (int32) and the training RNG key
+    iter_{N}/manifest/manifest.json   step, time, metrics, data-iterator position, resolved model
+                                      config, library versions (JSON: no pickle anywhere)
+    iter_{N}/config/config.yaml       the run's resolved config
+    best/iter_{N}/...                 checkpoint.keep_best: the lowest val/loss so far
+
+orbax writes `iter_N.orbax-checkpoint-tmp` and renames it to `iter_N` only once every item is
+on disk, so a directory named `iter_N` is complete: a `kill -9` mid-save leaves a tmp directory,
+which the next run that saves there removes with a warning. Saves are asynchronous: `save`
+returns once the arrays are copied off the device, and the files are written while training
+goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import equinox as eqx
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import yaml
+from etils import epath
+from orbax.checkpoint import checkpoint_managers as policies
+
+from utils.errors import CheckpointError, ConfigError
+
+STEP_PREFIX = "iter"
+TMP_MARKER = ".orbax-checkpoint-tmp"
+ARRAY_ITEMS = ("model", "opt_state", "progress")
+MANIFEST_FILE = "manifest.json"
+CONFIG_FILE = "config.yaml"
+FORMAT_VERSION = 1
+# Exit codes of a run stopped by a signal after saving (README "Checkpoints"): resume with
+# checkpoint.resume=auto. 130 is the shell's own code for Ctrl-C.
+EXIT_PREEMPTED = 3
+EXIT_INTERRUPTED = 130
+# Top-level config keys that describe this machine or this invocation, not the model being
+# trained: a resumed run always takes them from its own command line.
+LOCAL_KEYS = ("checkpoint", "cache_dir", "hydra")
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: bool = False
+    save_path: str | None = None  # a new directory per run; resume=auto continues an existing one
+    save_steps: Any = 1000  # int: every N iterations; list: exactly these iterations
+    num_steps: int | None = None  # iterations this invocation runs at most (a segment); null = to train.max_steps
+    max_to_keep: int | None = 3  # interval checkpoints kept (newest first); list ones are all kept; null = all
+    keep_best: bool = False  # also keep the lowest-val/loss checkpoint under {save_path}/best
+    resume: str | None = None  # auto: continue from the newest checkpoint in save_path, if any
+    async_save: bool = True  # write files in the background while training goes on
+    save_on_interrupt: bool = True  # Ctrl-C finishes the step and saves (SIGTERM/SIGUSR1 always do)
+    load: bool = False
+    load_path: str | None = None  # a save_path of an earlier run
+    load_file: str = "latest"  # iter_N | iter_N.ckpt | latest
+    overwrite_config: bool = False  # false: the checkpoint's config wins over this command line
+    overwrite_optimizer: bool = False  # true: keep weights and step, fresh optimizer state (any family)
+
+    def check(self, prefix: str) -> None:
+        steps = self.save_steps
+        if isinstance(steps, bool) or not (isinstance(steps, int) or isinstance(steps, (list, tuple))):
+            raise ConfigError(f"{prefix}.save_steps={steps!r} must be an interval (e.g. 500) or a list (e.g. [100,1000])")
+        if isinstance(steps, int) and steps <= 0:
+            raise ConfigError(f"{prefix}.save_steps={steps} must be a positive interval")
+        if isinstance(steps, (list, tuple)):
+            if not steps or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in steps):
+                raise ConfigError(f"{prefix}.save_steps={list(steps)} must be a non-empty list of positive iterations")
+        if self.save and not self.save_path:
+            raise ConfigError(f"{prefix}.save=true needs {prefix}.save_path (a directory that does not exist yet)")
+        if self.resume not in (None, "auto"):
+            raise ConfigError(f"{prefix}.resume={self.resume!r} must be null or auto")
+        if self.resume == "auto" and not self.save:
+            raise ConfigError(f"{prefix}.resume=auto continues {prefix}.save_path: set {prefix}.save=true too")
+        if self.load and not self.load_path:
+            raise ConfigError(f"{prefix}.load=true needs {prefix}.load_path (the save_path of an earlier run)")
+        for knob in ("num_steps", "max_to_keep"):
+            value = getattr(self, knob)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{prefix}.{knob}={value} must be a positive integer or null")
+        if self.load_file != "latest" and parse_step(self.load_file) is None:
+            raise ConfigError(f"{prefix}.load_file={self.load_file!r} must be iter_N, iter_N.ckpt or latest")
+
+    @property
+    def save_at(self) -> tuple[int, ...] | None:
+        """The list of iterations to save at, or None for an interval."""
+        return None if isinstance(self.save_steps, int) else tuple(sorted(set(self.save_steps)))
+
+
+def parse_step(name: str) -> int | None:
+    """iter_N or iter_N.ckpt -> N; anything else -> None."""
+    m = re.fullmatch(rf"{STEP_PREFIX}_(\d+)(\.ckpt)?", name)
+    return int(m.group(1)) if m else None
+
+
+# ----------------------------------------------------------------------------- orbax plumbing
+
+
+class _YamlHandler(ocp.CheckpointHandler):
+    """The resolved run config as a readable config.yaml inside the checkpoint."""
+
+    def save(self, directory: epath.Path, args: "YamlSave") -> None:
+        (epath.Path(directory) / CONFIG_FILE).write_text(yaml.safe_dump(args.config, sort_keys=False))
+
+    def restore(self, directory: epath.Path, args: "YamlRestore | None" = None) -> dict:
+        return read_yaml(os.fspath(epath.Path(directory) / CONFIG_FILE))
+
+
+@ocp.args.register_with_handler(_YamlHandler, for_save=True)
+@dataclass
+class YamlSave(ocp.args.CheckpointArgs):
+    config: dict
+
+
+@ocp.args.register_with_handler(_YamlHandler, for_restore=True)
+@dataclass
+class YamlRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+def read_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            out = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; load another one") from None
+    except yaml.YAMLError as e:
+        raise CheckpointError(f"{path} is not valid YAML ({str(e).splitlines()[0]}): the checkpoint is corrupt") from None
+    if not isinstance(out, dict):
+        raise CheckpointError(f"{path} does not hold a config mapping: the checkpoint is corrupt")
+    return out
+
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            out = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; load another one") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}): the checkpoint is corrupt") from None
+    if not isinstance(out, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object: the checkpoint is corrupt")
+    return out
+
+
+def _manager(directory: str, cfg: CheckpointConfig, best: bool = False) -> ocp.CheckpointManager:
+    if best:
+        preserve = policies.BestN(get_metric_fn=lambda m: m["val/loss"], reverse=True, n=1)  # keeps the last n sorted: lowest loss
+    else:
+        keep = [policies.LatestN(cfg.max_to_keep)]
+        if cfg.save_at is not None:
+            keep.append(policies.CustomSteps(cfg.save_at))
+        preserve = policies.AnyPreservationPolicy(keep)
+    options = ocp.CheckpointManagerOptions(
+        step_prefix=STEP_PREFIX,
+        preservation_policy=preserve,
+        enable_async_checkpointing=cfg.async_save,
+    )
+    return ocp.CheckpointManager(
+        os.path.abspath(directory),
+        options=options,
+        item_handlers={**{item: ocp.StandardCheckpointHandler() for item in ARRAY_ITEMS},
+                       "manifest": ocp.JsonCheckpointHandler(filename=MANIFEST_FILE), "config": _YamlHandler()},
+    )
+
+
+def _quiet_orbax() -> None:
+    """orbax logs every save and policy decision through absl, and warns about benign things
+    (a read-only manager, a missing optional metadata file); its failures reach us as exceptions."""
+    for name in ("absl", "orbax"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _arrays(tree: Any) -> Any:
+    """The array leaves of a pytree, concrete or abstract (eqx.is_array is False for
+    ShapeDtypeStruct): what is saved and what a restore fills must be the same tree."""
+    return eqx.filter(tree, lambda x: isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)))
+
+
+# ----------------------------------------------------------------------------- finding a checkpoint
+
+
+@dataclass(frozen=True)
+class Source:
+    """A complete checkpoint to start from."""
+
+    path: str  # .../iter_N
+    step: int
+    manifest: dict
+    config: dict  # the config.yaml saved with it
+    with_opt_state: bool  # false: checkpoint.overwrite_optimizer (a fresh optimizer state)
+
+
+def complete_steps(directory: str) -> list[int]:
+    """Iterations with a complete checkpoint (`iter_N` directories; tmp ones are ignored)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(s for name in os.listdir(directory)
+                  if os.path.isdir(os.path.join(directory, name)) and (s := parse_step(name)) is not None)
+
+
+def remove_incomplete(directory: str, warn: Callable[[str], None]) -> None:
+    """Delete the tmp directories a killed save leaves behind (process 0 only)."""
+    if jax.process_index() != 0:
+        return
+    for sub in (directory, os.path.join(directory, "best")):
+        if not os.path.isdir(sub):
+            continue
+        for name in sorted(os.listdir(sub)):
+            if TMP_MARKER in name:
+                warn(f"removing the incomplete checkpoint {os.path.join(sub, name)} (a save was interrupted)")
+                shutil.rmtree(os.path.join(sub, name), ignore_errors=True)
+
+
+def open_checkpoint(directory: str, load_file: str, with_opt_state: bool) -> Source:
+    """`directory/load_file` (iter_N, iter_N.ckpt or latest) -> a Source with its manifest and
+    config read and checked; CheckpointError naming the file for anything missing or corrupt."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint.load_path={directory} does not exist: give the save_path of an earlier run")
+    steps = complete_steps(directory)
+    if load_file == "latest":
+        if not steps:
+            raise CheckpointError(f"{directory} holds no complete checkpoint (iter_N directory): "
+                                  "check checkpoint.load_path")
+        step = steps[-1]
+    else:
+        step = parse_step(load_file)
+        if step not in steps:
+            have = ", ".join(f"{STEP_PREFIX}_{s}" for s in steps) or "none"
+            raise CheckpointError(f"checkpoint.load_file={load_file}: no {STEP_PREFIX}_{step} in {directory} "
+                                  f"(complete checkpoints: {have})")
+    path = os.path.join(directory, f"{STEP_PREFIX}_{step}")
+    manifest = read_json(os.path.join(path, "manifest", MANIFEST_FILE))
+    for key in ("step", "data", "model"):
+        if key not in manifest:
+            raise CheckpointError(f"{os.path.join(path, 'manifest', MANIFEST_FILE)} lacks {key!r}: the checkpoint is corrupt")
+    if manifest["step"] != step:
+        raise CheckpointError(f"{os.path.join(path, 'manifest', MANIFEST_FILE)} says step {manifest['step']} "
+                              f"but the directory is {STEP_PREFIX}_{step}: the checkpoint is corrupt")
+    config = read_yaml(os.path.join(path, "config", CONFIG_FILE))
+    for item in ARRAY_ITEMS if with_opt_state else ("model", "progress"):
+        if not os.path.isdir(os.path.join(path, item)):
+            raise CheckpointError(f"{os.path.join(path, item)} is missing: the checkpoint is incomplete; load another one")
+    return Source(path, step, manifest, config, with_opt_state)
+
+
+def resume_source(cfg: CheckpointConfig, warn: Callable[[str], None]) -> Source | None:
+    """Where this run starts from: the newest checkpoint in save_path (resume=auto), else
+    load_path/load_file (load=true), else nothing. Raises before anything is compiled when a new
+    run would write into an existing save_path."""
+    if cfg.save:
+        exists = os.path.exists(cfg.save_path)
+        if cfg.resume == "auto":
+            remove_incomplete(cfg.save_path, warn)
+            if complete_steps(cfg.save_path):
+                return open_checkpoint(cfg.save_path, "latest", with_opt_state=True)
+        elif exists:
+            raise ConfigError(f"checkpoint.save_path={cfg.save_path} already exists: pass checkpoint.resume=auto to "
+                              "continue that run, or choose a new checkpoint.save_path")
+    if cfg.load:
+        return open_checkpoint(cfg.load_path, cfg.load_file, with_opt_state=not cfg.overwrite_optimizer)
+    return None
+
+
+# ----------------------------------------------------------------------------- which config wins
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    """'knob: saved -> current' for every knob that differs, local keys left out."""
+    a = {k: v for k, v in _flatten(saved).items() if k.split(".")[0] not in LOCAL_KEYS}
+    b = {k: v for k, v in _flatten(current).items() if k.split(".")[0] not in LOCAL_KEYS}
+    return [f"{k}: {a.get(k, '<unset>')} -> {b.get(k, '<unset>')}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def _override_key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def merge_config(source: Source, current: dict, overrides: Sequence[str], cfg: CheckpointConfig,
+                 warn: Callable[[str], None]) -> dict:
+    """The config a run that starts from `source` trains with.
+
+    resume=auto and overwrite_config=true: this command line's config (differences from the
+    saved one are reported; a model that no longer fits fails at restore). overwrite_config=false:
+    the saved config, except the checkpoint group and cache_dir (and the optimizer group under
+    overwrite_optimizer=true), which come from this command line; other overrides are reported
+    as ignored."""
+    resuming = cfg.resume == "auto" and source.path.startswith(os.path.join(cfg.save_path or "", ""))
+    if resuming or cfg.overwrite_config:
+        diffs = config_differences(source.config, current)
+        if diffs:
+            warn(f"the config differs from the one saved in {source.path}: " + "; ".join(diffs))
+        return current
+    kept = set(LOCAL_KEYS) | ({"optimizer"} if cfg.overwrite_optimizer else set())
+    merged = {k: v for k, v in source.config.items() if k not in kept}
+    merged.update({k: v for k, v in current.items() if k in kept})
+    ignored = [o for o in overrides if _override_key(o).split(".")[0].split("/")[0] not in kept]
+    if ignored:
+        warn(f"checkpoint.overwrite_config=false: training with the config saved in {source.path}; ignoring "
+             f"{', '.join(ignored)} (set checkpoint.overwrite_config=true to apply them)")
+    return merged
+
+
+# ----------------------------------------------------------------------------- restore
+
+
+def _leaf_name(path) -> str:
+    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+
+
+def _check_model_fits(source: Source, abstract_model: Any, model_config: dict) -> None:
+    """Fail with the differing model knobs (or array) before orbax meets a shape it cannot fill."""
+    saved = source.manifest.get("model", {})
+    knobs = [f"model.{k}: {saved.get(k)} in the checkpoint, {v} now" for k, v in model_config.items()
+             if k in saved and saved[k] != v and k in ("dim", "num_heads", "num_blocks", "vocab_size", "mlp_ratio",
+                                                        "tie_embeddings", "bias", "context_length")]
+    if knobs:
+        raise CheckpointError(f"{source.path} holds another model ({'; '.join(knobs)}): "
+                              "restore with the checkpoint's model config or start a fresh run")
+    try:
+        metadata = ocp.StandardCheckpointer().metadata(os.path.join(source.path, "model")).item_metadata
+        saved_leaves = {m.name: (tuple(m.shape), np.dtype(m.dtype)) for m in jax.tree.leaves(metadata)}
+    except Exception as e:  # noqa: BLE001 - any orbax failure here means unreadable metadata
+        raise CheckpointError(f"{os.path.join(source.path, 'model')} has unreadable array metadata "
+                              f"({type(e).__name__}): the checkpoint is corrupt") from None
+    wanted = {_leaf_name(p): (tuple(x.shape), np.dtype(x.dtype))
+              for p, x in jax.tree_util.tree_flatten_with_path(abstract_model)[0]}
+    for name, spec in wanted.items():
+        if saved_leaves.get(name) != spec:
+            got = saved_leaves.get(name, "nothing")
+            raise CheckpointError(f"{os.path.join(source.path, 'model')} holds {got} for {name}, this model needs "
+                                  f"{spec}: it is another model's checkpoint; match the model config or start fresh")
+
+
+def restore_model(source: Source, abstract_model: Any) -> Any:
+    """Only the model of `source`, into the shapes (and shardings, if any) of `abstract_model`
+    (e.g. `eqx.filter_eval_shape(GPT, GPTConfig(**source.manifest["model"]), key)`): for export
+    and sampling, which need no optimizer state."""
+    _quiet_orbax()
+    _check_model_fits(source, _arrays(abstract_model), {})
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            restored = checkpointer.restore(
+                source.path, args=ocp.args.Composite(model=ocp.args.StandardRestore(_arrays(abstract_model))))
+    except Exception as e:  # noqa: BLE001
+        raise _restore_error(source, e) from None
+    return eqx.combine(restored["model"], abstract_model)
+
+
+def _restore_error(source: Source, e: Exception) -> CheckpointError:
+    where = re.search(r"(/[^\s'\"]+)", str(e))
+    detail = where.group(1) if where and source.path in where.group(1) else source.path
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    hint = " (a different optimizer's state? set checkpoint.overwrite_optimizer=true)" if "opt_state" in str(e) else ""
+    return CheckpointError(f"cannot restore {detail}: {first}{hint}: the checkpoint is corrupt or incomplete; "
+                           "load another one")
+
+
+def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str, Any]:
+    """Arrays of `source` placed straight into the shardings of `abstract_state` (a TrainState of
+    ShapeDtypeStructs): {"model", "progress"} and "opt_state" unless overwrite_optimizer."""
+    _quiet_orbax()
+    abstract_model = _arrays(abstract_state.model)
+    _check_model_fits(source, abstract_model, model_config)
+    items = {"model": ocp.args.StandardRestore(abstract_model),
+             "progress": ocp.args.StandardRestore({"step": abstract_state.step, "key": abstract_state.key})}
+    if source.with_opt_state:
+        items["opt_state"] = ocp.args.StandardRestore(_arrays(abstract_state.opt_state))
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            restored = checkpointer.restore(source.path, args=ocp.args.Composite(**items))
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types; the user needs the file
+        raise _restore_error(source, e) from None
+    return {name: restored[name] for name in items}
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("eqtrain", "jax", "jaxlib", "equinox", "optax", "orbax-checkpoint"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+class Checkpointer:
+    """Saves a run's state at the configured iterations, on demand (preemption, end of a
+    segment) and at new best val/loss, asynchronously; `close` waits for pending writes."""
+
+    def __init__(self, cfg: CheckpointConfig, config_dict: dict, model_config: dict, warn: Callable[[str], None]):
+        _quiet_orbax()
+        self.cfg = cfg
+        self._config = {k: v for k, v in config_dict.items() if k != "hydra"}
+        self._model = model_config
+        remove_incomplete(cfg.save_path, warn)
+        self._manager = _manager(cfg.save_path, cfg)
+        self._best = _manager(os.path.join(cfg.save_path, "best"), cfg, best=True) if cfg.keep_best else None
+        self.best_val = math.inf  # carried over from best/ when a run resumes
+        if self._best is not None and self._best.latest_step() is not None:
+            best_dir = os.path.join(cfg.save_path, "best", f"{STEP_PREFIX}_{self._best.latest_step()}")
+            self.best_val = read_json(os.path.join(best_dir, "manifest", MANIFEST_FILE)).get("metrics", {}).get(
+                "val/loss", math.inf)
+        self.saved: list[int] = []
+
+    def due(self, step: int) -> bool:
+        at = self.cfg.save_at
+        return step in at if at is not None else step % self.cfg.save_steps == 0
+
+    def _args(self, step: int, state, data_state: dict, metrics: dict, reason: str) -> ocp.args.Composite:
+        manifest = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "reason": reason,
+            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "unix_time": time.time(),
+            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and np.isfinite(v)},
+            "data": data_state,
+            "model": self._model,
+            "devices": jax.device_count(),
+            "versions": _versions(),
+        }
+        return ocp.args.Composite(
+            model=ocp.args.StandardSave(_arrays(state.model)),
+            opt_state=ocp.args.StandardSave(_arrays(state.opt_state)),
+            progress=ocp.args.StandardSave({"step": state.step, "key": state.key}),
+            manifest=ocp.args.JsonSave(manifest),
+            config=YamlSave(self._config),
+        )
+
+    def save(self, step: int, state, data_state: dict, metrics: dict, reason: str) -> bool:
+        """Start writing iter_{step} (returns once the arrays are off the device); False if a
+        checkpoint of that step already exists."""
+        if step in self._manager.all_steps():
+            return False
+        self._manager.save(step, args=self._args(step, state, data_state, metrics, reason), force=True)
+        self.saved.append(step)
+        return True
+
+    def maybe_save_best(self, step: int, state, data_state: dict, metrics: dict) -> bool:
+        val = metrics.get("val/loss")
+        if self._best is None or val is None or not val < self.best_val or step in self._best.all_steps():
+            return False
+        self.best_val = val
+        self._best.save(step, args=self._args(step, state, data_state, metrics, "best"),
+                        metrics={"val/loss": val}, force=True)
+        return True
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+        if self._best is not None:
+            self._best.wait_until_finished()
+
+    def close(self) -> None:
+        self.wait()
+        self._manager.close()
+        if self._best is not None:
+            self._best.close()
+
+
+# ----------------------------------------------------------------------------- signals
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after saving; `exit_code` is what the process should return."""
+
+    def __init__(self, signame: str, step: int, path: str | None):
+        self.exit_code = EXIT_INTERRUPTED if signame == "SIGINT" else EXIT_PREEMPTED
+        where = f"saved {path}" if path else "nothing saved (checkpoint.save=false)"
+        super().__init__(f"stopped by {signame} after step {step}: {where}; "
+                         "run the same command with checkpoint.resume=auto to continue")
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGUSR1 (what SLURM sends before a time limit) and, with
+    save_on_interrupt, SIGINT only set `requested`: the loop finishes its step, saves and stops.
+    A second SIGINT interrupts at once. Handlers are restored on exit; outside the main thread
+    (where Python cannot install handlers) this does nothing."""
+
+    def __init__(self, catch_interrupt: bool):
+        self.requested: str | None = None
+        self._signals = [signal.SIGTERM, signal.SIGUSR1] + ([signal.SIGINT] if catch_interrupt else [])
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and self.requested == "SIGINT":
+            raise KeyboardInterrupt
+        self.requested = name
+
+    def __enter__(self) -> "StopSignals":
+        try:
+            for s in self._signals:
+                self._previous[s] = signal.signal(s, self._handle)
+        except ValueError:  # not the main thread
+            pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
