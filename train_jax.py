@@ -332,10 +332,10 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None,
                     log.print(f"checkpoint: new best val/loss {record['val/loss']:.4f}, saving {ck.save_path}/best")
                 if saver.due(step) or step == end:
                     save(step, "end" if step == end else "scheduled")
-                if stop.requested:
-                    save(step, stop.requested)
-                    saver.close()
-                    raise ckptlib.Preempted(stop.requested, step, f"{ck.save_path}/{ckptlib.STEP_PREFIX}_{step}")
+                signame = ckptlib.agree(stop.requested, sync_point=bool(record))
+                if signame:
+                    save(step, signame)  # finished by saver.close() below before the process exits
+                    raise ckptlib.Preempted(signame, step, f"{ck.save_path}/{ckptlib.STEP_PREFIX}_{step}")
     finally:
         if saver is not None:
             saver.close()  # pending asynchronous writes finish before the process may exit

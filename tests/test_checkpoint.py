@@ -160,14 +160,24 @@ def test_interrupted_save_is_removed_with_a_warning(tmp_path, capsys):
 # ----------------------------------------------------------------------------- load: which config wins
 
 
-def _base(tmp_path) -> Path:
-    ck = tmp_path / "ck_base"
-    train(tmp_path, "base", "checkpoint.save=true", f"checkpoint.save_path={ck}", "checkpoint.num_steps=6")
-    return ck
+@pytest.fixture(scope="module")
+def _base_once(tmp_path_factory, _cache_dir) -> Path:
+    """One 6-step AdamW run with a checkpoint at iter_6, shared by the load and corruption tests."""
+    tmp = tmp_path_factory.mktemp("base")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EQTRAIN_CACHE", str(_cache_dir))
+        mp.setenv("WANDB_MODE", "disabled")
+        train(tmp, "base", "checkpoint.save=true", f"checkpoint.save_path={tmp / 'ck'}", "checkpoint.num_steps=6")
+    return tmp / "ck"
 
 
-def test_load_keeps_saved_config_and_reports_ignored_overrides(tmp_path, capsys):
-    base = _base(tmp_path)
+@pytest.fixture
+def base(_base_once, tmp_path) -> Path:
+    """A private copy of the shared checkpoint: tests corrupt it."""
+    return Path(shutil.copytree(_base_once, tmp_path / "ck_base"))
+
+
+def test_load_keeps_saved_config_and_reports_ignored_overrides(tmp_path, base, capsys):
     new = tmp_path / "new"
     capsys.readouterr()
     overrides = ("optimizer.lr_config.lr=0.5", "train.max_steps=8", "checkpoint.load=true",
@@ -184,26 +194,26 @@ def test_load_keeps_saved_config_and_reports_ignored_overrides(tmp_path, capsys)
     assert saved["checkpoint"]["save_path"] == str(new)
 
 
-def test_load_with_overwrite_config_uses_the_new_config(tmp_path, capsys):
-    base = _base(tmp_path)
+def test_load_with_overwrite_config_uses_the_new_config(tmp_path, base, capsys):
     new = tmp_path / "new"
     capsys.readouterr()
-    _, run_dir = train(tmp_path, "load", "train.max_steps=8", "optimizer.lr_config.lr=1e-3", "checkpoint.load=true",
-                       f"checkpoint.load_path={base}", "checkpoint.overwrite_config=true", "checkpoint.save=true",
-                       f"checkpoint.save_path={new}")
+    _, run_dir = train(tmp_path, "load", "train.max_steps=8", "optimizer.lr_config.lr=1e-3",
+                       "train.param_dtype=bfloat16", "checkpoint.load=true", f"checkpoint.load_path={base}",
+                       "checkpoint.overwrite_config=true", "checkpoint.save=true", f"checkpoint.save_path={new}")
     assert "train.max_steps: 12 -> 8" in capsys.readouterr().out
     assert complete_steps(str(new)) == [8] and min(losses(run_dir)) == 7
+    # The float32 checkpoint was cast into this run's bfloat16 weights.
+    assert {str(a.dtype) for a in arrays(new / "iter_8", "model")} == {"bfloat16"}
+    assert {str(a.dtype) for a in arrays(base / "iter_6", "model")} == {"float32"}
 
 
-def test_load_with_overwrite_config_and_another_model_shape_fails_clearly(tmp_path):
-    base = _base(tmp_path)
+def test_load_with_overwrite_config_and_another_model_shape_fails_clearly(tmp_path, base):
     with pytest.raises(CheckpointError, match=r"model.dim: 32 in the checkpoint, 64 now"):
         train(tmp_path, "load", "model.dim=64", "checkpoint.load=true", f"checkpoint.load_path={base}",
               "checkpoint.overwrite_config=true")
 
 
-def test_overwrite_optimizer_switches_adamw_to_sgdm(tmp_path):
-    base = _base(tmp_path)
+def test_overwrite_optimizer_switches_adamw_to_sgdm(tmp_path, base):
     new = tmp_path / "new"
     common = ("optimizer=sgdm", "optimizer.lr_config.lr=0.1", "checkpoint.load=true", f"checkpoint.load_path={base}")
     # Without overwrite_optimizer, AdamW's state cannot fill SGDM's: a clear error, not an orbax traceback.
@@ -233,8 +243,7 @@ def _snapshot(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def test_deleted_array_file_is_a_checkpoint_error_naming_it(tmp_path):
-    base = _base(tmp_path)
+def test_deleted_array_file_is_a_checkpoint_error_naming_it(tmp_path, base):
     data_files = sorted((base / "iter_6" / "model").rglob("d/*"))
     assert data_files
     for f in data_files:
@@ -245,22 +254,19 @@ def test_deleted_array_file_is_a_checkpoint_error_naming_it(tmp_path):
     assert _snapshot(base) == before  # nothing was written into the checkpoint
 
 
-def test_bad_manifest_json_is_a_checkpoint_error_naming_it(tmp_path):
-    base = _base(tmp_path)
+def test_bad_manifest_json_is_a_checkpoint_error_naming_it(tmp_path, base):
     (base / "iter_6" / "manifest" / "manifest.json").write_text('{"step": 6, "da')
     with pytest.raises(CheckpointError, match=r"iter_6/manifest/manifest.json is not valid JSON"):
         _load(tmp_path, base)
 
 
-def test_bad_config_yaml_is_a_checkpoint_error_naming_it(tmp_path):
-    base = _base(tmp_path)
+def test_bad_config_yaml_is_a_checkpoint_error_naming_it(tmp_path, base):
     (base / "iter_6" / "config" / "config.yaml").write_text("model: [unclosed\n")
     with pytest.raises(CheckpointError, match=r"iter_6/config/config.yaml is not valid YAML"):
         _load(tmp_path, base)
 
 
-def test_another_models_checkpoint_is_a_checkpoint_error(tmp_path):
-    base = _base(tmp_path)
+def test_another_models_checkpoint_is_a_checkpoint_error(tmp_path, base):
     other = tmp_path / "ck_other"
     train(tmp_path, "other", "model.dim=48", "model.num_heads=3", "checkpoint.save=true",
           f"checkpoint.save_path={other}", "checkpoint.num_steps=2")
@@ -271,7 +277,33 @@ def test_another_models_checkpoint_is_a_checkpoint_error(tmp_path):
         _load(tmp_path, base)
 
 
-def test_missing_load_file_lists_what_exists(tmp_path):
-    base = _base(tmp_path)
+def test_missing_load_file_lists_what_exists(tmp_path, base):
     with pytest.raises(CheckpointError, match=r"no iter_7 in .*complete checkpoints: iter_6"):
         train(tmp_path, "load", "checkpoint.load=true", f"checkpoint.load_path={base}", "checkpoint.load_file=iter_7")
+
+
+# ----------------------------------------------------------------------------- bad knobs (no training)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("checkpoint.save=true",), r"checkpoint.save=true needs checkpoint.save_path"),
+    (("checkpoint.save_steps=0",), r"checkpoint.save_steps=0 must be a positive interval"),
+    (("checkpoint.save_steps=[10,-1]",), r"checkpoint.save_steps=\[10, -1\] must be a non-empty list"),
+    (("checkpoint.save_steps=often",), r"checkpoint.save_steps='often' must be an interval"),
+    (("checkpoint.resume=yes",), r"checkpoint.resume='yes' must be null or auto"),
+    (("checkpoint.resume=auto",), r"checkpoint.resume=auto continues checkpoint.save_path: set checkpoint.save=true"),
+    (("checkpoint.load=true",), r"checkpoint.load=true needs checkpoint.load_path"),
+    (("checkpoint.load_file=final",), r"checkpoint.load_file='final' must be iter_N, iter_N.ckpt or latest"),
+    (("checkpoint.max_to_keep=0",), r"checkpoint.max_to_keep=0 must be a positive integer or null"),
+    (("checkpoint.keep_best=true", "train.skip_validation=true"), r"checkpoint.keep_best=true .* train.skip_validation"),
+    (("+checkpoint.every=5",), r"unknown knob checkpoint.every"),
+])
+def test_bad_checkpoint_knobs_are_one_line_config_errors(tiny_run, overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        tiny_run(*overrides)
+    assert "\n" not in str(e.value)
+
+
+def test_list_steps_beyond_the_run_are_a_warning(tiny_run):
+    run = tiny_run("checkpoint.save=true", "checkpoint.save_path=/nonexistent/x", "checkpoint.save_steps=[5,100]")
+    assert any("checkpoint.save_steps [100] lie beyond train.max_steps=20" in w for w in run.warnings)

@@ -324,6 +324,14 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         checkpoint=checkpoint_section(raw),
         warnings=(warning,) if warning else (),
     )
+    ck = run.checkpoint
+    if ck.keep_best and run.train.skip_validation:
+        raise ConfigError("checkpoint.keep_best=true ranks checkpoints by val/loss: set train.skip_validation=false "
+                          "or checkpoint.keep_best=false")
+    beyond = [s for s in ck.save_at or () if s > train.max_steps]
+    if ck.save and beyond:
+        run = dataclasses.replace(run, warnings=run.warnings + (
+            f"checkpoint.save_steps {beyond} lie beyond train.max_steps={train.max_steps} and will not be saved",))
     if run.context_length > run.model.context_length:
         raise ConfigError(
             f"dataset.context_length={run.dataset.context_length} exceeds model.context_length="

@@ -1,0 +1,55 @@
+"""Export a checkpoint's model as OUT_DIR/model.safetensors + OUT_DIR/config.json.
+
+    python scripts/export_model.py /path/to/save_path --out exported/
+    python scripts/export_model.py /path/to/save_path --load-file iter_2000 --out exported/ --force
+
+Only the model is read (never the optimizer state). Tensors are named by their pytree path
+(`blocks.attn_qkv.weight_IxO`); config.json holds the model config plus `step` and the run's
+`tokenizer` section. `utils.export.load_export(OUT_DIR)` rebuilds the model from the two files.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Run as `python scripts/export_model.py`, Python puts scripts/ on sys.path, not the repo root;
+# the editable install would find the packages, but only those of the checkout it was made from.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse
+import logging
+
+from utils import export
+from utils.errors import EqtrainError
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = export.checkpoint_parser(__doc__)
+    p.add_argument("--out", required=True, metavar="OUT_DIR",
+                   help="directory to write model.safetensors and config.json into; created if missing, "
+                        "must be empty unless --force")
+    p.add_argument("--force", action="store_true",
+                   help="write into a non-empty OUT_DIR, replacing model.safetensors and config.json there")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" probe noise
+    try:
+        export.check_out_dir(args.out, args.force)
+        source, _, model = export.restore_for_inference(args.checkpoint_dir, args.load_file)
+        export.save_export(args.out, model, source.step, source.config.get("tokenizer", {}))
+    except EqtrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: cannot write {e.filename or args.out}: {e.strerror or e}: check --out", file=sys.stderr)
+        return 2
+    print(f"exported {source.path} (step {source.step}) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""scripts/export_model.py and scripts/sample.py against one tiny checkpoint made in-process:
+the exported tensors are the checkpoint's arrays bit for bit, a model rebuilt from the export
+computes the same logits, and both scripts fail with exit 2 and one `error:` line.
+
+The happy paths call each script's `main(argv)` in-process (no second JAX start-up); the
+process boundary (exit code, stderr, stdout) is checked by three subprocesses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import train_jax
+from models.gpt import GPT, GPTConfig
+from tests.conftest import compose_config
+from utils import export
+from utils.checkpoint import open_checkpoint, restore_model
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 6
+# What is trained hardly matters here, compile time does: no validation, no remat, an unrolled
+# two-block loop and SGD compile about twice as fast as the defaults.
+RUN = ("model.vocab_size=null", "train.sample_tokens=0", f"train.max_steps={STEPS}", "train.skip_validation=true",
+       "model.context_length=32", "model.remat=none", "model.scan_blocks=false", "optimizer=sgdm",
+       "optimizer/lr_config=constant", "checkpoint.save=true", "dataset=text_files", "dataset.val_fraction=0.2")
+
+
+def _script(name: str):
+    """scripts/<name>.py imported as a module, to call its main(argv) in-process."""
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+export_script, sample_script = _script("export_model"), _script("sample")
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """`python scripts/<name>.py args` from the repo root, as a user runs it."""
+    return subprocess.run([sys.executable, f"scripts/{name}.py", *args], check=False, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, _cache_dir) -> Path:
+    """A checkpoint save_path holding iter_{STEPS} of a tiny byte-tokenizer GPT."""
+    tmp = tmp_path_factory.mktemp("export")
+    # A small corpus of this repo's own source (one .jsonl line = one document): tokenizing the
+    # stdlib default would cost more than the whole rest of this file.
+    lines = [line for f in sorted((ROOT / "models").glob("*.py")) for line in f.read_text().splitlines() if line.strip()]
+    corpus = tmp / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": "\n".join(lines[i : i + 8])}) + "\n" for i in range(0, len(lines), 8)))
+    with pytest.MonkeyPatch.context() as mp:  # _offline_env is per test; a module fixture needs its own
+        mp.setenv("EQTRAIN_CACHE", str(_cache_dir))
+        mp.setenv("WANDB_MODE", "disabled")
+        overrides = [*RUN, f"dataset.paths=[{corpus}]", f"checkpoint.save_path={tmp / 'ck'}"]
+        (tmp / "run").mkdir()
+        train_jax.train(compose_config(*overrides), str(tmp / "run"), overrides)
+    return tmp / "ck"
+
+
+@pytest.fixture(scope="module")
+def restored(ckpt) -> GPT:
+    """The checkpoint's model restored the plain way (restore_model's own recipe), not through utils.export."""
+    source = open_checkpoint(str(ckpt), "latest", with_opt_state=False)
+    abstract = eqx.filter_eval_shape(GPT, GPTConfig(**source.manifest["model"]), jax.random.PRNGKey(0))
+    return restore_model(source, abstract)
+
+
+@pytest.fixture(scope="module")
+def exported(ckpt, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("exported") / "out"
+    assert export_script.main([str(ckpt), "--out", str(out)]) == 0
+    return out
+
+
+def test_export_holds_the_checkpoints_arrays_exactly(exported, restored):
+    assert sorted(os.listdir(exported)) == ["config.json", "model.safetensors"]  # no tmp file left behind
+    tensors = load_file(str(exported / "model.safetensors"))
+    leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(restored, eqx.is_array))[0]
+    want = {jax.tree_util.keystr(p, simple=True, separator="."): np.asarray(x) for p, x in leaves}
+    assert set(tensors) == set(want)
+    assert tensors["blocks.attn_qkv.weight_IxO"].shape == (2, 32, 96)  # stacked blocks, dim 32 -> 3·32
+    for name, x in want.items():
+        assert tensors[name].dtype == x.dtype, name
+        np.testing.assert_array_equal(tensors[name], x, err_msg=name)
+
+
+def test_config_json_round_trips_to_the_models_config(exported, restored):
+    config = json.loads((exported / "config.json").read_text())
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    assert GPTConfig(**{k: v for k, v in config.items() if k in fields}) == restored.cfg
+    assert config["vocab_size"] == 320  # 257 byte ids padded to a multiple of 64, not the saved null
+    assert config["step"] == STEPS and config["tokenizer"] == {"name": "byte"}
+    assert export.read_export_config(str(exported))[0] == restored.cfg
+
+
+def test_model_rebuilt_from_the_export_gives_identical_logits(exported, restored):
+    rebuilt = export.load_export(str(exported))
+    tokens_BxT = jax.random.randint(jax.random.PRNGKey(1), (2, 32), 0, 257)
+    logits = eqx.filter_jit(lambda model, tokens: model(tokens))  # eager scan + remat is far slower than compiling
+    want_BxTxV, got_BxTxV = np.asarray(logits(restored, tokens_BxT)), np.asarray(logits(rebuilt, tokens_BxT))
+    assert want_BxTxV.shape == (2, 32, 320) and np.isfinite(want_BxTxV).all()
+    np.testing.assert_array_equal(got_BxTxV, want_BxTxV)
+
+
+def test_export_refuses_a_non_empty_out_dir_unless_forced(ckpt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    proc = run_script("export_model", str(ckpt), "--out", str(out))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(out) in lines[0] and "--force" in lines[0]
+    assert sorted(os.listdir(out)) == ["keep.txt"]
+
+    assert export_script.main([str(ckpt), "--load-file", f"iter_{STEPS}", "--out", str(out), "--force"]) == 0
+    assert sorted(os.listdir(out)) == ["config.json", "keep.txt", "model.safetensors"]
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_greedy_sample_starts_with_the_prompt_and_repeats(ckpt):
+    args = (str(ckpt), "--prompt", "def ", "--tokens", "24", "--temperature", "0")
+    first, second = run_script("sample", *args), run_script("sample", *args)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout.startswith("def ") and len(first.stdout.rstrip("\n")) > len("def ")
+    assert first.stdout == second.stdout
+
+
+@pytest.mark.parametrize("script", ["export_model", "sample"])
+def test_a_missing_checkpoint_dir_is_one_line_naming_it(script, tmp_path, capsys):
+    missing = tmp_path / "no_such_run"
+    argv = [str(missing), "--out", str(tmp_path / "out")] if script == "export_model" else [str(missing)]
+    assert {"export_model": export_script, "sample": sample_script}[script].main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and str(missing) in err
+    assert not (tmp_path / "out").exists()

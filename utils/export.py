@@ -1,0 +1,170 @@
+"""A trained model out of its checkpoint: restored alone (no optimizer state) for sampling, or
+written as `model.safetensors` + `config.json` for tools that do not speak orbax.
+
+Export layout of an OUT_DIR:
+
+    model.safetensors   one tensor per model array, named by its pytree path
+                        (`wte_VxD`, `blocks.attn_qkv.weight_IxO`, ...), dtype as trained
+    config.json         the GPTConfig fields (vocab_size resolved), plus `step` and the run's
+                        `tokenizer` section: enough to rebuild the model and its tokenizer
+
+Both files are written to a tmp file in OUT_DIR and renamed, so a crash never leaves half a file
+under the real name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from omegaconf import OmegaConf
+
+from models.gpt import GPT, GPTConfig
+from utils import checkpoint as ckptlib
+from utils.config import RunConfig, build_section, validate
+from utils.errors import CheckpointError
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+_ROOT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "config.yaml")
+
+
+def local_cache_dir() -> str:
+    """This machine's cache_dir, resolved exactly as conf/config.yaml does (EQTRAIN_CACHE or its
+    default): the one saved in a checkpoint may name a directory on another machine."""
+    return str(OmegaConf.load(_ROOT_CONFIG).cache_dir)
+
+
+def model_tensors(model: GPT) -> dict[str, np.ndarray]:
+    """Every array of `model` as host numpy, keyed by `ckptlib.leaf_name` (None leaves, e.g. a tied
+    head or absent biases, have no path and so no tensor)."""
+    leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]
+    return {ckptlib.leaf_name(p): np.asarray(x) for p, x in leaves}
+
+
+def abstract_model(model_cfg: GPTConfig, param_dtype: str) -> GPT:
+    """The shapes and dtypes a checkpoint's model holds: GPT's float arrays cast to
+    `train.param_dtype`, as `train_jax.init_model` does (the manifest's model section alone
+    does not say the dtype)."""
+    dtype = jnp.dtype(param_dtype)
+    shapes = eqx.filter_eval_shape(GPT, model_cfg, jax.random.PRNGKey(0))
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x, shapes)
+
+
+# ----------------------------------------------------------------------------- from a checkpoint
+
+
+def checkpoint_parser(doc: str) -> "argparse.ArgumentParser":
+    """The command line both scripts start with: CHECKPOINT_DIR and --load-file."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
+                   help="a run's checkpoint.save_path (the directory holding iter_N/ checkpoints)")
+    p.add_argument("--load-file", default="latest",
+                   help="which checkpoint: iter_N, iter_N.ckpt or latest (the newest complete one; default)")
+    return p
+
+
+def open_for_inference(directory: str, load_file: str) -> tuple[ckptlib.Source, RunConfig]:
+    """The checkpoint and its run config, validated, with this machine's cache_dir and the
+    checkpoint's resolved model config (vocab_size filled in)."""
+    source = ckptlib.open_checkpoint(directory, load_file, with_opt_state=False,
+                                     names=("CHECKPOINT_DIR ", "--load-file "))
+    config = dict(source.config)
+    config["cache_dir"] = local_cache_dir()
+    config["checkpoint"] = {}  # that run's save/resume settings; they say nothing about the model
+    run = validate(config)
+    model_cfg = build_section(GPTConfig, source.manifest["model"], "model")
+    return source, dataclasses.replace(run, model=model_cfg)
+
+
+def restore_for_inference(directory: str, load_file: str) -> tuple[ckptlib.Source, RunConfig, GPT]:
+    """`open_for_inference` plus the model's arrays (the optimizer state is never read)."""
+    source, run = open_for_inference(directory, load_file)
+    model = ckptlib.restore_model(source, abstract_model(run.model, run.train.param_dtype))
+    return source, run, model
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def _write_atomic(out_dir: str, name: str, write) -> None:
+    tmp = os.path.join(out_dir, f".{name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # the safetensors writer makes private (0600) files
+        os.replace(tmp, os.path.join(out_dir, name))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def check_out_dir(out_dir: str, force: bool) -> None:
+    """Refuse, before anything is restored, to write into a non-empty directory without --force."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"--out {out_dir} is a file: give a directory")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
+        raise CheckpointError(f"--out {out_dir} exists and is not empty: choose a new directory or pass --force")
+
+
+def save_export(out_dir: str, model: GPT, step: int, tokenizer: dict) -> None:
+    """Write OUT_DIR/model.safetensors and OUT_DIR/config.json (see the module docstring)."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = model_tensors(model)
+    config = {**dataclasses.asdict(model.cfg), "step": step, "tokenizer": tokenizer}
+    _write_atomic(out_dir, WEIGHTS_FILE, lambda path: save_file(tensors, path, metadata={"format": "np"}))
+    _write_atomic(out_dir, CONFIG_FILE, lambda path: _write_json(path, config))
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def read_export_config(out_dir: str) -> tuple[GPTConfig, dict]:
+    """OUT_DIR/config.json -> (its GPTConfig, the whole JSON object)."""
+    config = ckptlib.read_json(os.path.join(out_dir, CONFIG_FILE))
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    return build_section(GPTConfig, {k: v for k, v in config.items() if k in fields}, "model"), config
+
+
+def load_export(out_dir: str) -> GPT:
+    """A GPT rebuilt from an export: config.json gives the shapes, model.safetensors every array
+    (in its stored dtype). CheckpointError if a tensor is missing, extra or misshapen."""
+    from safetensors.flax import load_file  # the numpy reader has no bfloat16
+
+    model_cfg, _ = read_export_config(out_dir)
+    path = os.path.join(out_dir, WEIGHTS_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing: export the checkpoint again")
+    try:
+        tensors = load_file(path)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}): export the checkpoint again") from None
+    shapes = eqx.filter_eval_shape(GPT, model_cfg, jax.random.PRNGKey(0))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    extra = sorted(set(tensors) - {ckptlib.leaf_name(p) for p, _ in leaves})
+    if extra:
+        raise CheckpointError(f"{path} holds {extra[0]}, which this config.json's model lacks: "
+                              "the two files come from different exports")
+    filled = []
+    for p, x in leaves:
+        name = ckptlib.leaf_name(p)
+        if name not in tensors or tensors[name].shape != x.shape:
+            got = tensors[name].shape if name in tensors else "nothing"
+            raise CheckpointError(f"{path} holds {got} for {name}, config.json's model needs {x.shape}: "
+                                  "the two files come from different exports")
+        filled.append(tensors[name])
+    return jax.tree_util.tree_unflatten(treedef, filled)
