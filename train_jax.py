@@ -300,8 +300,8 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None,
         if saver.save(step, state, data.train.state_dict(), last, reason):
             log.print(f"checkpoint: saving {ck.save_path}/{ckptlib.STEP_PREFIX}_{step} ({reason})")
 
-    try:
-        with ckptlib.StopSignals(catch_interrupt=ck.save_on_interrupt) if saver else contextlib.nullcontext() as stop:
+    with ckptlib.StopSignals(catch_interrupt=ck.save_on_interrupt) if saver else contextlib.nullcontext() as stop:
+        try:
             t_last, step_last = time.perf_counter(), start
             for step in range(start + 1, end + 1):
                 batch = meshlib.put_batch(next(data.train), batch_sharding)
@@ -336,10 +336,10 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None,
                 if signame:
                     save(step, signame)  # finished by saver.close() below before the process exits
                     raise ckptlib.Preempted(signame, step, f"{ck.save_path}/{ckptlib.STEP_PREFIX}_{step}")
-    finally:
-        if saver is not None:
-            saver.close()  # pending asynchronous writes finish before the process may exit
-        log.close()
+        finally:  # inside the handlers: a second SIGTERM cannot kill a save that is still being written
+            if saver is not None:
+                saver.close()  # pending asynchronous writes finish before the process may exit
+            log.close()
 
     if run.train.sample_tokens:
         prompt = tokenizer.encode(run.train.sample_prompt)

@@ -25,10 +25,37 @@ TINY_OVERRIDES = (
     "logging.progress_bar=false",
 )
 
+# The model of end-to-end runs through `python train_jax.py` (byte tokens: vocab 257 -> 320).
+CLI_TINY = (
+    "model.dim=32",
+    "model.num_heads=2",
+    "model.num_blocks=2",
+    "model.context_length=32",
+    "dataset.batch_size=8",
+    "train.max_val_steps=2",
+)
+
 
 @pytest.fixture(scope="session")
 def _cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("eqtrain_cache")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    """One XLA compilation cache for the session, in-process and for every subprocess run of
+    train_jax.py: the tiny test runs compile the same programs again and again, and a cache hit
+    halves the suite's time. It starts empty, so no test depends on an earlier session."""
+    import jax
+
+    path = str(tmp_path_factory.mktemp("xla_cache"))
+    settings = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0,
+                "jax_persistent_cache_min_entry_size_bytes": 0}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in settings.items():
+            mp.setenv(name.upper(), str(value))
+            jax.config.update(name, value)
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
+from tests.conftest import CLI_TINY
 from utils.config import validate
 from utils.errors import ConfigError, DataError
 
@@ -30,16 +31,7 @@ CONF_DIR = str(REPO / "conf")
 TRAIN = str(REPO / "train_jax.py")
 
 # Small enough that a step is milliseconds and compilation dominates; byte tokens (vocab 257 -> 320).
-TINY = (
-    "model.dim=32",
-    "model.num_heads=2",
-    "model.num_blocks=2",
-    "model.context_length=32",
-    "dataset.batch_size=8",
-    "train.max_val_steps=2",
-    "train.sample_tokens=5",
-    "logging.log_every=5",
-)
+TINY = (*CLI_TINY, "train.sample_tokens=5", "logging.log_every=5")
 SUBPROCESS_TIMEOUT_S = 300
 
 

@@ -563,6 +563,9 @@ class StopSignals:
             pass
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            # After a stop the checkpoint is on disk and the process is about to exit with
+            # EXIT_PREEMPTED: a repeated SIGTERM/SIGUSR1 must not turn that into a kill.
+            stopping = exc_type is Preempted and s != signal.SIGINT
+            signal.signal(s, signal.SIG_IGN if stopping else handler)
