@@ -15,9 +15,14 @@ max_steps=5000
 compute_dtype=bfloat16     # float32 on CPU (bf16 is not faster there)
 log_every=10
 val_freq=500
+save=true                  # checkpoints every save_steps; rerunning this script continues the run
+save_path=ckpt/gpt2_124m   # (checkpoint.resume=auto); SLURM: requeue when it exits with code 3
+save_steps=1000
+resume=auto
 
 if [[ "${SMOKE:-0}" == "1" ]]; then
   model=gpt_tiny; batch_size=8; total_batch_size=16; warmup=5; max_steps=20; compute_dtype=float32; val_freq=10
+  save=false; resume=null
 elif ! python -c "import jax,sys; sys.exit(jax.devices()[0].platform == 'cpu')"; then
   compute_dtype=float32
 fi
@@ -38,4 +43,8 @@ python train_jax.py \
   dataset.batch_size=$batch_size \
   dataset.total_batch_size=$total_batch_size \
   logging.log_every=$log_every \
+  checkpoint.save=$save \
+  checkpoint.save_path=$save_path \
+  checkpoint.save_steps=$save_steps \
+  checkpoint.resume=$resume \
   "$@"
