@@ -271,8 +271,12 @@ def assert_failed_before_compiling(proc: subprocess.CompletedProcess, run_dir: P
         (["dataset=text_files", "dataset.paths=[/nonexistent-eqtrain-dir/*.txt]"], {}, "dataset.paths"),
         (["dataset.batch_size=3"],
          {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}, "dataset.batch_size"),
+        # conf/ exists and holds no checkpoint: both refusals come before anything is built or written.
+        (["checkpoint.save=true", "checkpoint.save_path=conf"], {}, "checkpoint.resume=auto"),
+        (["checkpoint.load=true", "checkpoint.load_path=conf"], {}, "checkpoint.load_path"),
     ],
-    ids=["negative-lr", "glob-matches-nothing", "batch-not-divisible-over-2-devices"],
+    ids=["negative-lr", "glob-matches-nothing", "batch-not-divisible-over-2-devices", "save-path-exists",
+         "load-path-without-checkpoints"],
 )
 def test_cli_user_error_exits_2_with_one_line(cli, tmp_path, overrides, env, knob):
     run_dir = tmp_path / "run"
