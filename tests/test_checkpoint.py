@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import train_jax
-from tests.conftest import compose_config
+from conftest import compose_config
 from utils.checkpoint import complete_steps, open_checkpoint
 from utils.errors import CheckpointError, ConfigError
 

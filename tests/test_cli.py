@@ -22,7 +22,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from tests.conftest import CLI_TINY
+from conftest import CLI_TINY
 from utils.config import validate
 from utils.errors import ConfigError, DataError
 

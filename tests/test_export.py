@@ -24,7 +24,7 @@ from safetensors.numpy import load_file
 
 import train_jax
 from models.gpt import GPT, GPTConfig
-from tests.conftest import compose_config
+from conftest import compose_config
 from utils import export
 from utils.checkpoint import open_checkpoint, restore_model
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import CLI_TINY
+from conftest import CLI_TINY
 from utils.checkpoint import EXIT_INTERRUPTED, EXIT_PREEMPTED, TMP_MARKER, complete_steps, open_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
