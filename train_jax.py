@@ -355,6 +355,7 @@ def train(cfg: DictConfig | dict, run_dir: str, overrides: Sequence[str] = ()) -
     checkpoint to start from, settle which config wins, validate, train."""
     config_dict = to_dict(cfg)
     validate(config_dict)  # every knob of this command line is checked before any file is touched
+    meshlib.init_distributed()  # before anything asks jax which process this is
     ck = checkpoint_section(config_dict)
     source = ckptlib.resume_source(ck, warn)
     if source is not None:

@@ -76,13 +76,21 @@ _distributed_ready = False
 
 
 def init_distributed() -> None:
-    """Join a multi-process job when the environment describes one (SLURM with several tasks,
-    or JAX_COORDINATOR_ADDRESS set); a no-op on one process and on a second call (Hydra
-    multirun jobs share the process)."""
+    """Join a multi-process job when the environment describes one (SLURM with several tasks, or
+    JAX_COORDINATOR_ADDRESS with JAX_NUM_PROCESSES and JAX_PROCESS_ID); a no-op on one process
+    and on a second call (Hydra multirun jobs share the process)."""
     global _distributed_ready
     if _distributed_ready:
         return
     slurm_tasks = int(os.environ.get("SLURM_NTASKS", "1") or 1)
-    if slurm_tasks > 1 or os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        jax.distributed.initialize()  # reads SLURM_* / JAX_* from the environment
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if address:  # jax reads the address itself but not the other two
+        try:
+            count, index = int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"])
+        except (KeyError, ValueError):
+            raise ConfigError("JAX_COORDINATOR_ADDRESS is set: set JAX_NUM_PROCESSES and JAX_PROCESS_ID "
+                              "(integers) for every process too") from None
+        jax.distributed.initialize(address, count, index)
+    elif slurm_tasks > 1:
+        jax.distributed.initialize()  # jax's SLURM detection reads SLURM_* from the environment
     _distributed_ready = True

@@ -1,0 +1,97 @@
+"""Two real JAX processes on one machine (jax.distributed over gloo, one CPU device each): what
+a multi-host job does with checkpoints. A run stopped after 3 steps and resumed by
+checkpoint.resume=auto logs the same losses as an uninterrupted one, and a SIGTERM that reaches
+only one of the processes still stops both at the same step with one checkpoint (the stop flag
+is agreed at a logging step; a save is collective).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CLI_TINY
+from utils.checkpoint import EXIT_PREEMPTED, complete_steps, open_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = (*CLI_TINY, "train.sample_tokens=0", "logging.log_every=1", "logging.progress_bar=false",
+       "model.dropout=0.1", "optimizer/lr_config=constant", "optimizer.lr_config.lr=3e-3")
+TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path: Path, name: str, *overrides: str) -> list[subprocess.Popen]:
+    """Both processes of one job; process i logs to {name}{i}/ and {name}{i}.log."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "HYDRA_FULL_ERROR")}
+    env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
+               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2")
+    procs = []
+    for i in range(2):
+        log = open(tmp_path / f"{name}{i}.log", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(REPO / "train_jax.py"), f"hydra.run.dir={tmp_path / f'{name}{i}'}", *RUN, *overrides],
+            cwd=REPO, env={**env, "JAX_PROCESS_ID": str(i)}, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen]) -> list[int]:
+    return [p.wait(timeout=TIMEOUT_S) for p in procs]
+
+
+def output(tmp_path: Path, name: str, i: int = 0) -> str:
+    return (tmp_path / f"{name}{i}.log").read_text()
+
+
+def losses(tmp_path: Path, name: str) -> dict[int, float]:
+    """Process 0 writes the metrics."""
+    lines = (tmp_path / f"{name}0" / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r}
+
+
+@pytest.mark.slow
+def test_two_processes_resume_bit_identically(tmp_path):
+    ck_full, ck_seg = tmp_path / "ck_full", tmp_path / "ck_seg"
+    full = launch(tmp_path, "full", "train.max_steps=6", "checkpoint.save=true", f"checkpoint.save_path={ck_full}")
+    first = launch(tmp_path, "first", "train.max_steps=6", "checkpoint.save=true", f"checkpoint.save_path={ck_seg}",
+                   "checkpoint.num_steps=3")
+    assert finish(first) == [0, 0], output(tmp_path, "first")
+    second = launch(tmp_path, "second", "train.max_steps=6", "checkpoint.save=true", f"checkpoint.save_path={ck_seg}",
+                    "checkpoint.resume=auto")
+    assert finish(full) == [0, 0], output(tmp_path, "full")
+    assert finish(second) == [0, 0], output(tmp_path, "second") + output(tmp_path, "second", 1)
+
+    assert "resumed from" in output(tmp_path, "second") and min(losses(tmp_path, "second")) == 4
+    assert {**losses(tmp_path, "first"), **losses(tmp_path, "second")} == losses(tmp_path, "full")
+    assert complete_steps(str(ck_seg)) == [3, 6]
+    assert open_checkpoint(str(ck_seg), "latest", True).manifest["devices"] == 2
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
+    ck = tmp_path / "ck"
+    procs = launch(tmp_path, "long", "train.max_steps=100000", "train.skip_validation=true", "checkpoint.save=true",
+                   f"checkpoint.save_path={ck}", "checkpoint.save_steps=100000")
+    metrics = tmp_path / "long0" / "metrics.jsonl"
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), output(tmp_path, "long")
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)  # process 0, which logs, never sees a signal
+    assert finish(procs) == [EXIT_PREEMPTED, EXIT_PREEMPTED], output(tmp_path, "long")
+    steps = complete_steps(str(ck))
+    assert len(steps) == 1
+    assert steps[0] == max(losses(tmp_path, "long"))  # the last logged step is the saved one
+    assert open_checkpoint(str(ck), "latest", True).manifest["reason"] == "SIGTERM"
