@@ -333,7 +333,7 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None,
                 if saver.due(step) or step == end:
                     save(step, "end" if step == end else "scheduled")
                 signame = ckptlib.agree(stop.requested, sync_point=bool(record))
-                if signame:
+                if signame and step < end:  # at the end the run is done and saved: it just finishes
                     save(step, signame)  # finished by saver.close() below before the process exits
                     raise ckptlib.Preempted(signame, step, f"{ck.save_path}/{ckptlib.STEP_PREFIX}_{step}")
         finally:  # inside the handlers: a second SIGTERM cannot kill a save that is still being written
