@@ -33,7 +33,7 @@ from models.sample import generate
 from optimizer import group_schedules, make_optimizer
 from utils import checkpoint as ckptlib
 from utils import mesh as meshlib
-from utils.config import RunConfig, checkpoint_section, to_dict, validate
+from utils.config import RunConfig, to_dict, validate
 from utils.errors import ConfigError, EqtrainError, TrainingError
 from utils.flops import peak_flops
 from utils.metrics import RunLogger
@@ -354,13 +354,13 @@ def train(cfg: DictConfig | dict, run_dir: str, overrides: Sequence[str] = ()) -
     """What `main` does once Hydra has composed the config (tests call it in-process): pick the
     checkpoint to start from, settle which config wins, validate, train."""
     config_dict = to_dict(cfg)
-    validate(config_dict)  # every knob of this command line is checked before any file is touched
+    run = validate(config_dict)  # every knob of this command line is checked before any file is touched
     meshlib.init_distributed()  # before anything asks jax which process this is
-    ck = checkpoint_section(config_dict)
-    source = ckptlib.resume_source(ck, warn)
+    source = ckptlib.resume_source(run.checkpoint, warn)
     if source is not None:
-        config_dict = ckptlib.merge_config(source, config_dict, overrides, ck, warn)
-    return run_training(validate(config_dict), run_dir, config_dict, source)
+        config_dict = ckptlib.merge_config(source, config_dict, overrides, run.checkpoint, warn)
+        run = validate(config_dict)
+    return run_training(run, run_dir, config_dict, source)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

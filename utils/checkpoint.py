@@ -141,30 +141,26 @@ class YamlRestore(ocp.args.CheckpointArgs):
     pass
 
 
-def read_yaml(path: str) -> dict:
+def _read_mapping(path: str, parse: Callable, errors: tuple, kind: str) -> dict:
+    """A checkpoint's small text file -> dict, or a CheckpointError naming the file."""
     try:
         with open(path) as f:
-            out = yaml.safe_load(f)
+            out = parse(f)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; load another one") from None
-    except yaml.YAMLError as e:
-        raise CheckpointError(f"{path} is not valid YAML ({str(e).splitlines()[0]}): the checkpoint is corrupt") from None
+    except errors as e:
+        raise CheckpointError(f"{path} is not valid {kind} ({str(e).splitlines()[0]}): the checkpoint is corrupt") from None
     if not isinstance(out, dict):
-        raise CheckpointError(f"{path} does not hold a config mapping: the checkpoint is corrupt")
+        raise CheckpointError(f"{path} does not hold a {kind} mapping: the checkpoint is corrupt")
     return out
+
+
+def read_yaml(path: str) -> dict:
+    return _read_mapping(path, yaml.safe_load, (yaml.YAMLError,), "YAML")
 
 
 def read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            out = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; load another one") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}): the checkpoint is corrupt") from None
-    if not isinstance(out, dict):
-        raise CheckpointError(f"{path} does not hold a JSON object: the checkpoint is corrupt")
-    return out
+    return _read_mapping(path, json.load, (json.JSONDecodeError, UnicodeDecodeError), "JSON")
 
 
 def _manager(directory: str, cfg: CheckpointConfig, best: bool = False) -> ocp.CheckpointManager:

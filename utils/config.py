@@ -264,12 +264,6 @@ def to_dict(cfg: DictConfig | dict) -> dict:
     return {k: v for k, v in raw.items() if k != "hydra"}
 
 
-def checkpoint_section(cfg: DictConfig | dict) -> CheckpointConfig:
-    """Just the checkpoint group: read first, because a resumed run may train with the config
-    saved in its checkpoint rather than this command line's."""
-    return build_section(CheckpointConfig, to_dict(cfg).get("checkpoint") or {}, "checkpoint")
-
-
 def validate(cfg: DictConfig | dict) -> RunConfig:
     """The whole composed config -> RunConfig, or a ConfigError naming the first bad knob."""
     raw = to_dict(cfg)
@@ -321,7 +315,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         parallel=build_section(ParallelConfig, raw["parallel"], "parallel"),
         random_seed=seed,
         cache_dir=str(raw["cache_dir"]),
-        checkpoint=checkpoint_section(raw),
+        checkpoint=build_section(CheckpointConfig, raw.get("checkpoint") or {}, "checkpoint"),
         warnings=(warning,) if warning else (),
     )
     ck = run.checkpoint
