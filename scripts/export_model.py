@@ -1,7 +1,7 @@
 """Export a checkpoint's model as OUT_DIR/model.safetensors + OUT_DIR/config.json.
 
-    python scripts/export_model.py /path/to/save_path --out exported/
-    python scripts/export_model.py /path/to/save_path --load-file iter_2000 --out exported/ --force
+    python scripts/export_model.py ckpt/run1 --out exported/
+    python scripts/export_model.py ckpt/run1 --load-file iter_2000 --out exported/ --force
 
 Only the model is read (never the optimizer state). Tensors are named by their pytree path
 (`blocks.attn_qkv.weight_IxO`); config.json holds the model config plus `step` and the run's
@@ -20,13 +20,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse
 import logging
 
+from utils import checkpoint as ckptlib
 from utils import export
 from utils.errors import EqtrainError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = export.checkpoint_parser(__doc__)
-    p.add_argument("--out", required=True, metavar="OUT_DIR",
+    p.add_argument("--out", required=True, metavar="OUT_DIR", type=ckptlib.user_path,
                    help="directory to write model.safetensors and config.json into; created if missing, "
                         "must be empty unless --force")
     p.add_argument("--force", action="store_true",

@@ -27,6 +27,13 @@ RUN = ("model.vocab_size=null", "train.max_steps=12", "logging.log_every=1", "tr
        "model.dropout=0.1", "optimizer/lr_config=constant", "optimizer.lr_config.lr=3e-3")
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Every run starts in its own directory and names its checkpoints relative to it, as the
+    README's commands do (`checkpoint.save_path=ckpt/run1`)."""
+    monkeypatch.chdir(tmp_path)
+
+
 def train(tmp_path: Path, name: str, *overrides: str, argv_overrides: tuple[str, ...] = ()) -> tuple[dict, Path]:
     """One in-process run in its own run dir; returns (final metrics, run dir)."""
     run_dir = tmp_path / name
@@ -107,7 +114,7 @@ def test_keep_best_holds_the_lowest_val_loss(tmp_path):
 def test_resume_is_bit_identical(tmp_path, extra):
     """Stop at step 5 and resume: losses at every step and the final weights and optimizer state
     equal an uninterrupted run's exactly (data order and dropout keys included)."""
-    full_ck, seg_ck = tmp_path / "ck_full", tmp_path / "ck_seg"
+    full_ck, seg_ck = Path("ckpt/full"), Path("ckpt/seg")  # relative, as in the README
     train(tmp_path, "full", *extra, "checkpoint.save=true", f"checkpoint.save_path={full_ck}")
     _, first = train(tmp_path, "first", *extra, "checkpoint.save=true", f"checkpoint.save_path={seg_ck}",
                      "checkpoint.num_steps=5")
@@ -125,7 +132,7 @@ def test_resume_is_bit_identical(tmp_path, extra):
 
 
 def test_resume_auto_without_checkpoint_starts_fresh_and_finished_run_is_a_no_op(tmp_path, capsys):
-    ck = tmp_path / "ck"
+    ck = Path("ckpt/run1")
     common = ("checkpoint.save=true", f"checkpoint.save_path={ck}", "checkpoint.resume=auto")
     train(tmp_path, "a", *common)  # save_path does not exist: a new run
     assert complete_steps(str(ck)) == [12]
@@ -142,7 +149,7 @@ def losses_file_has_training(run_dir: Path) -> bool:
 
 
 def test_interrupted_save_is_removed_with_a_warning(tmp_path, capsys):
-    ck = tmp_path / "ck"
+    ck = Path("ck")
     train(tmp_path, "a", "checkpoint.save=true", f"checkpoint.save_path={ck}", "checkpoint.num_steps=4")
     # What kill -9 during a save leaves: orbax's tmp directory, never renamed to iter_N.
     shutil.copytree(ck / "iter_4", ck / "iter_8.orbax-checkpoint-tmp")
@@ -167,18 +174,21 @@ def _base_once(tmp_path_factory, _cache_dir) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EQTRAIN_CACHE", str(_cache_dir))
         mp.setenv("WANDB_MODE", "disabled")
-        train(tmp, "base", "checkpoint.save=true", f"checkpoint.save_path={tmp / 'ck'}", "checkpoint.num_steps=6")
+        mp.chdir(tmp)
+        train(tmp, "base", "checkpoint.save=true", "checkpoint.save_path=ck", "checkpoint.num_steps=6")
     return tmp / "ck"
 
 
 @pytest.fixture
 def base(_base_once, tmp_path) -> Path:
-    """A private copy of the shared checkpoint: tests corrupt it."""
-    return Path(shutil.copytree(_base_once, tmp_path / "ck_base"))
+    """A private copy of the shared checkpoint (tests corrupt it), named relative to the test's
+    working directory as a user would name it."""
+    shutil.copytree(_base_once, tmp_path / "ck_base")
+    return Path("ck_base")
 
 
 def test_load_keeps_saved_config_and_reports_ignored_overrides(tmp_path, base, capsys):
-    new = tmp_path / "new"
+    new = Path("runs/new")
     capsys.readouterr()
     overrides = ("optimizer.lr_config.lr=0.5", "train.max_steps=8", "checkpoint.load=true",
                  f"checkpoint.load_path={base}", "checkpoint.load_file=iter_6", "checkpoint.save=true",
@@ -195,7 +205,7 @@ def test_load_keeps_saved_config_and_reports_ignored_overrides(tmp_path, base, c
 
 
 def test_load_with_overwrite_config_uses_the_new_config(tmp_path, base, capsys):
-    new = tmp_path / "new"
+    new = Path("runs/new")
     capsys.readouterr()
     _, run_dir = train(tmp_path, "load", "train.max_steps=8", "optimizer.lr_config.lr=1e-3",
                        "train.param_dtype=bfloat16", "checkpoint.load=true", f"checkpoint.load_path={base}",
@@ -214,7 +224,7 @@ def test_load_with_overwrite_config_and_another_model_shape_fails_clearly(tmp_pa
 
 
 def test_overwrite_optimizer_switches_adamw_to_sgdm(tmp_path, base):
-    new = tmp_path / "new"
+    new = Path("runs/new")
     common = ("optimizer=sgdm", "optimizer.lr_config.lr=0.1", "checkpoint.load=true", f"checkpoint.load_path={base}")
     # Without overwrite_optimizer, AdamW's state cannot fill SGDM's: a clear error, not an orbax traceback.
     with pytest.raises(CheckpointError, match=r"overwrite_optimizer"):

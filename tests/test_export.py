@@ -48,9 +48,9 @@ def _script(name: str):
 export_script, sample_script = _script("export_model"), _script("sample")
 
 
-def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    """`python scripts/<name>.py args` from the repo root, as a user runs it."""
-    return subprocess.run([sys.executable, f"scripts/{name}.py", *args], check=False, cwd=ROOT,
+def run_script(name: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`python scripts/<name>.py args` from the repo root (or `cwd`), as a user runs it."""
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args], check=False, cwd=cwd,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
@@ -66,7 +66,8 @@ def ckpt(tmp_path_factory, _cache_dir) -> Path:
     with pytest.MonkeyPatch.context() as mp:  # _offline_env is per test; a module fixture needs its own
         mp.setenv("EQTRAIN_CACHE", str(_cache_dir))
         mp.setenv("WANDB_MODE", "disabled")
-        overrides = [*RUN, f"dataset.paths=[{corpus}]", f"checkpoint.save_path={tmp / 'ck'}"]
+        mp.chdir(tmp)  # paths relative to the working directory, as the README writes them
+        overrides = [*RUN, "dataset.paths=[corpus.jsonl]", "checkpoint.save_path=ck"]
         (tmp / "run").mkdir()
         train_jax.train(compose_config(*overrides), str(tmp / "run"), overrides)
     return tmp / "ck"
@@ -83,7 +84,9 @@ def restored(ckpt) -> GPT:
 @pytest.fixture(scope="module")
 def exported(ckpt, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("exported") / "out"
-    assert export_script.main([str(ckpt), "--out", str(out)]) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(ckpt.parent)  # `python scripts/export_model.py ck --out ...` beside the run
+        assert export_script.main(["ck", "--out", os.path.relpath(out)]) == 0
     return out
 
 
@@ -133,8 +136,8 @@ def test_export_refuses_a_non_empty_out_dir_unless_forced(ckpt, tmp_path):
 
 
 def test_greedy_sample_starts_with_the_prompt_and_repeats(ckpt):
-    args = (str(ckpt), "--prompt", "def ", "--tokens", "24", "--temperature", "0")
-    first, second = run_script("sample", *args), run_script("sample", *args)
+    args = ("ck", "--prompt", "def ", "--tokens", "24", "--temperature", "0")  # relative to the run's directory
+    first, second = run_script("sample", *args, cwd=ckpt.parent), run_script("sample", *args, cwd=ckpt.parent)
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert first.stdout.startswith("def ") and len(first.stdout.rstrip("\n")) > len("def ")
     assert first.stdout == second.stdout

@@ -104,10 +104,21 @@ class CheckpointConfig:
         if self.load_file != "latest" and parse_step(self.load_file) is None:
             raise ConfigError(f"{prefix}.load_file={self.load_file!r} must be iter_N, iter_N.ckpt or latest")
 
+    def resolved(self) -> "CheckpointConfig":
+        """save_path and load_path made absolute against this process's working directory, once,
+        at the config boundary: orbax's metadata reader finds nothing under a relative path, and
+        every README example uses one (`checkpoint.save_path=ckpt/run1`)."""
+        return dataclasses.replace(self, save_path=user_path(self.save_path), load_path=user_path(self.load_path))
+
     @property
     def save_at(self) -> tuple[int, ...] | None:
         """The list of iterations to save at, or None for an interval."""
         return None if isinstance(self.save_steps, int) else tuple(sorted(set(self.save_steps)))
+
+
+def user_path(path: str | None) -> str | None:
+    """A path as the user typed it (relative to the working directory, `~` allowed) -> absolute."""
+    return None if path is None else os.path.abspath(os.path.expanduser(str(path)))
 
 
 def parse_step(name: str) -> int | None:

@@ -19,7 +19,7 @@ from models.gpt import GPTConfig
 from optimizer import OPTIMIZERS
 from optimizer.groups import GROUPS, group_hparams
 from optimizer.schedules import SCHEDULES, warmup_warning
-from utils.checkpoint import CheckpointConfig
+from utils.checkpoint import CheckpointConfig, user_path
 from utils.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16")
@@ -314,8 +314,8 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         logging=build_section(LoggingConfig, raw["logging"], "logging"),
         parallel=build_section(ParallelConfig, raw["parallel"], "parallel"),
         random_seed=seed,
-        cache_dir=str(raw["cache_dir"]),
-        checkpoint=build_section(CheckpointConfig, raw.get("checkpoint") or {}, "checkpoint"),
+        cache_dir=user_path(str(raw["cache_dir"])),
+        checkpoint=build_section(CheckpointConfig, raw.get("checkpoint") or {}, "checkpoint").resolved(),
         warnings=(warning,) if warning else (),
     )
     ck = run.checkpoint

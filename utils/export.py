@@ -65,7 +65,8 @@ def checkpoint_parser(doc: str) -> "argparse.ArgumentParser":
     import argparse
 
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
+    # type=user_path: resolved once here, like checkpoint.save_path in a run (orbax needs absolute paths).
+    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=ckptlib.user_path,
                    help="a run's checkpoint.save_path (the directory holding iter_N/ checkpoints)")
     p.add_argument("--load-file", default="latest",
                    help="which checkpoint: iter_N, iter_N.ckpt or latest (the newest complete one; default)")
