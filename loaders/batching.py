@@ -10,11 +10,16 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from collections.abc import Iterator
 
 import numpy as np
 
 from loaders.tokenizers import Tokenizer
 from utils.errors import CheckpointError, ConfigError, DataError
+
+# Fixed, not random_seed: every evaluation, resume and seed of a sweep scores the same windows, so
+# val/loss compares across all of them.
+VAL_SEED = 0
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -197,3 +202,42 @@ class BatchIterator:
                 "the checkpoint is corrupt; resume from another one or start a fresh run"
             )
         self._epoch, self._position = epoch, position
+
+
+def eval_indices(num_windows: int, max_windows: int, seed: int = VAL_SEED) -> np.ndarray:
+    """min(num_windows, max_windows) window indices drawn by `seed`, sorted (memmap-friendly reads).
+
+    Random, not the first windows: those come from the first files in path order. A prefix of one
+    permutation, so raising train.max_val_steps only adds windows to the set evaluated before.
+    """
+    order_N = np.random.default_rng(seed).permutation(num_windows)
+    return np.sort(order_N[: max(0, min(num_windows, max_windows))])
+
+
+def eval_batches(
+    dataset: WindowDataset,
+    batch_size: int,
+    max_batches: int,
+    seed: int = VAL_SEED,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(tokens_BxW int32, weights_B float32) covering `eval_indices` once each, this process's rows.
+
+    The last batch is padded to `batch_size` (the compiled shape, divisible over devices) with copies
+    of a real window whose weight is 0: a weighted mean then counts every selected window exactly
+    once, where wrapping around would count some twice.
+    """
+    if batch_size % process_count:
+        raise ConfigError(
+            f"dataset.batch_size={batch_size} does not split over {process_count} processes: "
+            f"set it to a multiple of {process_count}"
+        )
+    rows = slice(process_index * batch_size // process_count, (process_index + 1) * batch_size // process_count)
+    idx_N = eval_indices(len(dataset), max_batches * batch_size, seed)
+    for start in range(0, len(idx_N), batch_size):
+        real = min(batch_size, len(idx_N) - start)
+        idx_B = np.full(batch_size, idx_N[start], np.int64)
+        idx_B[:real] = idx_N[start : start + real]
+        weights_B = (np.arange(batch_size) < real).astype(np.float32)
+        yield dataset.get(idx_B[rows]), weights_B[rows]

@@ -3,6 +3,7 @@
 A document is a plain string. Train/val membership is decided per document by an md5 of a stable
 key (a relative path, or path:line for jsonl), never by Python's salted `hash()` and never by
 position, so adding a file does not reshuffle which of the old files are validation.
+A run gets each split as `Documents`: fingerprinted from file stats up front, read only if a cache misses.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import hashlib
 import json
 import os
 import sysconfig
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
 
 from utils.errors import ConfigError, DataError
 
@@ -70,16 +73,19 @@ def stdlib_files(include_tests: bool = False) -> list[str]:
 def stdlib_documents(split: str, val_fraction: float = 0.05, include_tests: bool = False) -> list[str]:
     """The default offline corpus: one document per stdlib source file, split on its relative path."""
     _check_split(split, val_fraction)
+    keyed = _stdlib_keyed(stdlib_files(include_tests))
+    return _split_or_raise(keyed, split, val_fraction, f"the standard library at {stdlib_root()}")
+
+
+def _stdlib_keyed(files: list[str]) -> list[tuple[str, str]]:
     root = stdlib_root()
-    files = stdlib_files(include_tests)
     if not files:
         raise DataError(
             f"no .py files under the Python standard library at {root}: this Python ships without sources; "
             "set dataset.paths to your own text files"
         )
     keyed = [(os.path.relpath(path, root).replace(os.sep, "/"), _read_text(path)) for path in files]
-    keyed = [(key, text) for key, text in keyed if text]  # empty __init__.py files would be lone eots
-    return _split_or_raise(keyed, split, val_fraction, f"the standard library at {root}")
+    return [(key, text) for key, text in keyed if text]  # empty __init__.py files would be lone eots
 
 
 def _glob_base(pattern: str) -> str:
@@ -151,8 +157,13 @@ def text_file_documents(paths: list[str], split: str, val_fraction: float, text_
     _check_split(split, val_fraction)
     if isinstance(paths, str):
         paths = [paths]
+    keyed = _text_files_keyed(_keyed_text_files(paths), paths, text_key)
+    return _split_or_raise(keyed, split, val_fraction, f"dataset.paths={list(paths)}")
+
+
+def _text_files_keyed(keyed_files: list[tuple[str, str]], paths: list[str], text_key: str) -> list[tuple[str, str]]:
     keyed = []
-    for path, key in _keyed_text_files(paths):
+    for path, key in keyed_files:
         if path.endswith(".jsonl"):
             keyed.extend(_jsonl_documents(path, key, text_key))
         else:
@@ -161,13 +172,14 @@ def text_file_documents(paths: list[str], split: str, val_fraction: float, text_
                 keyed.append((key, text))
     if not keyed:
         raise DataError(f"dataset.paths={list(paths)} matches only empty files: point it at files that contain text")
-    return _split_or_raise(keyed, split, val_fraction, f"dataset.paths={list(paths)}")
+    return keyed
 
 
 def corpus_fingerprint(files: Iterable[str], *extra: object) -> str:
-    """Short hash of file names, sizes and mtimes (plus `extra`, e.g. split and tokenizer name) for cache keys.
+    """Short hash of file names, sizes and mtimes (plus `extra`: source, split and the knobs that pick documents).
 
     Stats, not contents: cheap enough to run on every start, and any edit changes size or mtime.
+    Keys every cache built from a corpus (tokenized splits, the BPE's training sample).
     """
     h = hashlib.md5()
     for path in files:
@@ -176,3 +188,103 @@ def corpus_fingerprint(files: Iterable[str], *extra: object) -> str:
     for item in extra:
         h.update(f"{item!r}\n".encode("utf-8", errors="replace"))
     return h.hexdigest()[:16]
+
+
+# Bumped whenever what lands in a split changes (which files, keys, skipping empty documents...),
+# so caches keyed by `Documents.fingerprint` are not reused across that change.
+_SPLIT_RECIPE = "split-v1"
+
+
+class Documents(Sequence[str]):
+    """One split's documents, read on first access: a run whose caches all hit never reads the corpus.
+
+    `fingerprint` is known up front from file stats (`corpus_fingerprint`), so caches can be keyed
+    by it before any text is read.
+    """
+
+    def __init__(self, read: Callable[[], list[str]], fingerprint: str):
+        self._read = read
+        self._docs: list[str] | None = None
+        self.fingerprint = fingerprint
+
+    def _load(self) -> list[str]:
+        if self._docs is None:
+            self._docs = self._read()
+            self._read = None  # drop the closure's reference to the corpus's shared text
+        return self._docs
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+    def __getitem__(self, i):
+        return self._load()[i]
+
+    def __iter__(self):
+        return iter(self._load())
+
+
+def in_memory_documents(docs: Sequence[str]) -> Documents:
+    """Documents already in memory (tests, notebooks): fingerprinted by content, having no files to stat."""
+    if isinstance(docs, Documents):
+        return docs
+    docs = list(docs)
+    h = hashlib.md5(_SPLIT_RECIPE.encode())
+    for doc in docs:
+        data = doc.encode("utf-8", errors="replace")
+        h.update(len(data).to_bytes(8, "little"))  # length prefix: ["ab","c"] != ["a","bc"]
+        h.update(data)
+    return Documents(lambda: docs, "mem-" + h.hexdigest()[:16])
+
+
+def split_documents(
+    name: str, val_fraction: float, include_tests: bool = False, paths: Sequence[str] = (), text_key: str = "text"
+) -> tuple[Documents, Documents]:
+    """(train, val) of source `name` (stdlib | text_files), fingerprinted now and read on first access.
+
+    Listing and stat-ing the files is all that happens here (missing globs still fail at once). The
+    first split to be read reads every file once for both, since membership is decided per document.
+    """
+    for split in ("train", "val"):
+        _check_split(split, val_fraction)
+    if name == "stdlib":
+        files = stdlib_files(include_tests)
+        source = f"the standard library at {stdlib_root()}"
+        knobs: tuple = (name, val_fraction, include_tests)
+
+        def read_keyed() -> list[tuple[str, str]]:
+            return _stdlib_keyed(files)
+
+    elif name == "text_files":
+        paths = [paths] if isinstance(paths, str) else list(paths)
+        keyed_files = _keyed_text_files(paths)
+        files = [os.path.abspath(path) for path, _ in keyed_files]
+        source = f"dataset.paths={paths}"
+        # The split keys (paths relative to each glob's literal prefix) decide membership: they go in too.
+        knobs = (name, val_fraction, text_key, [key for _, key in keyed_files])
+
+        def read_keyed() -> list[tuple[str, str]]:
+            return _text_files_keyed(keyed_files, paths, text_key)
+
+    else:
+        raise ConfigError(f"dataset.name={name!r} is unknown: use stdlib or text_files")
+
+    shared: list[list[tuple[str, str]]] = []  # filled by whichever split is read first
+
+    def reader(split: str) -> Callable[[], list[str]]:
+        def read() -> list[str]:
+            if not shared:
+                shared.append(read_keyed())
+            return _split_or_raise(shared[0], split, val_fraction, source)
+
+        return read
+
+    return tuple(Documents(reader(s), corpus_fingerprint(files, _SPLIT_RECIPE, s, *knobs)) for s in ("train", "val"))
+
+
+def sample_documents(docs: Sequence[str], n: int, seed: int) -> list[str]:
+    """`n` documents drawn without replacement by `seed`, in corpus order: the first n in path
+    order would be a few packages' worth of text, not a picture of the whole corpus."""
+    if len(docs) <= n:
+        return list(docs)
+    idx_N = np.sort(np.random.default_rng(seed).permutation(len(docs))[:n])
+    return [docs[i] for i in idx_N.tolist()]

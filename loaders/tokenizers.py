@@ -8,27 +8,44 @@ one it has. Ids come back as int32 numpy arrays (no jax here: the caller places 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from loaders import corpus
 from utils.errors import ConfigError, DataError
 
 EOT_TOKEN = "<|endoftext|>"
 # Bumped whenever the BPE recipe below changes, so old cached tokenizer files are not reused.
-_BPE_RECIPE = "bytelevel-bpe-v1"
+# v2: trained on a seeded random sample of the train split instead of its first documents.
+_BPE_RECIPE = "bytelevel-bpe-v2"
+# Fixed, not random_seed: runs of a seed sweep share one tokenizer (and its cache), so their losses compare.
+BPE_SAMPLE_SEED = 0
+
+
+def _digest(*parts: object) -> str:
+    h = hashlib.md5()
+    for part in parts:
+        data = part if isinstance(part, bytes) else str(part).encode("utf-8", errors="replace")
+        h.update(len(data).to_bytes(8, "little"))  # length prefix: ("ab","c") != ("a","bc")
+        h.update(data)
+    return h.hexdigest()[:16]
 
 
 @runtime_checkable
 class Tokenizer(Protocol):
     """What the data pipeline and the sampler need from a tokenizer, nothing more."""
 
-    name: str  # e.g. "byte", "bpe-4096", "hf:gpt2"; goes into cache keys and logs
+    name: str  # e.g. "byte", "bpe-4096", "hf:gpt2"; for logs and readable cache file names
+    # Short hash of what maps text to ids (vocabulary, merges, normalisation): two tokenizers that share
+    # a name can still differ (BPEs trained on different samples), so caches of token ids key on this.
+    fingerprint: str
     vocab_size: int  # number of ids it can emit, eot included: the model's embedding rows
     eot_id: int  # appended after every document so the model learns where documents end
 
@@ -45,6 +62,7 @@ class ByteTokenizer:
     name = "byte"
     vocab_size = 257
     eot_id = 256
+    fingerprint = _digest("byte", "utf-8", "eot=256")  # nothing to train: the same ids forever
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
@@ -76,6 +94,7 @@ class BPETokenizer:
                 f"BPE tokenizer {name!r} has no {EOT_TOKEN} token: delete its cached file so it is retrained"
             )
         self.eot_id = int(eot_id)
+        self.fingerprint = _digest("bpe", backend.to_str())  # the serialised tokenizer: vocab, merges, pipeline
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
@@ -120,10 +139,14 @@ def _train_bpe(vocab_size: int, texts: Iterable[str]):
     return backend
 
 
-def bpe_tokenizer(vocab_size: int, sample_texts: Callable[[], Iterable[str]], cache_dir: str) -> Tokenizer:
-    """Load the BPE trained on this exact sample from `cache_dir`, training and caching it on a miss.
+def bpe_tokenizer(
+    vocab_size: int, sample_texts: Callable[[], Iterable[str]], cache_dir: str, sample_key: str | None = None
+) -> Tokenizer:
+    """Load the BPE trained on this sample from `cache_dir`, training and caching it on a miss.
 
-    `sample_texts` is a callable because the sample is read twice on a miss: once to hash, once to train.
+    `sample_key` names the sample without reading it (e.g. corpus fingerprint + sample size + seed), so
+    a hit reads no text at all; without it the sample's text is hashed. `sample_texts` is a callable
+    so that a hit never builds the sample.
     """
     from tokenizers import Tokenizer as RustTokenizer
 
@@ -134,7 +157,8 @@ def bpe_tokenizer(vocab_size: int, sample_texts: Callable[[], Iterable[str]], ca
             f"(256 bytes + {EOT_TOKEN} + at least one merge): set it to >= {min_size}, or use tokenizer=byte"
         )
     name = f"bpe-{vocab_size}"
-    path = os.path.join(os.path.expanduser(cache_dir), f"{name}-{_sample_hash(sample_texts())}.json")
+    key = _digest(_BPE_RECIPE, vocab_size, sample_key) if sample_key is not None else _sample_hash(sample_texts())
+    path = os.path.join(os.path.expanduser(cache_dir), f"{name}-{key}.json")
     if os.path.exists(path):
         try:
             return BPETokenizer(RustTokenizer.from_file(path), name)
@@ -155,6 +179,18 @@ def bpe_tokenizer(vocab_size: int, sample_texts: Callable[[], Iterable[str]], ca
     return BPETokenizer(backend, name)
 
 
+def corpus_bpe_tokenizer(vocab_size: int, train_docs: Sequence[str], sample_docs: int, cache_dir: str) -> Tokenizer:
+    """The BPE of a seeded random `sample_docs` of `train_docs`, cached under the corpus's stat
+    fingerprint: a hit neither reads nor hashes the corpus text."""
+    docs = corpus.in_memory_documents(train_docs)  # a lazy corpus.Documents passes through unread
+    return bpe_tokenizer(
+        vocab_size,
+        lambda: corpus.sample_documents(docs, sample_docs, BPE_SAMPLE_SEED),
+        cache_dir,
+        sample_key=f"{docs.fingerprint}:sample_docs={sample_docs}:seed={BPE_SAMPLE_SEED}",
+    )
+
+
 class TransformersTokenizer:
     """A `transformers` tokenizer behind the protocol, for fine-tuning or comparing with released models."""
 
@@ -163,6 +199,7 @@ class TransformersTokenizer:
         self.name = name
         self.vocab_size = len(tok)  # len() counts added tokens; .vocab_size does not
         self.eot_id = int(tok.eos_token_id)
+        self.fingerprint = _hf_fingerprint(tok)
 
     def encode(self, text: str) -> np.ndarray:
         return self.encode_batch([text])[0]
@@ -176,6 +213,17 @@ class TransformersTokenizer:
         ids_N = np.asarray(ids).reshape(-1)
         ids_N = ids_N[(ids_N >= 0) & (ids_N < self.vocab_size)]
         return self._tok.decode(ids_N.tolist(), skip_special_tokens=True)
+
+
+def _hf_fingerprint(tok) -> str:
+    """Class + full serialised pipeline for fast tokenizers; class + vocab + added/special tokens
+    otherwise. A hub name alone is not enough: a model repo's tokenizer can change under it."""
+    if getattr(tok, "is_fast", False):
+        body = tok.backend_tokenizer.to_str()
+    else:
+        body = json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False)
+    added = sorted((int(i), str(t)) for i, t in getattr(tok, "added_tokens_decoder", {}).items())
+    return _digest("hf", type(tok).__name__, body, added, tok.eos_token_id, sorted(tok.all_special_tokens))
 
 
 def _short_reason(e: Exception) -> str:

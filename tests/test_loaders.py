@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from loaders import corpus, tokenizers
-from loaders.batching import BatchIterator, WindowDataset, tokenize_documents
+from loaders.batching import BatchIterator, WindowDataset, eval_batches, eval_indices, tokenize_documents
 from utils.errors import CheckpointError, ConfigError, DataError
 
 UNICODE_TEXT = "naïve café — 日本語 🐍 def f(x):\n\treturn x ** 2\n"
@@ -60,7 +60,7 @@ def test_bpe_tokenizer_trains_roundtrips_and_caches(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tokenizers, "_train_bpe", no_training)
     again = tokenizers.bpe_tokenizer(300, _small_sample, str(tmp_path))
-    assert again.encode(UNICODE_TEXT).tolist() == ids.tolist()
+    assert again.encode(UNICODE_TEXT).tolist() == ids.tolist() and again.fingerprint == tok.fingerprint
     assert cached.stat().st_mtime_ns == mtime
     monkeypatch.undo()
 
@@ -99,6 +99,9 @@ def test_hf_tokenizer_loads_a_local_directory(tmp_path):
     ids = tok.encode(UNICODE_TEXT)
     assert ids.dtype == np.int32 and tok.decode(ids) == UNICODE_TEXT
     assert [x.tolist() for x in tok.encode_batch([UNICODE_TEXT])] == [ids.tolist()]
+    assert tok.fingerprint == tokenizers.hf_tokenizer(str(tmp_path)).fingerprint  # stable: it keys token caches
+    others = {tokenizers.byte_tokenizer().fingerprint, tokenizers.BPETokenizer(backend, "bpe-300").fingerprint}
+    assert tok.fingerprint not in others
 
 
 # --- corpora ------------------------------------------------------------------------------------
@@ -314,3 +317,167 @@ def test_the_loader_is_cheap_per_step():
     for _ in range(200):
         next(it)
     assert (time.perf_counter() - start) / 200 < 0.002
+
+
+def test_eval_batches_cover_each_selected_window_once_padding_with_weight_zero():
+    ds = _dataset(11)
+    batches = list(eval_batches(ds, 4, max_batches=5, seed=0))
+    assert [b.shape for b, _ in batches] == [(4, 5)] * 3  # 11 windows: 4 + 4 + 3 real, 1 padding row
+    weights = np.concatenate([w for _, w in batches])
+    assert weights.dtype == np.float32 and weights.tolist() == [1.0] * 11 + [0.0]
+    ids = sum((_window_ids(b, 5) for b, _ in batches), [])
+    assert sorted(ids[:11]) == list(range(11))
+    assert eval_indices(11, 1000).tolist() == list(range(11))
+    # Fewer than the split: a seeded subset, a prefix of the same permutation as max_batches grows.
+    small, large = eval_indices(100, 8), eval_indices(100, 16)
+    assert len(small) == 8 and set(small) < set(large) and small.tolist() != list(range(8))
+    assert small.tolist() == eval_indices(100, 8).tolist()
+
+
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_eval_batch_process_slices_concatenate_to_the_global_batch(process_count):
+    ds = _dataset(13)
+    whole = list(eval_batches(ds, 8, max_batches=3, seed=0))
+    parts = [list(eval_batches(ds, 8, 3, 0, i, process_count)) for i in range(process_count)]
+    for b, (tokens, weights) in enumerate(whole):
+        np.testing.assert_array_equal(np.concatenate([p[b][0] for p in parts]), tokens)
+        np.testing.assert_array_equal(np.concatenate([p[b][1] for p in parts]), weights)
+    with pytest.raises(ConfigError, match="dataset.batch_size"):
+        next(eval_batches(ds, 6, 1, 0, 0, 4))
+
+
+# --- init_data: the caches of a run, keyed without reading the corpus ---------------------------------
+
+
+def _word_corpus(root, num_docs=40):
+    """Documents of a few made-up words each, so BPEs trained on different samples learn different merges."""
+    rng = np.random.default_rng(0)
+    letters = list("abcdefghijklmnopqrstuvwxyz")
+    root.mkdir()
+    for i in range(num_docs):
+        words = ["".join(rng.choice(letters, 4)) for _ in range(3)]
+        (root / f"doc{i:02d}.txt").write_text(" ".join(words * 20) + "\n")
+    lines = [json.dumps({"text": f"record {i}: " + "".join(rng.choice(letters, 30))}) for i in range(10)]
+    (root / "records.jsonl").write_text("\n".join(lines) + "\n")
+    return [str(root / "*.txt"), str(root / "*.jsonl")]
+
+
+def _corpus_run(tiny_run, paths, cache, *overrides):
+    return tiny_run("dataset=text_files", f"dataset.paths=[{','.join(paths)}]", "dataset.val_fraction=0.2",
+                    f"cache_dir={cache}", *overrides)
+
+
+BPE = ("tokenizer=bpe", "tokenizer.vocab_size=300")
+
+
+def _build_data(run):
+    """What build_trainer does for the data, short of the model."""
+    import train_jax
+
+    docs = train_jax.load_documents(run)
+    tok = train_jax.init_tokenizer(run, docs[0])
+    return tok, train_jax.init_data(run, tok, docs)
+
+
+def _streams(data) -> dict[str, np.ndarray]:
+    return {"train": np.asarray(data.train.dataset.windows_NxW).reshape(-1),
+            "val": np.asarray(data.val.windows_NxW).reshape(-1)}
+
+
+def _assert_fresh(run, tok, data):
+    """Every token a run trains and evaluates on is what `tok` makes of the corpus as it is now."""
+    d = run.dataset
+    for split, stream in _streams(data).items():
+        fresh = tokenize_documents(corpus.text_file_documents(list(d.paths), split, d.val_fraction), tok)
+        np.testing.assert_array_equal(stream, fresh[: stream.size], err_msg=f"{split}: stale token cache")
+
+
+def test_bpes_trained_on_different_samples_get_their_own_token_caches(tmp_path, tiny_run):
+    paths, cache = _word_corpus(tmp_path / "corpus"), tmp_path / "cache"
+    runs = [_corpus_run(tiny_run, paths, cache, *BPE, f"tokenizer.sample_docs={n}") for n in (3, 1000)]
+    built = [_build_data(run) for run in runs]
+    for run, (tok, data) in zip(runs, built):
+        _assert_fresh(run, tok, data)  # before: the second run read the first BPE's ids (same name bpe-300)
+    (tok_a, _), (tok_b, _) = built
+    assert tok_a.name == tok_b.name and tok_a.fingerprint != tok_b.fingerprint
+    assert len(list((cache / "tokens").glob("*.npy"))) == 4
+
+
+def test_a_cache_hit_reads_no_documents(tmp_path, tiny_run, monkeypatch):
+    paths, cache = _word_corpus(tmp_path / "corpus"), tmp_path / "cache"
+    run = _corpus_run(tiny_run, paths, cache, *BPE, "tokenizer.sample_docs=10")
+    tok, data = _build_data(run)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the corpus was read although every cache should hit")
+
+    monkeypatch.setattr(corpus, "_read_text", forbidden)
+    monkeypatch.setattr(corpus, "_jsonl_documents", forbidden)
+    monkeypatch.setattr(tokenizers, "_train_bpe", forbidden)
+    again_tok, again = _build_data(run)
+    assert again_tok.fingerprint == tok.fingerprint
+    for split, stream in _streams(data).items():
+        np.testing.assert_array_equal(_streams(again)[split], stream)
+
+
+def test_touching_or_editing_a_corpus_file_invalidates_the_token_cache(tmp_path, tiny_run, monkeypatch):
+    paths, cache = _word_corpus(tmp_path / "corpus"), tmp_path / "cache"
+    run = _corpus_run(tiny_run, paths, cache)  # byte tokenizer: only the token cache is in play
+    _, data = _build_data(run)
+    before = set((cache / "tokens").glob("*.npy"))
+    assert len(before) == 2
+
+    reads = []
+    read_text = corpus._read_text
+    monkeypatch.setattr(corpus, "_read_text", lambda path: reads.append(path) or read_text(path))
+    doc = tmp_path / "corpus" / "doc07.txt"
+    st = doc.stat()
+    os.utime(doc, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))  # touch: same bytes, newer mtime
+    tok, touched = _build_data(run)
+    assert reads, "a touched corpus must be re-read"
+    assert len(set((cache / "tokens").glob("*.npy")) - before) == 2  # both splits: membership may have moved
+    _assert_fresh(run, tok, touched)
+
+    doc.write_text("an edited document, nothing like the others\n" * 5)
+    os.utime(doc, ns=(st.st_atime_ns, st.st_mtime_ns + 4_000_000_000))  # even on a coarse-mtime filesystem
+    tok, edited = _build_data(run)
+    _assert_fresh(run, tok, edited)
+    both = [np.concatenate(list(_streams(d).values())) for d in (touched, edited)]
+    assert both[0].size != both[1].size or (both[0] != both[1]).any()
+
+
+def test_bpe_trains_on_a_seeded_random_sample_of_the_train_split(tmp_path, tiny_run, monkeypatch):
+    import train_jax
+
+    paths = _word_corpus(tmp_path / "corpus")
+    samples = []
+    train_bpe = tokenizers._train_bpe
+
+    def recording(vocab_size, texts):
+        samples.append(list(texts))
+        return train_bpe(vocab_size, samples[-1])
+
+    monkeypatch.setattr(tokenizers, "_train_bpe", recording)
+    for cache in ("c1", "c2"):  # two fresh caches: the tokenizer is trained twice
+        run = _corpus_run(tiny_run, paths, tmp_path / cache, *BPE, "tokenizer.sample_docs=5")
+        train_jax.init_tokenizer(run, train_jax.load_documents(run)[0])
+    train_docs = corpus.text_file_documents(list(run.dataset.paths), "train", run.dataset.val_fraction)
+    first, second = samples
+    assert len(first) == 5 and first == second  # deterministic across runs
+    assert first != train_docs[:5]  # not the first files in path order
+    assert first == [d for d in train_docs if d in first]  # a subset, in corpus order
+    assert corpus.sample_documents(train_docs, 5, seed=1) != first  # the seed, not the corpus, picks it
+    assert corpus.sample_documents(train_docs, 10_000, seed=0) == train_docs
+
+
+def test_in_memory_documents_still_work_as_before(tmp_path, tiny_run):
+    """Callers may pass plain lists (notebooks, tests): they are fingerprinted by content."""
+    import train_jax
+
+    run = _corpus_run(tiny_run, _word_corpus(tmp_path / "corpus"), tmp_path / "cache", *BPE)
+    docs = (["alpha beta gamma " * 40, "delta epsilon " * 40], ["zeta eta " * 40])
+    tok = train_jax.init_tokenizer(run, docs[0])
+    val = _streams(train_jax.init_data(run, tok, docs))["val"]
+    assert val.tolist() == tokenize_documents(docs[1], tok)[: val.size].tolist()
+    other = _streams(train_jax.init_data(run, tok, (docs[0], ["theta iota " * 40])))["val"]
+    assert other.tolist() != val.tolist()

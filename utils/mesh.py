@@ -45,6 +45,12 @@ def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
     return NamedSharding(mesh, P(*([None] * leading_axes), BATCH_AXES, None))
 
 
+def row_sharding(batch: NamedSharding) -> NamedSharding:
+    """For per-sequence values (e.g. eval weights_B) of a `batch_sharding` batch: each device gets
+    the entries of exactly the rows it holds."""
+    return NamedSharding(batch.mesh, P(*batch.spec[:-1]))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -1,0 +1,100 @@
+"""evaluate(): which validation windows it scores, and that each counts exactly once in val/*."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import compose_config
+
+import train_jax
+from loaders.batching import WindowDataset
+from models.gpt import cross_entropy
+from utils import mesh as meshlib
+from utils.config import validate
+
+WINDOW = 17  # the tiny run's context_length 16, plus the next-token target
+
+
+@pytest.fixture(scope="module")
+def model():
+    run = validate(compose_config())
+    return eqx.filter_jit(lambda key: train_jax.init_model(run, key))(jax.random.PRNGKey(0))  # not op by op
+
+
+@pytest.fixture(scope="module")
+def eval_step():
+    """One compiled step for the module: it depends on the run only through train.compute_dtype."""
+    return train_jax.make_eval_step(validate(compose_config()))
+
+
+def val_set(num_windows: int, seed: int = 0) -> tuple[WindowDataset, dict[tuple, int]]:
+    """Random ids < 64 (the tiny vocab): every window differs, so a row tells which window it is."""
+    tokens = np.random.default_rng(seed).integers(0, 64, num_windows * WINDOW).astype(np.uint16)
+    val = WindowDataset(tokens, WINDOW)
+    index = {tuple(row): i for i, row in enumerate(val.get(np.arange(num_windows)).tolist())}
+    assert len(index) == num_windows
+    return val, index
+
+
+def run_eval(run, eval_step, model, val, index=None, seen=None) -> dict[str, float]:
+    """evaluate() as the train loop calls it; with `seen`, records the window of every row weighted > 0."""
+    mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size)
+
+    def spy(model, tokens, *rest):  # *rest: the weights (rows without one count fully)
+        weights = np.asarray(rest[0]) if rest else np.ones(tokens.shape[0])
+        seen.extend(index[tuple(row)] for row, w in zip(np.asarray(tokens).tolist(), weights) if w > 0)
+        return eval_step(model, tokens, *rest)
+
+    return train_jax.evaluate(spy if seen is not None else eval_step, model, val, run,
+                              meshlib.batch_sharding(mesh, 0))
+
+
+@eqx.filter_jit
+def one_window(model, tokens_1xT1):
+    return cross_entropy(model, tokens_1xT1, None, jnp.float32)
+
+
+def plain_means(model, val, windows) -> tuple[float, float]:
+    """Mean over `windows` of each window's own loss and accuracy, one window at a time."""
+    losses, accs = [], []
+    for i in windows:
+        loss, correct = one_window(model, jnp.asarray(val.get(np.array([i]))))
+        losses.append(float(loss))
+        accs.append(float(correct) / (WINDOW - 1))
+    return float(np.mean(losses)), float(np.mean(accs))
+
+
+def test_fewer_windows_than_a_batch_count_each_window_once(tiny_run, eval_step, model):
+    run = tiny_run()  # batch_size 8
+    val, _ = val_set(3)
+    metrics = run_eval(run, eval_step, model, val)
+    loss, acc = plain_means(model, val, range(3))
+    # A batch wrapped around the 3 windows would weigh them 3:3:2.
+    np.testing.assert_allclose(metrics["val/loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(metrics["val/accuracy"], acc, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(metrics["val/perplexity"], np.exp(loss), rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_windows, max_val_steps, expected", [(30, 2, 16), (20, 3, 20)])
+def test_evaluates_min_of_val_and_max_val_steps_batches(tiny_run, eval_step, model, num_windows, max_val_steps,
+                                                        expected):
+    run = tiny_run(f"train.max_val_steps={max_val_steps}")
+    val, index = val_set(num_windows)
+    seen: list[int] = []
+    metrics = run_eval(run, eval_step, model, val, index, seen)
+    assert len(seen) == expected and len(set(seen)) == expected  # that many, each once
+    np.testing.assert_allclose(metrics["val/loss"], plain_means(model, val, seen)[0], rtol=1e-5)
+
+
+def test_evaluated_windows_are_a_fixed_random_selection(tiny_run, eval_step, model):
+    val, index = val_set(40)
+    first, again, other_seed = [], [], []
+    run_eval(tiny_run("train.max_val_steps=2"), eval_step, model, val, index, first)
+    run_eval(tiny_run("train.max_val_steps=2"), eval_step, model, val, index, again)
+    run_eval(tiny_run("train.max_val_steps=2", "random_seed=7"), eval_step, model, val, index, other_seed)
+    assert len(first) == 16
+    assert sorted(first) != list(range(16))  # not the first windows, i.e. not the first files
+    assert max(first) >= 16
+    assert sorted(again) == sorted(first)  # every evaluation (and resume) scores the same windows
+    assert sorted(other_seed) == sorted(first)  # independent of random_seed: seed sweeps compare
