@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import math
 import os
@@ -27,10 +26,11 @@ import optax
 from omegaconf import DictConfig
 
 from loaders import corpus, tokenizers
-from loaders.batching import BatchIterator, WindowDataset, tokenize_documents
+from loaders.batching import BatchIterator, WindowDataset, eval_batches, tokenize_documents
 from models.gpt import GPT, count_params, cross_entropy, flops_per_token, param_labels
 from models.sample import generate
 from optimizer import group_schedules, make_optimizer
+from optimizer.restart import schedules_at
 from utils import checkpoint as ckptlib
 from utils import mesh as meshlib
 from utils.config import RunConfig, to_dict, validate
@@ -42,36 +42,40 @@ from utils.metrics import RunLogger
 # ----------------------------------------------------------------------------- components
 
 
-def load_documents(run: RunConfig) -> tuple[list[str], list[str]]:
+def load_documents(run: RunConfig) -> tuple[corpus.Documents, corpus.Documents]:
+    """(train, val): files listed and stat-fingerprinted now, read on first access, so a run whose
+    tokenizer and token caches hit never reads the corpus."""
     d = run.dataset
-    if d.name == "stdlib":
-        return tuple(corpus.stdlib_documents(s, d.val_fraction, d.include_tests) for s in ("train", "val"))
-    return tuple(corpus.text_file_documents(list(d.paths), s, d.val_fraction, d.text_key) for s in ("train", "val"))
+    return corpus.split_documents(d.name, d.val_fraction, d.include_tests, d.paths, d.text_key)
 
 
-def init_tokenizer(run: RunConfig, train_docs: list[str]) -> tokenizers.Tokenizer:
+def init_tokenizer(run: RunConfig, train_docs: Sequence[str]) -> tokenizers.Tokenizer:
     t = run.tokenizer
     if t.name == "byte":
         return tokenizers.byte_tokenizer()
     if t.name == "bpe":
-        return tokenizers.bpe_tokenizer(t.vocab_size, lambda: train_docs[: t.sample_docs], os.path.expanduser(run.cache_dir))
+        cache_dir = os.path.expanduser(run.cache_dir)
+        return tokenizers.corpus_bpe_tokenizer(t.vocab_size, train_docs, t.sample_docs, cache_dir)
     return tokenizers.hf_tokenizer(t.name_or_path)
 
 
 @dataclass
 class Data:
     train: BatchIterator  # yields this process's rows of (accum_steps, batch_size, T+1)
-    val: WindowDataset  # read in order from the start at every evaluation
+    val: WindowDataset  # evaluate() scores a fixed seeded subset of it (loaders.batching.eval_indices)
     tokens_per_step: int
 
 
-def init_data(run: RunConfig, tokenizer: tokenizers.Tokenizer, docs: tuple[list[str], list[str]]) -> Data:
+def init_data(run: RunConfig, tokenizer: tokenizers.Tokenizer, docs: tuple[Sequence[str], Sequence[str]]) -> Data:
+    """Token caches are keyed by the tokenizer's fingerprint (not its name: two BPEs share one) and the
+    split's stat fingerprint, so a hit reads no corpus text and a retrained tokenizer never reuses ids."""
     d, window = run.dataset, run.context_length + 1
     cache_dir = os.path.join(os.path.expanduser(run.cache_dir), "tokens")
 
-    def windows(split_docs: list[str], split: str) -> WindowDataset:
-        digest = hashlib.md5("\x00".join(split_docs).encode("utf-8", "replace")).hexdigest()[:16]
-        name = f"{d.name}-{split}-{tokenizer.name.replace('/', '_').replace(':', '_')}-{digest}.npy"
+    def windows(split_docs: Sequence[str], split: str) -> WindowDataset:
+        split_docs = corpus.in_memory_documents(split_docs)  # a lazy corpus.Documents passes through unread
+        readable = tokenizer.name.replace("/", "_").replace(":", "_")
+        name = f"{d.name}-{split}-{readable}-{tokenizer.fingerprint}-{split_docs.fingerprint}.npy"
         return WindowDataset(tokenize_documents(split_docs, tokenizer, os.path.join(cache_dir, name)), window)
 
     train = BatchIterator(windows(docs[0], "train"), (d.accum_steps, d.batch_size), run.random_seed, d.shuffle,
@@ -134,8 +138,11 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh,
     model = restored["model"]
     if "opt_state" in restored:
         opt_state = restored["opt_state"]
-    else:  # checkpoint.overwrite_optimizer: a fresh state of this run's optimizer for the restored weights
-        opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(eqx.filter(model, eqx.is_array))
+    else:  # checkpoint.overwrite_optimizer: a fresh state of this run's optimizer for the restored weights,
+        # its lr schedule continuing at the restored step
+        fresh = lambda params, step: schedules_at(tx.init(params), step)  # noqa: E731
+        opt_state = jax.jit(fresh, out_shardings=shardings.opt_state)(eqx.filter(model, eqx.is_array),
+                                                                       restored["progress"]["step"])
     return TrainState(model, opt_state, restored["progress"]["step"], restored["progress"]["key"]), shardings
 
 
@@ -187,23 +194,32 @@ def make_train_step(run: RunConfig, tx: optax.GradientTransformation, schedule: 
 
 
 def make_eval_step(run: RunConfig) -> Callable:
+    """Weighted sums, not means: padding rows weigh 0 and batches add up, so evaluate() averages over
+    real windows only."""
     compute_dtype = jnp.dtype(run.train.compute_dtype)
 
-    def eval_step(model: GPT, tokens_BxT1: jax.Array):
-        loss, correct = cross_entropy(model, tokens_BxT1, None, compute_dtype)
-        return loss, correct / tokens_BxT1[:, 1:].size
+    def eval_step(model: GPT, tokens_BxT1: jax.Array, weights_B: jax.Array):
+        # Per window: cross_entropy averages over its batch, so map it over single rows.
+        loss_B, correct_B = jax.vmap(lambda t_T1: cross_entropy(model, t_T1[None], None, compute_dtype))(tokens_BxT1)
+        return (weights_B * loss_B).sum(), (weights_B * correct_B).sum(), weights_B.sum()
 
     return eqx.filter_jit(eval_step)
 
 
 def evaluate(eval_step: Callable, model: GPT, val: WindowDataset, run: RunConfig, batch_sharding) -> dict[str, float]:
-    """Mean loss/accuracy over the first `max_val_steps` batches of the validation split (the
-    same windows every time, so evaluations compare)."""
-    it = BatchIterator(val, (run.dataset.batch_size,), run.random_seed, False, jax.process_index(), jax.process_count())
-    steps = min(run.train.max_val_steps, max(len(val) // run.dataset.batch_size, 1))
-    results = [eval_step(model, meshlib.put_batch(next(it), batch_sharding)) for _ in range(steps)]
-    loss, acc = (float(np.mean([float(r[i]) for r in results])) for i in (0, 1))
-    return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0)), "val/accuracy": acc}
+    """Mean loss/accuracy over min(len(val), max_val_steps·batch_size) validation windows, each once,
+    drawn by a fixed seed (not random_seed): the same windows at every evaluation, resume and seed of a
+    sweep, so evaluations compare; random, so not just the first files'."""
+    weights_sharding = meshlib.row_sharding(batch_sharding)
+    batches = eval_batches(val, run.dataset.batch_size, run.train.max_val_steps,
+                           process_index=jax.process_index(), process_count=jax.process_count())
+    put = meshlib.put_batch
+    sums = [eval_step(model, put(tokens_BxT1, batch_sharding), put(weights_B, weights_sharding))
+            for tokens_BxT1, weights_B in batches]  # all dispatched before the first value is pulled
+    loss_sum, correct_sum, windows = (sum(float(s[i]) for s in sums) for i in range(3))
+    loss = loss_sum / windows
+    accuracy = correct_sum / (windows * (val.window - 1))
+    return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0)), "val/accuracy": accuracy}
 
 
 # ----------------------------------------------------------------------------- the run
@@ -245,6 +261,21 @@ def init_training(run: RunConfig, mesh, source: ckptlib.Source | None = None
     tx = init_optimizer(run, schedule, param_labels(eqx.filter_eval_shape(GPT, run.model, jax.random.PRNGKey(0))))
     state, shardings = init_state(run, tx, mesh, source)
     return schedule, tx, state, make_train_step(run, tx, schedule, shardings, mesh)
+
+
+# The host loop's clock (a seam: tests drive it to check the throughput arithmetic exactly).
+clock = time.perf_counter
+
+
+def check_finite(record: dict[str, float], step: int) -> None:
+    """Stop a diverged run before it logs on or saves: a NaN state written at an interval or on
+    preemption would push good checkpoints out under max_to_keep and be resumed from. The loss
+    vouches for the weights the step started from, the update's norm for the ones it produced."""
+    for name in ("train/loss", "aux/update_norm"):
+        value = record.get(name, 0.0)
+        if not math.isfinite(value):
+            raise TrainingError(f"{name} is {value} at step {step}: the run diverged; "
+                                "lower optimizer.lr_config.lr or set train.gradient_clip_val")
 
 
 def warn(message: str) -> None:
@@ -302,7 +333,7 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None,
 
     with ckptlib.StopSignals(catch_interrupt=ck.save_on_interrupt) if saver else contextlib.nullcontext() as stop:
         try:
-            t_last, step_last = time.perf_counter(), start
+            t_last, step_last = clock(), start
             for step in range(start + 1, end + 1):
                 batch = meshlib.put_batch(next(data.train), batch_sharding)
                 state, metrics = train_step(state, batch)  # dispatched; the host moves on at once
@@ -310,7 +341,7 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None,
                 record: dict[str, float] = {}
                 if step % run.logging.log_every == 0 or step == end:
                     record = {k: float(v) for k, v in metrics.items()}  # the only device sync on training steps
-                    now = time.perf_counter()
+                    now = clock()
                     if step_last > start or step == end:  # the first interval holds compilation
                         seconds = (now - t_last) / (step - step_last)
                         record["train/step_time"] = seconds
@@ -319,20 +350,22 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None,
                     t_last, step_last = now, step
                 if validate_now(step):
                     record.update(evaluate(eval_step, state.model, data.val, run, eval_sharding))
-                    t_last = time.perf_counter()  # evaluation time is not training throughput
+                    # Evaluation time is not training throughput: the next interval starts after it.
+                    t_last, step_last = clock(), step
                 if record:
                     log.log(step, record)
                     last.update(record)
-                    if not math.isfinite(record.get("train/loss", 0.0)):
-                        raise TrainingError(f"train/loss is {record['train/loss']} at step {step}: the run diverged; "
-                                            "lower optimizer.lr_config.lr or set train.gradient_clip_val")
+                    check_finite(record, step)
                 if saver is None:
                     continue
+                due = saver.due(step) or step == end
+                signame = ckptlib.agree(stop.requested, sync_point=bool(record))
+                if (due or signame) and not record:
+                    check_finite({k: float(metrics[k]) for k in ("train/loss", "aux/update_norm")}, step)
                 if "val/loss" in record and saver.maybe_save_best(step, state, data.train.state_dict(), last):
                     log.print(f"checkpoint: new best val/loss {record['val/loss']:.4f}, saving {ck.save_path}/best")
-                if saver.due(step) or step == end:
+                if due:
                     save(step, "end" if step == end else "scheduled")
-                signame = ckptlib.agree(stop.requested, sync_point=bool(record))
                 if signame and step < end:  # at the end the run is done and saved: it just finishes
                     save(step, signame)  # finished by saver.close() below before the process exits
                     raise ckptlib.Preempted(signame, step, f"{ck.save_path}/{ckptlib.STEP_PREFIX}_{step}")
@@ -350,7 +383,7 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None,
     return last
 
 
-def train(cfg: DictConfig | dict, run_dir: str, overrides: Sequence[str] = ()) -> dict[str, float]:
+def train(cfg: DictConfig | dict, run_dir: str) -> dict[str, float]:
     """What `main` does once Hydra has composed the config (tests call it in-process): pick the
     checkpoint to start from, settle which config wins, validate, train."""
     config_dict = to_dict(cfg)
@@ -358,7 +391,7 @@ def train(cfg: DictConfig | dict, run_dir: str, overrides: Sequence[str] = ()) -
     meshlib.init_distributed()  # before anything asks jax which process this is
     source = ckptlib.resume_source(run.checkpoint, warn)
     if source is not None:
-        config_dict = ckptlib.merge_config(source, config_dict, overrides, run.checkpoint, warn)
+        config_dict = ckptlib.merge_config(source, config_dict, run.checkpoint, warn)
         run = validate(config_dict)
     return run_training(run, run_dir, config_dict, source)
 
@@ -370,7 +403,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" probe noise
     hydra_cfg = HydraConfig.get()
     try:
-        return train(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
+        return train(cfg, hydra_cfg.runtime.output_dir)
     except ckptlib.Preempted as e:
         print(f"eqtrain: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -34,12 +34,12 @@ def _in_tmp_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
-def train(tmp_path: Path, name: str, *overrides: str, argv_overrides: tuple[str, ...] = ()) -> tuple[dict, Path]:
+def train(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, Path]:
     """One in-process run in its own run dir; returns (final metrics, run dir)."""
     run_dir = tmp_path / name
     run_dir.mkdir()
     cfg = compose_config(*RUN, *overrides)
-    return train_jax.train(cfg, str(run_dir), list(argv_overrides or overrides)), run_dir
+    return train_jax.train(cfg, str(run_dir)), run_dir
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -49,7 +49,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def arrays(ckpt_dir: Path, item: str) -> list[np.ndarray]:
     """Every array of one orbax item, read back as numpy (no target needed)."""
-    tree = ocp.StandardCheckpointer().restore(os.fspath(ckpt_dir / item))
+    tree = ocp.StandardCheckpointer().restore(os.fspath((ckpt_dir / item).resolve()))
     return [np.asarray(x) for x in __import__("jax").tree.leaves(tree)]
 
 
@@ -204,6 +204,34 @@ def test_load_keeps_saved_config_and_reports_ignored_overrides(tmp_path, base, c
     assert saved["checkpoint"]["save_path"] == str(new)
 
 
+def test_requeued_fine_tuning_keeps_the_config_its_run_started_with(tmp_path, base, capsys):
+    """The same command twice: a load that ignores the command line's lr and model, then its
+    requeue (resume=auto), which must train on with the saved config, not switch to the command line's."""
+    command = ("optimizer.lr_config.lr=0.5", "model.dim=64", "checkpoint.load=true", f"checkpoint.load_path={base}",
+               "checkpoint.save=true", "checkpoint.save_path=runs/ft", "checkpoint.resume=auto", "checkpoint.num_steps=2")
+    _, first = train(tmp_path, "first", *command)
+    capsys.readouterr()
+    _, second = train(tmp_path, "second", *command)
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "optimizer.lr_config.lr=0.5" in out  # reported as ignored again
+    for run_dir in (first, second):
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert {r["train/lr"] for r in records if "train/lr" in r} == {pytest.approx(3e-3)}
+    assert min(losses(second)) == 9 and complete_steps("runs/ft") == [8, 10]
+    saved = open_checkpoint("runs/ft", "latest", True).config
+    assert saved["optimizer"]["lr_config"]["lr"] == pytest.approx(3e-3) and saved["model"]["dim"] == 32
+
+
+def test_a_checkpoint_from_more_devices_loads_on_this_machine(tmp_path, base):
+    """parallel.* describes the hardware, not the run: a checkpoint saved with parallel.data=8
+    loads on this one device without overwrite_config (the global batch stays the run's)."""
+    config = base / "iter_6" / "config" / "config.yaml"
+    config.write_text(config.read_text().replace("parallel:\n  data: -1", "parallel:\n  data: 8"))
+    assert "data: 8" in config.read_text()
+    _, run_dir = train(tmp_path, "load", "checkpoint.load=true", f"checkpoint.load_path={base}")
+    assert min(losses(run_dir)) == 7 and max(losses(run_dir)) == 12
+
+
 def test_load_with_overwrite_config_uses_the_new_config(tmp_path, base, capsys):
     new = Path("runs/new")
     capsys.readouterr()
@@ -240,6 +268,10 @@ def test_overwrite_optimizer_switches_adamw_to_sgdm(tmp_path, base):
     base_sizes = sorted(a.size for a in arrays(base / "iter_6", "opt_state") if a.size > 1)
     assert opt_sizes == [s for s in model_sizes if s > 1]
     assert base_sizes == sorted(2 * [s for s in model_sizes if s > 1])
+    # The fresh state's lr schedule continued at the run's step (warmup not restarted): optax's
+    # schedule counters are SGDM's only integer arrays, one per parameter group.
+    counts = [int(a) for a in arrays(new / "iter_12", "opt_state") if a.dtype.kind == "i"]
+    assert counts and set(counts) == {12}
 
 
 # ----------------------------------------------------------------------------- corruption

@@ -69,7 +69,7 @@ def ckpt(tmp_path_factory, _cache_dir) -> Path:
         mp.chdir(tmp)  # paths relative to the working directory, as the README writes them
         overrides = [*RUN, "dataset.paths=[corpus.jsonl]", "checkpoint.save_path=ck"]
         (tmp / "run").mkdir()
-        train_jax.train(compose_config(*overrides), str(tmp / "run"), overrides)
+        train_jax.train(compose_config(*overrides), str(tmp / "run"))
     return tmp / "ck"
 
 

@@ -52,9 +52,10 @@ FORMAT_VERSION = 1
 # checkpoint.resume=auto. 130 is the shell's own code for Ctrl-C.
 EXIT_PREEMPTED = 3
 EXIT_INTERRUPTED = 130
-# Top-level config keys that describe this machine or this invocation, not the model being
-# trained: a resumed run always takes them from its own command line.
-LOCAL_KEYS = ("checkpoint", "cache_dir", "hydra")
+# Top-level config keys that describe this machine or this invocation, not the run being
+# trained: a run that starts from a checkpoint always takes them from its own command line
+# (parallel.*: a checkpoint saved on 8 devices loads on 4; the global batch stays the run's).
+LOCAL_KEYS = ("checkpoint", "cache_dir", "hydra", "parallel")
 
 log = logging.getLogger(__name__)
 
@@ -309,38 +310,40 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
-def config_differences(saved: dict, current: dict) -> list[str]:
-    """'knob: saved -> current' for every knob that differs, local keys left out."""
+def config_differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
+    """(knob, saved value, current value) for every knob that differs, local keys left out."""
     a = {k: v for k, v in _flatten(saved).items() if k.split(".")[0] not in LOCAL_KEYS}
     b = {k: v for k, v in _flatten(current).items() if k.split(".")[0] not in LOCAL_KEYS}
-    return [f"{k}: {a.get(k, '<unset>')} -> {b.get(k, '<unset>')}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return [(k, a.get(k, "<unset>"), b.get(k, "<unset>")) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
-def _override_key(override: str) -> str:
-    return override.lstrip("+~").split("=", 1)[0]
+def merge_config(source: Source, current: dict, cfg: CheckpointConfig, warn: Callable[[str], None]) -> dict:
+    """The config a run that starts from `source` trains with. One rule for a load and for a
+    requeued resume alike, so a segment never trains with other hyperparameters than the one
+    before it:
 
+    - overwrite_config=false (default): the config saved in the checkpoint; this command line
+      only supplies the machine-local keys (checkpoint.*, cache_dir, parallel.*) and, when a load
+      sets overwrite_optimizer=true, the optimizer group. Other overrides are reported as ignored.
+    - overwrite_config=true: this command line's config; the differences are reported (a model
+      that no longer fits fails at restore).
 
-def merge_config(source: Source, current: dict, overrides: Sequence[str], cfg: CheckpointConfig,
-                 warn: Callable[[str], None]) -> dict:
-    """The config a run that starts from `source` trains with.
-
-    resume=auto and overwrite_config=true: this command line's config (differences from the
-    saved one are reported; a model that no longer fits fails at restore). overwrite_config=false:
-    the saved config, except the checkpoint group and cache_dir (and the optimizer group under
-    overwrite_optimizer=true), which come from this command line; other overrides are reported
-    as ignored."""
-    if source.resuming or cfg.overwrite_config:
+    A resumed segment's own checkpoint already holds the config its run settled on at the start
+    (the merged one), so a requeue of the same command trains on with exactly that."""
+    if cfg.overwrite_config:
         diffs = config_differences(source.config, current)
         if diffs:
-            warn(f"the config differs from the one saved in {source.path}: " + "; ".join(diffs))
+            warn(f"checkpoint.overwrite_config=true: applying this command line over the config saved in "
+                 f"{source.path}: " + "; ".join(f"{k}: {a} -> {b}" for k, a, b in diffs))
         return current
-    kept = set(LOCAL_KEYS) | ({"optimizer"} if cfg.overwrite_optimizer else set())
+    kept = set(LOCAL_KEYS) | ({"optimizer"} if cfg.overwrite_optimizer and not source.resuming else set())
     merged = {k: v for k, v in source.config.items() if k not in kept}
     merged.update({k: v for k, v in current.items() if k in kept})
-    ignored = [o for o in overrides if _override_key(o).split(".")[0].split("/")[0] not in kept]
+    ignored = config_differences(merged, current)  # only what this command line would really change
     if ignored:
         warn(f"checkpoint.overwrite_config=false: training with the config saved in {source.path}; ignoring "
-             f"{', '.join(ignored)} (set checkpoint.overwrite_config=true to apply them)")
+             + ", ".join(f"{k}={b} (saved: {a})" for k, a, b in ignored)
+             + " (set checkpoint.overwrite_config=true to apply them)")
     return merged
 
 

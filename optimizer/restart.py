@@ -1,0 +1,25 @@
+"""A fresh optimizer state for a run that is already at step N (checkpoint.overwrite_optimizer).
+
+optax counts the lr schedule's steps inside the optimizer state (`ScaleByScheduleState.count`),
+so a fresh state would restart the warmup, never reach `min_lr`, and apply another lr than the
+one logged (`schedule(run step)`). Moving those counters to the run's step makes the schedule
+follow the run. The moment estimates' own counts (Adam's bias correction, Shampoo's
+preconditioning clock) stay at 0: their moments are fresh too.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def _is_schedule_state(x) -> bool:
+    return isinstance(x, optax.ScaleByScheduleState)
+
+
+def schedules_at(opt_state: optax.OptState, step: jax.Array) -> optax.OptState:
+    """`opt_state` with every lr-schedule counter set to `step` (traceable: use inside jit)."""
+    return jax.tree.map(
+        lambda s: s._replace(count=jnp.asarray(step, s.count.dtype)) if _is_schedule_state(s) else s,
+        opt_state, is_leaf=_is_schedule_state)

@@ -1,0 +1,72 @@
+"""The host loop, in-process on a tiny model: its throughput arithmetic (driven by a fake clock,
+so it is exact and never flaky) and the divergence check that guards every save."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import train_jax
+from conftest import compose_config
+from utils.checkpoint import complete_steps
+from utils.errors import TrainingError
+
+RUN = ("model.vocab_size=null", "train.max_val_steps=1", "logging.log_every=4", "optimizer/lr_config=constant")
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_step_time_leaves_out_evaluations_inside_a_logging_interval(tmp_path, monkeypatch):
+    """Every train step takes 1 s and every evaluation 100 s of a fake clock; evaluations fall
+    between logging steps (val_freq 2, log_every 4). Each logged step_time must be exactly 1 s."""
+    now = [0.0]
+    monkeypatch.setattr(train_jax, "clock", lambda: now[0])
+    make_step, evaluate = train_jax.make_train_step, train_jax.evaluate
+
+    def timed_make_step(*args, **kwargs):
+        step = make_step(*args, **kwargs)
+
+        def timed(state, batch):
+            now[0] += 1.0
+            return step(state, batch)
+
+        return timed
+
+    def slow_evaluate(*args, **kwargs):
+        now[0] += 100.0
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train_jax, "make_train_step", timed_make_step)
+    monkeypatch.setattr(train_jax, "evaluate", slow_evaluate)
+    train_jax.train(compose_config(*RUN, "train.max_steps=12", "train.val_freq=2"), str(tmp_path))
+    timed = {r["step"]: r["train/step_time"] for r in records(tmp_path) if "train/step_time" in r}
+    # The interval that holds compilation (steps 1-2) ends in an evaluation, so step 4 is timed too.
+    assert timed == {4: pytest.approx(1.0), 8: pytest.approx(1.0), 12: pytest.approx(1.0)}
+    tokens = {r["step"]: r["train/tokens_per_sec"] for r in records(tmp_path) if "train/tokens_per_sec" in r}
+    assert tokens[8] == pytest.approx(8 * 16)  # batch 8 x context 16 tokens per 1-s step
+
+
+def test_a_diverged_state_is_never_saved(tmp_path, monkeypatch):
+    """lr 1e6 without clipping: steps 1-2 are finite (if absurd), the loss is NaN from step 3 on,
+    and no logging step comes before the saves at every step. The run must stop with the
+    divergence error instead of saving NaN."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TrainingError, match=r"diverged"):
+        train_jax.train(compose_config(*RUN, "train.max_steps=8", "logging.log_every=100", "optimizer=sgdm",
+                                       "optimizer.lr_config.lr=1e6", "train.gradient_clip_val=null",
+                                       "train.skip_validation=true", "checkpoint.save=true",
+                                       "checkpoint.save_path=ck", "checkpoint.save_steps=1",
+                                       "checkpoint.max_to_keep=null"), str(tmp_path))
+    saved = complete_steps("ck")
+    assert saved == [1, 2]
+    for step in saved:
+        for item in ("model", "opt_state"):
+            leaves = jax.tree.leaves(ocp.StandardCheckpointer().restore(str(tmp_path / "ck" / f"iter_{step}" / item)))
+            assert all(np.isfinite(np.asarray(x)).all() for x in leaves), f"iter_{step}/{item} holds NaN/inf"
