@@ -27,7 +27,9 @@ elif ! python -c "import jax,sys; sys.exit(jax.devices()[0].platform == 'cpu')";
   compute_dtype=float32
 fi
 
-python train_jax.py \
+# exec: python replaces this shell, so the signal SLURM sends the batch shell before a time limit
+# (#SBATCH --signal=B:USR1@120) reaches the trainer, which saves and exits 3 (requeue it).
+exec python train_jax.py \
   model=$model \
   tokenizer=$tokenizer \
   optimizer=adamw \

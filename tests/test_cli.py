@@ -13,8 +13,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,7 +69,7 @@ def cli(tmp_path_factory):
     the repo root, offline, with W&B off and the tokenized-corpus cache in a tmp dir (shared by the
     session: conftest's autouse fixture sets EQTRAIN_CACHE; the fallback is for running this file alone)."""
 
-    def run(*args: str, env: dict[str, str] | None = None, argv: list[str] | None = None):
+    def run(*args: str, env: dict[str, str] | None = None, argv: list[str] | None = None, background: bool = False):
         full_env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "HYDRA_FULL_ERROR", "SMOKE")}
         full_env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled")
         full_env.setdefault("EQTRAIN_CACHE", str(tmp_path_factory.getbasetemp() / "eqtrain_cache_cli"))
@@ -75,6 +77,9 @@ def cli(tmp_path_factory):
         full_env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + full_env.get("PATH", "")
         full_env.update(env or {})
         cmd = (argv or [sys.executable, TRAIN]) + list(args)
+        if background:  # the caller signals it and collects it with communicate()
+            return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)
         return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
                               timeout=SUBPROCESS_TIMEOUT_S)
 
@@ -177,17 +182,36 @@ def test_multirun_two_optimizers(cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_train_lm_script_smoke(cli, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = cli(f"hydra.run.dir={run_dir}", *TINY, "train.max_steps=6",
-               argv=["bash", str(REPO / "scripts" / "train_lm.sh")], env={"SMOKE": "1"})
-    assert_ok(proc)
+def test_train_lm_script_smoke_forwards_the_slurm_signal_and_resumes(cli, tmp_path):
+    """SMOKE=1 bash scripts/train_lm.sh, with checkpoints: SIGUSR1 sent to the script's shell (what
+    `#SBATCH --signal=B:USR1@120` does) must reach the trainer, which saves and exits 3; the same
+    command again resumes and finishes."""
+    args = [*TINY, "train.max_steps=400", "logging.log_every=1", "train.val_freq=1000", "checkpoint.save=true",
+            f"checkpoint.save_path={tmp_path / 'ck'}", "checkpoint.resume=auto", "checkpoint.save_steps=1000"]
+    script = ["bash", str(REPO / "scripts" / "train_lm.sh")]
+    first = tmp_path / "first"
+    shell = cli(f"hydra.run.dir={first}", *args, argv=script, env={"SMOKE": "1"}, background=True)
+    deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
+    while not (first / "metrics.jsonl").exists() or "train/loss" not in (first / "metrics.jsonl").read_text():
+        assert shell.poll() is None and time.monotonic() < deadline, shell.communicate()
+        time.sleep(0.005)
+    shell.send_signal(signal.SIGUSR1)
+    out, err = shell.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+    assert shell.returncode == 3, f"exit {shell.returncode}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    assert "stopped by SIGUSR1" in err
     # SMOKE's recipe reached the run: batch 8 x accumulation 2 (total 16) x context 32 tokens per step.
-    assert "adamw + cosine | 512 tokens/step" in proc.stdout
-    config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    assert "adamw + cosine | 512 tokens/step" in out
+    config = yaml.safe_load((first / ".hydra" / "config.yaml").read_text())
     assert config["dataset"]["total_batch_size"] == 16 and config["train"]["compute_dtype"] == "float32"
-    records = read_metrics(run_dir / "metrics.jsonl")
-    assert records[-1]["step"] == 6 and math.isfinite(records[-1]["train/loss"])
+    stopped_at = read_metrics(first / "metrics.jsonl")[-1]["step"]
+
+    second = tmp_path / "second"
+    proc = cli(f"hydra.run.dir={second}", *args, argv=script, env={"SMOKE": "1"})
+    assert_ok(proc)
+    assert f"at step {stopped_at}" in proc.stdout
+    records = read_metrics(second / "metrics.jsonl")
+    assert records[0]["step"] == stopped_at + 1 and records[-1]["step"] == 400
+    assert math.isfinite(records[-1]["train/loss"])
 
 
 # ----------------------------------------------------------------------------- bad inputs, in-process
