@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from loaders import corpus, tokenizers
 from loaders.batching import BatchIterator, WindowDataset, eval_batches, tokenize_documents
 from models.gpt import GPT, count_params, cross_entropy, flops_per_token, param_labels
-from models.sample import generate
+from models.sample import generate, printable
 from optimizer import group_schedules, make_optimizer
 from optimizer.restart import schedules_at
 from utils import checkpoint as ckptlib
@@ -377,9 +377,9 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None,
     if run.train.sample_tokens:
         prompt = tokenizer.encode(run.train.sample_prompt)
         ids = generate(state.model, prompt, run.train.sample_tokens, jax.random.PRNGKey(run.random_seed),
-                       run.train.sample_temperature, stop_id=tokenizer.eot_id)
+                       run.train.sample_temperature, stop_id=tokenizer.eot_id, context_length=run.context_length)
         if jax.process_index() == 0:
-            print("---- sample ----\n" + tokenizer.decode(ids) + "\n----------------", flush=True)
+            print("---- sample ----\n" + printable(tokenizer.decode(ids)) + "\n----------------", flush=True)
     return last
 
 

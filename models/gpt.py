@@ -64,6 +64,9 @@ class GPTConfig:
             raise ConfigError(f"{prefix}.dropout={self.dropout} must be in [0, 1)")
         if self.remat not in REMAT_POLICIES:
             raise ConfigError(f"{prefix}.remat={self.remat!r} must be one of {', '.join(REMAT_POLICIES)}")
+        if self.scan_unroll <= 0:
+            raise ConfigError(f"{prefix}.scan_unroll={self.scan_unroll} must be a positive integer "
+                              f"(1 = one block per scan iteration, {prefix}.num_blocks = fully unrolled)")
         if self.attn_block_size is not None and self.attn_block_size <= 0:
             raise ConfigError(f"{prefix}.attn_block_size={self.attn_block_size} must be positive or null")
         if self.vocab_size is not None and self.vocab_size <= 0:
@@ -131,12 +134,14 @@ class Block(eqx.Module):
             mlp_out=_linear(k_mlp_out, f, d, resid_std, cfg.bias),
         )
 
-    def __call__(self, x_BxTxD: jax.Array, key: jax.Array | None, cfg: GPTConfig) -> jax.Array:
+    def __call__(self, x_BxTxD: jax.Array, key: jax.Array | None, cfg: GPTConfig, compute_dtype) -> jax.Array:
+        """`x_BxTxD` is the float32 residual stream: the matmuls run in `compute_dtype`, but the
+        sums of the stream stay float32 (in bfloat16 a block's small update would round away)."""
         B, T, D = x_BxTxD.shape
         H, K = cfg.num_heads, cfg.head_dim
         k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
 
-        h_BxTxD = self.ln1(x_BxTxD)
+        h_BxTxD = self.ln1(x_BxTxD).astype(compute_dtype)
         # Heads-major (3, B, H, T, K): XLA's batched matmuls run ~1.5x faster on CPU from this
         # layout than from jax.nn.dot_product_attention's (B, T, H, K).
         w_Dx3xHxK = self.attn_qkv.weight_IxO.astype(h_BxTxD.dtype).reshape(D, 3, H, K)
@@ -145,10 +150,10 @@ class Block(eqx.Module):
             qkv_3xBxHxTxK = qkv_3xBxHxTxK + self.attn_qkv.bias_O.astype(h_BxTxD.dtype).reshape(3, 1, H, 1, K)
         a_BxHxTxK = causal_attention(*qkv_3xBxHxTxK, block_size=cfg.attn_block_size)
         a_BxTxD = a_BxHxTxK.transpose(0, 2, 1, 3).reshape(B, T, D)
-        x_BxTxD = x_BxTxD + _dropout(self.attn_out(a_BxTxD), cfg.dropout, k_attn)
+        x_BxTxD = x_BxTxD + _dropout(self.attn_out(a_BxTxD), cfg.dropout, k_attn).astype(x_BxTxD.dtype)
 
-        h_BxTxF = jax.nn.gelu(self.mlp_in(self.ln2(x_BxTxD)), approximate=True)
-        return x_BxTxD + _dropout(self.mlp_out(h_BxTxF), cfg.dropout, k_mlp)
+        h_BxTxF = jax.nn.gelu(self.mlp_in(self.ln2(x_BxTxD).astype(compute_dtype)), approximate=True)
+        return x_BxTxD + _dropout(self.mlp_out(h_BxTxF), cfg.dropout, k_mlp).astype(x_BxTxD.dtype)
 
 
 def causal_attention(q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.Array,
@@ -215,12 +220,13 @@ class GPT(eqx.Module):
         """Logits (float32) for every position. `key=None` disables dropout (evaluation)."""
         cfg = self.cfg
         T = tokens_BxT.shape[1]
-        x_BxTxD = (jnp.take(self.wte_VxD, tokens_BxT, axis=0) + self.wpe_TxD[:T]).astype(compute_dtype)
+        # The residual stream stays float32 whatever compute_dtype is (see Block.__call__).
+        x_BxTxD = (jnp.take(self.wte_VxD, tokens_BxT, axis=0) + self.wpe_TxD[:T]).astype(jnp.float32)
         keys_L = jax.random.split(key, cfg.num_blocks) if key is not None else None
 
         def apply(x_BxTxD, block_and_key):
             block, k = block_and_key
-            return block(x_BxTxD, k, cfg), None
+            return block(x_BxTxD, k, cfg, compute_dtype), None
 
         if cfg.remat != "none":
             apply = jax.checkpoint(apply, policy=REMAT_POLICIES[cfg.remat])
@@ -231,9 +237,10 @@ class GPT(eqx.Module):
                 block_i = jax.tree.map(lambda a: a[i], self.blocks)
                 x_BxTxD, _ = apply(x_BxTxD, (block_i, None if keys_L is None else keys_L[i]))
 
-        x_BxTxD = self.ln_f(x_BxTxD)
+        x_BxTxD = self.ln_f(x_BxTxD).astype(compute_dtype)
         head_DxV = self.wte_VxD.T if self.head_DxV is None else self.head_DxV
-        return jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(compute_dtype)).astype(jnp.float32)
+        # float32 accumulation: bfloat16 logits would round the loss's inputs to 3 significant digits.
+        return jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(compute_dtype), preferred_element_type=jnp.float32)
 
 
 def param_labels(model: GPT) -> GPT:

@@ -23,9 +23,11 @@ def _next_token(model: GPT, window_1xT: jax.Array, pos: jax.Array, key: jax.Arra
 
 
 def generate(model: GPT, prompt_ids: np.ndarray, num_tokens: int, key: jax.Array,
-             temperature: float = 0.8, stop_id: int | None = None) -> np.ndarray:
-    """Prompt + up to `num_tokens` sampled ids (stops early at `stop_id`)."""
-    T = model.cfg.context_length
+             temperature: float = 0.8, stop_id: int | None = None, context_length: int | None = None) -> np.ndarray:
+    """Prompt + up to `num_tokens` sampled ids (stops early at `stop_id`). `context_length` is the
+    window the model was trained on (`dataset.context_length`, which may be shorter than the
+    model's): positions beyond it have untrained embeddings, so the window slides within it."""
+    T = min(context_length or model.cfg.context_length, model.cfg.context_length)
     ids = [int(i) for i in prompt_ids] or [0]
     for _ in range(num_tokens):
         context = ids[-T:]
@@ -37,3 +39,9 @@ def generate(model: GPT, prompt_ids: np.ndarray, num_tokens: int, key: jax.Array
             break
         ids.append(token)
     return np.asarray(ids, np.int32)
+
+
+def printable(text: str) -> str:
+    """`text` with control characters (other than newline and tab) shown as escapes: an early
+    byte-level model samples raw bytes that would otherwise move the cursor or ring the bell."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)

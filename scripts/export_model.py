@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" probe noise
     try:
         export.check_out_dir(args.out, args.force)
-        source, _, model = export.restore_for_inference(args.checkpoint_dir, args.load_file)
-        export.save_export(args.out, model, source.step, source.config.get("tokenizer", {}))
+        source, run, model = export.restore_for_inference(args.checkpoint_dir, args.load_file)
+        export.save_export(args.out, model, source.step, source.config.get("tokenizer", {}), run.context_length)
     except EqtrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -55,7 +55,7 @@ def sample(args: argparse.Namespace) -> str:
     import jax
 
     import train_jax
-    from models.sample import generate
+    from models.sample import generate, printable
 
     source, run, model = export.restore_for_inference(args.checkpoint_dir, args.load_file)
     docs = train_jax.load_documents(run)[0] if run.tokenizer.name == "bpe" else []  # only BPE may need them
@@ -66,8 +66,8 @@ def sample(args: argparse.Namespace) -> str:
     # An empty prompt starts after an end-of-text, as every training document does.
     prompt_ids = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eot_id]
     ids = generate(model, prompt_ids, args.tokens, jax.random.PRNGKey(args.seed),
-                   args.temperature, stop_id=tokenizer.eot_id)
-    return tokenizer.decode(ids)
+                   args.temperature, stop_id=tokenizer.eot_id, context_length=run.context_length)
+    return printable(tokenizer.decode(ids))
 
 
 if __name__ == "__main__":

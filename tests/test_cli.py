@@ -237,6 +237,10 @@ def test_tiny_config_is_valid():
         (["dataset.context_length=64"], "dataset.context_length"),  # model 32
         (["dataset=text_files"], "dataset.paths"),  # paths: []
         (["+train.nope=1"], "train.nope"),  # a knob nothing reads
+        (["optimizer.groups.head.lr=1e-3"], "optimizer.groups.head.lr"),  # tied embeddings: no head
+        (["model.attn_block_size=12"], "model.attn_block_size"),  # does not divide the context of 32
+        (["model.attn_block_size=32"], "model.attn_block_size"),  # one block: blocking silently off
+        (["model.scan_unroll=0"], "model.scan_unroll"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else v,
 )

@@ -108,6 +108,7 @@ def test_config_json_round_trips_to_the_models_config(exported, restored):
     assert GPTConfig(**{k: v for k, v in config.items() if k in fields}) == restored.cfg
     assert config["vocab_size"] == 320  # 257 byte ids padded to a multiple of 64, not the saved null
     assert config["step"] == STEPS and config["tokenizer"] == {"name": "byte"}
+    assert config["trained_context_length"] == 32  # the window the samples stay inside
     assert export.read_export_config(str(exported))[0] == restored.cfg
 
 

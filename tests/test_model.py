@@ -260,3 +260,58 @@ def test_dropout_needs_a_key_and_changes_outputs():
     assert not np.allclose(dropped_1, forward(model, tokens_BxT, k2), atol=1e-4)
     # dropout=0 ignores the key altogether.
     np.testing.assert_allclose(forward(no_dropout, tokens_BxT, k1), evaluation, rtol=1e-6, atol=1e-7)
+
+
+# --- bfloat16 compute ----------------------------------------------------------------------------
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr, nested ones (scan bodies, remat, pjit) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
+def test_bfloat16_compute_keeps_the_residual_stream_and_logits_float32():
+    """Under compute_dtype=bfloat16 the matmuls take bfloat16 inputs, but the head accumulates in
+    float32 (no bfloat16 logits) and the residual stream, the scan's carry, stays float32 (in
+    bfloat16 a block's small update to it would round away)."""
+    jaxpr = jax.make_jaxpr(lambda m, t: m(t, compute_dtype=jnp.bfloat16))(build(CFG), _tokens((2, T))).jaxpr
+    eqns = list(_equations(jaxpr))
+    dots = [e for e in eqns if e.primitive.name == "dot_general"]
+    head = [e for e in dots if e.outvars[0].aval.shape == (2, T, CFG.vocab_size)]
+    assert len(head) == 1 and str(head[0].invars[0].aval.dtype) == "bfloat16"  # really bf16 compute
+    assert str(head[0].outvars[0].aval.dtype) == "float32"
+    carry = next(e for e in eqns if e.primitive.name == "scan").outvars[0].aval
+    assert carry.shape == (2, T, CFG.dim) and str(carry.dtype) == "float32"
+
+
+# --- sampling ------------------------------------------------------------------------------------
+
+
+def test_sampling_stays_inside_the_trained_window():
+    """A model trained on dataset.context_length=8 of its 16 positions samples exactly as the same
+    weights cut to 8 positions: the untrained position embeddings 8..15 are never used."""
+    from models.sample import generate
+
+    model = build(CFG)
+    short_cfg = dataclasses.replace(CFG, context_length=8)
+    short = eqx.tree_at(lambda m: m.wpe_TxD, with_cfg(model, CFG), model.wpe_TxD[:8])
+    short = jax.tree.unflatten(jax.tree.structure(eqx.filter_eval_shape(GPT, short_cfg, jax.random.PRNGKey(0))),
+                               jax.tree.leaves(short))
+    key = jax.random.PRNGKey(3)
+    want = generate(short, [1, 2, 3], 20, key, temperature=1.0)
+    got = generate(model, [1, 2, 3], 20, key, temperature=1.0, context_length=8)
+    assert len(got) == 23  # the window slid 15 times
+    np.testing.assert_array_equal(got, want)
+
+
+def test_printable_escapes_control_bytes_but_keeps_text():
+    from models.sample import printable
+
+    assert printable("def f():\n\treturn 'é'") == "def f():\n\treturn 'é'"
+    assert printable("a\x1b[2Jb\x07\x00") == "a\\x1b[2Jb\\x07\\x00"

@@ -5,8 +5,9 @@ Export layout of an OUT_DIR:
 
     model.safetensors   one tensor per model array, named by its pytree path
                         (`wte_VxD`, `blocks.attn_qkv.weight_IxO`, ...), dtype as trained
-    config.json         the GPTConfig fields (vocab_size resolved), plus `step` and the run's
-                        `tokenizer` section: enough to rebuild the model and its tokenizer
+    config.json         the GPTConfig fields (vocab_size resolved), plus `step`, the run's
+                        `tokenizer` section and `trained_context_length` (the window it was
+                        trained on): enough to rebuild the model and its tokenizer
 
 Both files are written to a tmp file in OUT_DIR and renamed, so a crash never leaves half a file
 under the real name.
@@ -117,13 +118,16 @@ def check_out_dir(out_dir: str, force: bool) -> None:
         raise CheckpointError(f"--out {out_dir} exists and is not empty: choose a new directory or pass --force")
 
 
-def save_export(out_dir: str, model: GPT, step: int, tokenizer: dict) -> None:
-    """Write OUT_DIR/model.safetensors and OUT_DIR/config.json (see the module docstring)."""
+def save_export(out_dir: str, model: GPT, step: int, tokenizer: dict, trained_context_length: int) -> None:
+    """Write OUT_DIR/model.safetensors and OUT_DIR/config.json (see the module docstring).
+    `trained_context_length` (dataset.context_length, or the model's) tells a consumer which
+    positions were trained: a shorter training window leaves the later position embeddings random."""
     from safetensors.numpy import save_file
 
     os.makedirs(out_dir, exist_ok=True)
     tensors = model_tensors(model)
-    config = {**dataclasses.asdict(model.cfg), "step": step, "tokenizer": tokenizer}
+    config = {**dataclasses.asdict(model.cfg), "step": step, "tokenizer": tokenizer,
+              "trained_context_length": trained_context_length}
     _write_atomic(out_dir, WEIGHTS_FILE, lambda path: save_file(tensors, path, metadata={"format": "np"}))
     _write_atomic(out_dir, CONFIG_FILE, lambda path: _write_json(path, config))
 
