@@ -36,7 +36,7 @@ from utils import mesh as meshlib
 from utils.config import RunConfig, to_dict, validate
 from utils.errors import ConfigError, EqtrainError, TrainingError
 from utils.flops import peak_flops
-from utils.metrics import RunLogger
+from utils.metrics import RunLogger, file_log
 
 
 # ----------------------------------------------------------------------------- components
@@ -281,6 +281,7 @@ def check_finite(record: dict[str, float], step: int) -> None:
 def warn(message: str) -> None:
     if jax.process_index() == 0:
         print(f"warning: {message}", flush=True)
+        file_log.warning(f"warning: {message}")
 
 
 def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None,
@@ -379,7 +380,9 @@ def run_training(run: RunConfig, run_dir: str, config_dict: dict | None = None,
         ids = generate(state.model, prompt, run.train.sample_tokens, jax.random.PRNGKey(run.random_seed),
                        run.train.sample_temperature, stop_id=tokenizer.eot_id, context_length=run.context_length)
         if jax.process_index() == 0:
-            print("---- sample ----\n" + printable(tokenizer.decode(ids)) + "\n----------------", flush=True)
+            text = "---- sample ----\n" + printable(tokenizer.decode(ids)) + "\n----------------"
+            print(text, flush=True)
+            file_log.info(text)
     return last
 
 

@@ -102,6 +102,8 @@ def test_train_40_steps_val_loss_falls(cli, tmp_path):
                "optimizer/lr_config=cosine", f"optimizer.lr_config.lr={lr}", f"optimizer.lr_config.warmup={warmup}",
                "optimizer.lr_config.min_lr=3e-4")
     assert_ok(proc)
+    run_log = (run_dir / "train_jax.log").read_text()  # the run's log: what it printed, time-stamped
+    assert "eqtrain: " in run_log and "step     40 | loss" in run_log and "---- sample ----" in run_log
     records = read_metrics(run_dir / "metrics.jsonl")
 
     assert [r["step"] for r in records] == list(range(0, 41, 5))  # step 0 (val_at_start) + every log_every

@@ -7,6 +7,7 @@ device on a logging step; nothing here touches device arrays.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -16,6 +17,9 @@ import jax
 from tqdm.auto import tqdm
 
 from utils.config import LoggingConfig
+
+# Under Hydra this logger writes the run's log file (conf/hydra/job_logging/eqtrain.yaml).
+file_log = logging.getLogger("eqtrain")
 
 CONSOLE_KEYS = (("train/loss", "loss", "{:.4f}"), ("train/lr", "lr", "{:.2e}"),
                 ("train/tokens_per_sec", "tok/s", "{:,.0f}"), ("train/mfu", "mfu", "{:.1%}"),
@@ -51,10 +55,12 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
         shown = _fmt(metrics)
+        line = f"step {step:>6} | " + " | ".join(f"{k} {v}" for k, v in shown.items())
         if self._bar is not None:
             self._bar.set_postfix(shown, refresh=False)
+            file_log.info(line)
         elif shown:
-            self.print(f"step {step:>6} | " + " | ".join(f"{k} {v}" for k, v in shown.items()))
+            self.print(line)
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:
@@ -63,6 +69,7 @@ class RunLogger:
     def print(self, text: str) -> None:
         if not self.is_main:
             return
+        file_log.info(text)
         if self._bar is not None:
             self._bar.write(text)
         else:
