@@ -1,8 +1,9 @@
 """Optimizer registry: `optimizer.name` in a yaml -> the frozen dataclass that builds its update.
 
 Adding an optimizer: one file here with a frozen dataclass (its hyperparameters as fields,
-`GROUP_KNOBS` naming those a parameter group may override, `check(prefix)` raising ConfigError,
-`transform(group, schedule)` returning the optax update of one group), one yaml in
+`GROUP_KNOBS` naming those a parameter group may override, or `group_knobs(group)` where groups
+differ, `check(prefix)` raising ConfigError, `transform(group, schedule)` returning the optax
+update of one group, its `weight_decay` decoupled and times the lr), one yaml in
 `conf/optimizer/`, one line below. See README, "Add your own optimizer".
 """
 

@@ -1,7 +1,14 @@
-"""Adafactor (factored second moments: O(m+n) state for an m×n matrix), from optax.
+"""Adafactor (factored second moments: O(m+n) state for an m×n matrix), from optax's pieces.
 
 Stacked block weights (num_blocks, d_in, d_out) are factored over their last two axes, so each
 block keeps its own row and column statistics.
+
+Not `optax.adafactor` itself: it adds `weight_decay_rate·w` after its lr scaling, so a decay of
+0.1 would remove 10% of every matrix per step whatever the lr. The same pieces are chained here
+with the decay before the lr, so `weight_decay` means what it means for every optimizer in this
+package: decoupled, w ← w·(1 − lr·weight_decay) per step, following the schedule and the group's lr.
+(The momentum, when on, is likewise taken before the lr rather than of lr-scaled updates: the
+same thing under a constant lr.)
 """
 
 from __future__ import annotations
@@ -30,13 +37,17 @@ class Adafactor:
             raise ConfigError(f"{prefix}.decay_rate={self.decay_rate} must be in (0, 1]")
         check_unit_interval(prefix, self, "momentum")
         check_non_negative(prefix, self, "weight_decay")
+        if self.clipping_threshold is not None and self.clipping_threshold <= 0:
+            raise ConfigError(f"{prefix}.clipping_threshold={self.clipping_threshold} must be positive, or null for "
+                              "no clipping")
 
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
-        return optax.adafactor(
-            learning_rate=schedule,
-            decay_rate=self.decay_rate,
-            momentum=self.momentum,
-            clipping_threshold=self.clipping_threshold,
-            multiply_by_parameter_scale=self.multiply_by_parameter_scale,
-            weight_decay_rate=self.weight_decay or None,
+        return optax.chain(
+            optax.scale_by_factored_rms(decay_rate=self.decay_rate),
+            (optax.clip_by_block_rms(self.clipping_threshold) if self.clipping_threshold is not None
+             else optax.identity()),
+            optax.scale_by_param_block_rms() if self.multiply_by_parameter_scale else optax.identity(),
+            optax.ema(self.momentum, debias=False) if self.momentum is not None else optax.identity(),
+            optax.add_decayed_weights(self.weight_decay),
+            optax.scale_by_learning_rate(schedule),
         )

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import optax
 
 from utils.errors import ConfigError
@@ -21,15 +20,21 @@ from utils.errors import ConfigError
 GROUPS = ("hidden", "embed", "head", "scalar")
 
 
-def decay_mask(labels, decay_embeddings: bool):
-    """True where decoupled weight decay applies: block matrices and an untied head always,
-    the embeddings only when asked; never biases or norm gains."""
-    decayed = decayed_groups(decay_embeddings)
-    return jax.tree.map(lambda label: label in decayed, labels)
-
-
 def decayed_groups(decay_embeddings: bool) -> frozenset[str]:
+    """Where decoupled weight decay applies by default: block matrices and an untied head
+    always, the embeddings only when asked; never biases or norm gains."""
     return frozenset({"hidden", "head"} | ({"embed"} if decay_embeddings else set()))
+
+
+def group_knobs(hparams: Any, group: str) -> tuple[str, ...]:
+    """The knobs `optimizer.groups.<group>` may set. An optimizer whose groups run different
+    algorithms (Muon: Newton–Schulz on `hidden`, AdamW elsewhere) declares them per group with
+    `group_knobs(group)`, so a knob the group would silently ignore is refused; the others list
+    one `GROUP_KNOBS` for every group."""
+    per_group_knobs = getattr(hparams, "group_knobs", None)
+    if per_group_knobs is not None:
+        return tuple(per_group_knobs(group))
+    return tuple(getattr(hparams, "GROUP_KNOBS", ("lr",)))
 
 
 def scaled_schedule(schedule: optax.Schedule, factor: float) -> optax.Schedule:

@@ -4,10 +4,20 @@ Block weights are stacked (num_blocks, d_in, d_out) for lax.scan; Muon must orth
 block's d_in×d_out matrix on its own, so the dimension numbers name axis 1 as the reduction
 axis and axis 2 as the output axis, leaving axis 0 a batch axis. (optax.contrib.muon's default
 would treat every 2-D leaf as a matrix, embeddings included, and send 3-D leaves to AdamW.)
+
+An orthogonalised m×n update has RMS 1/√max(m, n), so its size depends on the matrix's shape;
+`shape_scale` picks the convention that fixes it (per block, fan_in = d_in, fan_out = d_out):
+  * `reference`: ×√max(1, fan_out/fan_in), as Keller Jordan's Muon and optax.contrib.muon do
+    (scale_by_muon alone leaves it out: wide matrices such as attn_qkv and mlp_in would step
+    1/√3 and 1/2 as far as the reference at the same lr);
+  * `adam_rms`: ×0.2·√max(fan_in, fan_out), an update RMS of 0.2·lr whatever the shape, like
+    AdamW's, so AdamW's lr and weight decay carry over (Moonlight, "Muon is Scalable for LLM
+    Training", arXiv:2502.16982; optax.contrib.muon(consistent_rms=0.2)).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -18,10 +28,30 @@ from optimizer.groups import check_non_negative, check_unit_interval
 from utils.errors import ConfigError
 
 STACKED_MATRIX = MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+SHAPE_SCALES = ("reference", "adam_rms")
+ADAM_RMS = 0.2  # the update RMS (per unit lr) of `adam_rms`: what AdamW's updates typically have
 
 
 def _stacked_dims(updates):
     return jax.tree.map(lambda _: STACKED_MATRIX, updates)
+
+
+def shape_factor(shape: tuple[int, ...], convention: str) -> float:
+    """The factor `convention` multiplies the orthogonalised update of a stacked block by."""
+    fan_in, fan_out = shape[STACKED_MATRIX.reduction_axis], shape[STACKED_MATRIX.output_axis]
+    if convention == "adam_rms":
+        return ADAM_RMS * math.sqrt(max(fan_in, fan_out))
+    return math.sqrt(max(1.0, fan_out / fan_in))
+
+
+def scale_by_shape(convention: str) -> optax.GradientTransformation:
+    """Each leaf times its `shape_factor`: a Python float fixed by the static shape."""
+
+    def update_fn(updates, state, params=None):
+        del params
+        return jax.tree.map(lambda u: u * shape_factor(u.shape, convention), updates), state
+
+    return optax.GradientTransformation(lambda _params: optax.EmptyState(), update_fn)
 
 
 @dataclass(frozen=True)
@@ -29,6 +59,7 @@ class Muon:
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int = 5
+    shape_scale: str = "reference"  # reference | adam_rms: see the module docstring
     weight_decay: float = 0.0
     decay_embeddings: bool = False
     adam_lr: float = 3e-3  # peak lr of the AdamW groups (embed, head, scalar); lr_config.lr is Muon's
@@ -36,13 +67,25 @@ class Muon:
     adam_b2: float = 0.95
     adam_eps: float = 1e-8
 
-    GROUP_KNOBS = ("lr", "weight_decay", "momentum", "adam_b1", "adam_b2", "adam_eps")
+    MUON_KNOBS = ("lr", "weight_decay", "momentum")
+    ADAM_KNOBS = ("lr", "weight_decay", "adam_b1", "adam_b2", "adam_eps")
+
+    def group_knobs(self, group: str) -> tuple[str, ...]:
+        """`hidden` runs Muon (no adam_*), the other groups AdamW (no Muon momentum)."""
+        return self.MUON_KNOBS if group == "hidden" else self.ADAM_KNOBS
+
+    def group_knob_hint(self, group: str, knob: str) -> str:
+        if group == "hidden":
+            return "the hidden group uses Muon, not AdamW; set optimizer.groups.hidden.momentum instead"
+        return f"the {group} group uses AdamW under Muon; set optimizer.groups.{group}.adam_b1 instead"
 
     def check(self, prefix: str) -> None:
         check_unit_interval(prefix, self, "momentum", "adam_b1", "adam_b2")
         check_non_negative(prefix, self, "weight_decay")
         if self.ns_steps <= 0:
             raise ConfigError(f"{prefix}.ns_steps={self.ns_steps} must be a positive integer")
+        if self.shape_scale not in SHAPE_SCALES:
+            raise ConfigError(f"{prefix}.shape_scale={self.shape_scale!r} must be one of {', '.join(SHAPE_SCALES)}")
         if self.adam_lr <= 0 or self.adam_eps <= 0:
             raise ConfigError(f"{prefix}.adam_lr and {prefix}.adam_eps must be positive")
 
@@ -56,6 +99,7 @@ class Muon:
         return optax.chain(
             scale_by_muon(ns_steps=self.ns_steps, beta=self.momentum, nesterov=self.nesterov,
                           weight_dimension_numbers=_stacked_dims),
+            scale_by_shape(self.shape_scale),
             optax.add_decayed_weights(self.weight_decay),
             optax.scale_by_learning_rate(schedule),
         )

@@ -1,11 +1,26 @@
 """Learning-rate schedules, one frozen dataclass per `conf/optimizer/lr_config/*.yaml`.
 
-Each `build(max_steps)` returns an optax schedule (step -> lr) made from optax's own pieces;
-`max_steps` is `optimizer.lr_config.max_steps`, or `train.max_steps` when that is null.
+Each `build(max_steps)` returns an optax schedule (step -> lr); `max_steps` is
+`optimizer.lr_config.max_steps`, or `train.max_steps` when that is null.
+
+Step indices are those of the run's updates: 0 for the first, max_steps-1 for the last (optax
+counts from 0). So that the endpoints mean what the yaml says:
+  * warmup: step s < warmup uses lr·(s+1)/warmup (the first update is not a no-op; step
+    warmup-1 uses lr);
+  * the decaying schedules (linear, cosine, trapezoid/wsd) peak at lr on the last warmup step
+    (step 0 without warmup), stay there `const` more steps (linear) or until the last `decay`
+    steps (trapezoid), then fall to min_lr, reached exactly on step max_steps-1, the last
+    update, and held after it. A schedule that ended at step max_steps would never run its
+    final lr.
+They are written out in jnp rather than joined from optax pieces: optax's linear/cosine
+schedules quietly turn constant when their length is <= 0, exactly the edge cases (decay of 1
+step, warmup filling the run) where the endpoints matter.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -25,13 +40,42 @@ def _check_common(prefix: str, lr: float, warmup: int, max_steps: int | None, mi
         raise ConfigError(f"{prefix}.max_steps={max_steps} must be positive (or null for train.max_steps)")
 
 
-def _warmup_then(lr: float, warmup: int, after: optax.Schedule) -> optax.Schedule:
-    """Linear warmup, lr·(step+1)/warmup for steps 0..warmup-1 (so the first update is not a
-    no-op), then `after`, counted from step `warmup`."""
-    if warmup == 0:
-        return after
-    ramp = optax.linear_schedule(lr / warmup, lr, max(warmup - 1, 1))
-    return optax.join_schedules([ramp, after], [warmup])
+def _linear_shape(x):
+    return 1.0 - x
+
+
+def _cosine_shape(x):
+    return 0.5 * (1.0 + jnp.cos(math.pi * x))
+
+
+def _with_warmup(lr: float, warmup: int, after: Callable) -> optax.Schedule:
+    """lr·(step+1)/warmup on steps 0..warmup-1, then `after(step)` (step as float32)."""
+
+    def schedule(step):
+        s = jnp.asarray(step, jnp.float32)
+        return jnp.where(s < warmup, lr * (s + 1.0) / max(warmup, 1), after(s))
+
+    return schedule
+
+
+def _decay(lr: float, min_lr: float, decay_start: int, max_steps: int, shape: Callable) -> Callable:
+    """lr until `decay_start`, the first step below lr, then `shape` down to min_lr, reached on
+    step max_steps-1 and held after it.
+
+    The decay is anchored at lr on the step before `decay_start` (the last warmup or flat
+    step), so no step is spent twice at the peak and a decay of k steps has k steps below lr;
+    with nothing before it (decay_start 0) it is anchored at step 0, whose update uses lr. With
+    no room left (warmup and flat phase fill the run) lr holds to the last step and min_lr
+    follows it; the length is floored at 1, so no edge case divides by zero.
+    """
+    peak = max(decay_start - 1, 0)
+    span = max(max_steps - 1 - peak, 1)
+
+    def after(s):
+        x = jnp.clip((s - peak) / span, 0.0, 1.0)
+        return min_lr + (lr - min_lr) * shape(x)
+
+    return after
 
 
 def warmup_warning(prefix: str, steps: int, max_steps: int, what: str = "warmup") -> str | None:
@@ -54,12 +98,12 @@ class Constant:
         _check_common(prefix, self.lr, self.warmup, None)
 
     def build(self, max_steps: int) -> optax.Schedule:
-        return _warmup_then(self.lr, self.warmup, optax.constant_schedule(self.lr))
+        return _with_warmup(self.lr, self.warmup, lambda s: jnp.full_like(s, self.lr))
 
 
 @dataclass(frozen=True)
 class Linear:
-    """Warmup, `const` steps at `lr` (null: none), then linear decay to `min_lr` at `max_steps`."""
+    """Warmup, `const` more steps at `lr` (null: none), then linear decay to `min_lr` on the last step."""
 
     lr: float
     warmup: int = 0
@@ -76,17 +120,13 @@ class Linear:
         return warmup_warning(prefix, self.warmup + (self.const or 0), max_steps, "warmup + const")
 
     def build(self, max_steps: int) -> optax.Schedule:
-        const = self.const or 0
-        decay = max(max_steps - self.warmup - const, 1)
-        flat_then_decay = optax.join_schedules(
-            [optax.constant_schedule(self.lr), optax.linear_schedule(self.lr, self.min_lr, decay)], [const]
-        )
-        return _warmup_then(self.lr, self.warmup, flat_then_decay)
+        start = self.warmup + (self.const or 0)
+        return _with_warmup(self.lr, self.warmup, _decay(self.lr, self.min_lr, start, max_steps, _linear_shape))
 
 
 @dataclass(frozen=True)
 class Cosine:
-    """Warmup, then cosine from `lr` down to `min_lr` (null: lr / 10) at `max_steps`."""
+    """Warmup, then cosine from `lr` down to `min_lr` (null: lr / 10), reached on the last step."""
 
     lr: float
     warmup: int = 0
@@ -101,15 +141,14 @@ class Cosine:
         _check_common(prefix, self.lr, self.warmup, self.max_steps, self.final_lr)
 
     def build(self, max_steps: int) -> optax.Schedule:
-        decay = max(max_steps - self.warmup, 1)
-        return _warmup_then(
-            self.lr, self.warmup, optax.cosine_decay_schedule(self.lr, decay, alpha=self.final_lr / self.lr)
-        )
+        return _with_warmup(self.lr, self.warmup,
+                            _decay(self.lr, self.final_lr, self.warmup, max_steps, _cosine_shape))
 
 
 @dataclass(frozen=True)
 class Trapezoid:
-    """Warmup-stable-decay: warmup, flat at `lr`, linear decay to `min_lr` over the last `decay` steps."""
+    """Warmup-stable-decay: warmup, flat at `lr`, then the last `decay` steps fall linearly to
+    `min_lr`, reached on the last step (decay 0: no decay)."""
 
     lr: float
     warmup: int = 0
@@ -130,18 +169,15 @@ class Trapezoid:
             )
 
     def build(self, max_steps: int) -> optax.Schedule:
-        flat = max_steps - self.warmup - self.decay
-        flat_then_decay = optax.join_schedules(
-            [optax.constant_schedule(self.lr), optax.linear_schedule(self.lr, self.min_lr, max(self.decay, 1))],
-            [flat],
-        )
-        return _warmup_then(self.lr, self.warmup, flat_then_decay)
+        start = max(max_steps - self.decay, self.warmup)
+        return _with_warmup(self.lr, self.warmup, _decay(self.lr, self.min_lr, start, max_steps, _linear_shape))
 
 
 @dataclass(frozen=True)
 class PiecewiseLinear:
     """`lr` times a multiplier interpolated linearly between (`steps[i]`, `scales[i]`) points;
-    flat before the first point and after the last."""
+    flat before the first point and after the last. Steps are update indices as everywhere here
+    (0 = the first update, so a scale of 0 at step 0 makes it a no-op); max_steps is not used."""
 
     lr: float
     steps: tuple[int, ...] = (0,)

@@ -1,6 +1,9 @@
-"""Parameter groups and the optimizer zoo: per-group overrides reach the right leaves, Muon
-orthogonalises each stacked block, and every registered optimizer trains the tiny model."""
+"""Parameter groups and the optimizer zoo: per-group overrides reach the right leaves and only
+the knobs a group uses are accepted, Muon orthogonalises and sizes each stacked block as the
+reference does, and every registered optimizer trains the tiny model."""
 
+
+import math
 
 import equinox as eqx
 import jax
@@ -10,12 +13,15 @@ import optax
 import pytest
 
 import train_jax as T
+from conftest import compose_config
 from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import OPTIMIZERS, make_optimizer
 from optimizer.adamw import AdamW
+from optimizer.groups import GROUPS, group_knobs
 from optimizer.muon import Muon
 from optimizer.sgdm import SGDM
 from utils import mesh as meshlib
+from utils.config import to_dict, validate
 from utils.errors import ConfigError
 
 CFG = GPTConfig(dim=32, num_heads=2, num_blocks=3, context_length=16, vocab_size=64, tie_embeddings=False)
@@ -86,6 +92,106 @@ def test_muon_orthogonalises_each_stacked_block_and_adams_the_rest():
     hidden_grad = next(g for g, label in zip(jax.tree.leaves(grads), jax.tree.leaves(labels)) if label == "hidden")
     raw = np.linalg.svd(np.asarray(hidden_grad)[0], compute_uv=False)
     assert raw.min() / raw.max() < 0.5  # the check above would notice an un-orthogonalised update
+
+
+# One block stack per shape the GPT has: attn_qkv (d, 3d), attn_out (d, d), mlp_in (d, 4d), mlp_out (4d, d).
+MUON_SHAPES = {"attn_qkv": (2, 16, 48), "attn_out": (2, 16, 16), "mlp_in": (2, 16, 64), "mlp_out": (2, 64, 16)}
+
+
+def _muon_case(muon: Muon, lr: float = 0.02):
+    """The first update of `muon` on stacked hidden leaves, built as the trainer builds it."""
+    rng = np.random.default_rng(4)
+    grads = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in MUON_SHAPES.items()}
+    tx = make_optimizer(muon, optax.constant_schedule(lr), {k: "hidden" for k in MUON_SHAPES}, None, lr, {})
+    return grads, jax.tree.map(np.asarray, _first_update(tx, grads, jax.tree.map(jnp.zeros_like, grads)))
+
+
+def test_muon_update_matches_optax_contrib_muon_per_block():
+    """Each block of a stacked (L, d_in, d_out) leaf gets exactly optax.contrib.muon's update of
+    that d_in×d_out slice, shape scaling √max(1, d_out/d_in) included: without it attn_qkv
+    and mlp_in stepped 1/√3 and 1/2 as far."""
+    lr = 0.02
+    muon = Muon(momentum=0.95, nesterov=True, ns_steps=5)
+    grads, ours = _muon_case(muon, lr)
+    slices = {f"{k}/{i}": grads[k][i] for k in MUON_SHAPES for i in range(2)}
+    reference = optax.contrib.muon(learning_rate=lr, ns_steps=5, beta=0.95, nesterov=True)
+    ref = _first_update(reference, slices, jax.tree.map(jnp.zeros_like, slices))
+    for k, (_, d_in, d_out) in MUON_SHAPES.items():
+        for i in range(2):
+            np.testing.assert_allclose(ours[k][i], ref[f"{k}/{i}"], rtol=1e-4, atol=1e-7 * lr, err_msg=f"{k}[{i}]")
+        # and what that means: RMS ≈ lr·√max(1, d_out/d_in)/√max(d_in, d_out) (NS singular values ~0.7-1.1)
+        expected_rms = lr * math.sqrt(max(1.0, d_out / d_in)) / math.sqrt(max(d_in, d_out))
+        assert 0.6 < np.sqrt(np.mean(ours[k] ** 2)) / expected_rms < 1.1, k
+
+
+def test_muon_adam_rms_shape_scale_gives_adamw_sized_updates():
+    """shape_scale=adam_rms: 0.2·√max(d_in, d_out) instead of the reference factor, so every
+    block's update RMS is ≈ 0.2·lr whatever its shape (NS leaves it ~15% under)."""
+    lr = 0.02
+    _, reference = _muon_case(Muon(), lr)
+    _, adam_rms = _muon_case(Muon(shape_scale="adam_rms"), lr)
+    for k, (_, d_in, d_out) in MUON_SHAPES.items():
+        ratio = 0.2 * math.sqrt(max(d_in, d_out)) / math.sqrt(max(1.0, d_out / d_in))
+        np.testing.assert_allclose(adam_rms[k], reference[k] * ratio, rtol=1e-5, atol=1e-9, err_msg=k)
+        for block in adam_rms[k]:
+            rms = np.sqrt(np.mean(block**2))
+            assert 0.15 * lr < rms < 0.22 * lr, (k, rms / lr)
+
+
+def test_muon_shape_scale_knob_is_checked(tiny_run):
+    assert tiny_run("optimizer=muon").optimizer.hparams.shape_scale == "reference"
+    assert tiny_run("optimizer=muon", "optimizer.shape_scale=adam_rms").optimizer.hparams.shape_scale == "adam_rms"
+    with pytest.raises(ConfigError, match=r"^optimizer\.shape_scale='rms' must be one of reference, adam_rms"):
+        tiny_run("optimizer=muon", "optimizer.shape_scale=rms")
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("+optimizer.groups.embed.momentum=0.9",
+     "optimizer.groups.embed.momentum: the embed group uses AdamW under Muon; set optimizer.groups.embed.adam_b1 "
+     "instead"),
+    ("+optimizer.groups.head.momentum=0.9", "optimizer.groups.head.momentum: the head group uses AdamW under Muon"),
+    ("+optimizer.groups.scalar.momentum=0.9", "optimizer.groups.scalar.momentum: the scalar group uses AdamW"),
+    ("+optimizer.groups.hidden.adam_b1=0.8",
+     "optimizer.groups.hidden.adam_b1: the hidden group uses Muon, not AdamW; set optimizer.groups.hidden.momentum"),
+    ("+optimizer.groups.hidden.adam_b2=0.99", "optimizer.groups.hidden.adam_b2: the hidden group uses Muon"),
+    ("+optimizer.groups.hidden.adam_eps=1e-6", "optimizer.groups.hidden.adam_eps: the hidden group uses Muon"),
+])
+def test_muon_refuses_group_knobs_the_group_would_ignore(override, message):
+    """Under Muon, hidden runs Newton–Schulz (no Adam moments) and the other groups AdamW (no Muon
+    momentum): such an override used to be accepted and silently dropped."""
+    with pytest.raises(ConfigError, match="^" + message.replace(".", r"\.").replace("+", r"\+")):
+        validate(compose_config("optimizer=muon", "model.tie_embeddings=false", override))  # a head to set
+
+
+def test_muon_accepts_the_group_knobs_it_uses_and_nulls_anywhere():
+    run = validate(compose_config("optimizer=muon", "optimizer.groups.hidden.momentum=0.9",
+                                  "optimizer.groups.embed.adam_b1=0.8", "optimizer.groups.scalar.adam_eps=1e-6",
+                                  "+optimizer.groups.embed.momentum=null", "+optimizer.groups.hidden.adam_b1=null"))
+    assert run.optimizer.group_overrides == {"hidden": {"momentum": 0.9}, "embed": {"adam_b1": 0.8},
+                                             "scalar": {"adam_eps": 1e-6}}
+
+
+def test_shampoo_scalar_group_refuses_preconditioner_knobs():
+    """Shampoo's scalar leaves take the diagonal path: beta2 and epsilon would be ignored there."""
+    with pytest.raises(ConfigError, match=r"^optimizer\.groups\.scalar\.beta2: the scalar group .*graft_b2"):
+        validate(compose_config("optimizer=shampoo", "+optimizer.groups.scalar.beta2=0.99"))
+    with pytest.raises(ConfigError, match=r"^optimizer\.groups\.scalar\.epsilon: "):
+        validate(compose_config("optimizer=shampoo", "+optimizer.groups.scalar.epsilon=1e-4"))
+    run = validate(compose_config("optimizer=shampoo", "optimizer.groups.hidden.beta2=0.99",
+                                  "optimizer.groups.scalar.graft_b2=0.99"))
+    assert run.optimizer.group_overrides == {"hidden": {"beta2": 0.99}, "scalar": {"graft_b2": 0.99}}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_shipped_yaml_lists_only_the_knobs_each_group_takes(name):
+    """conf/optimizer/<name>.yaml's `groups:` block is the user's menu: every knob it lists must be
+    one the group uses (nulls would pass validation, but would advertise a knob that errors)."""
+    cfg = to_dict(compose_config(f"optimizer={name}"))
+    hparams = validate(cfg).optimizer.hparams
+    listed = cfg["optimizer"]["groups"]
+    assert set(listed) == set(GROUPS)
+    for group, knobs in listed.items():
+        assert set(knobs) <= set(group_knobs(hparams, group)), (group, set(knobs) - set(group_knobs(hparams, group)))
 
 
 def test_group_override_validation(tiny_run):

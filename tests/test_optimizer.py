@@ -1,8 +1,8 @@
-"""optimizer/: schedules against hand-computed values, weight-decay masks, clipping, SGD momentum
-against a hand-written update, and the knob checks. Pure optax on tiny pytrees: no model runs."""
+"""optimizer/: weight decay (every optimizer, every group), clipping, SGD momentum against a
+hand-written update, and the knob checks. Pure optax on tiny pytrees: no model runs. The
+schedules are in test_schedules.py."""
 
 import dataclasses
-import math
 
 import equinox as eqx
 import jax
@@ -13,86 +13,11 @@ import pytest
 
 from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import OPTIMIZERS, make_optimizer
+from optimizer.adafactor import Adafactor
 from optimizer.adamw import AdamW
-from optimizer.schedules import SCHEDULES, Constant, Cosine, Linear, PiecewiseLinear, Trapezoid
 from optimizer.sgdm import SGDM
 from utils.config import build_section
 from utils.errors import ConfigError
-
-
-def _values(schedule, steps) -> np.ndarray:
-    return np.array([float(schedule(jnp.asarray(s, jnp.int32))) for s in steps])
-
-
-# --- schedules ---------------------------------------------------------------------------------
-
-
-def test_constant_with_and_without_warmup():
-    s = Constant(lr=0.5, warmup=4).build(100)
-    np.testing.assert_allclose(_values(s, [0, 1, 2, 3, 4, 5, 99, 1000]),
-                               [0.125, 0.25, 0.375, 0.5, 0.5, 0.5, 0.5, 0.5], rtol=1e-6)  # warmup: lr*(step+1)/warmup
-    np.testing.assert_allclose(_values(Constant(lr=0.5).build(100), [0, 1, 500]), [0.5] * 3, rtol=1e-6)
-
-
-def test_linear_warmup_const_then_decay():
-    # warmup 10 (lr*(step+1)/10), flat 20 steps (10..30), linear 1 -> 0.1 over the remaining 70 steps.
-    s = Linear(lr=1.0, warmup=10, const=20, min_lr=0.1, max_steps=100).build(100)
-    steps = [0, 5, 10, 20, 30, 65, 100, 150]
-    expected = [0.1, 0.6, 1, 1, 1, 1 - 0.9 * 35 / 70, 0.1, 0.1]
-    np.testing.assert_allclose(_values(s, steps), expected, rtol=1e-6, atol=1e-7)
-    # const=None: the decay starts right after warmup (1 -> 0 over steps 10..50).
-    s = Linear(lr=1.0, warmup=10, const=None).build(50)
-    np.testing.assert_allclose(_values(s, [10, 20, 30, 50]), [1, 0.75, 0.5, 0], rtol=1e-6, atol=1e-7)
-
-
-def test_cosine_endpoints_and_midpoint():
-    s = Cosine(lr=1.0, warmup=10, min_lr=0.1, max_steps=110).build(110)
-    quarter = 0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2
-    np.testing.assert_allclose(_values(s, [0, 5, 10, 35, 60, 110, 200]),
-                               [0.1, 0.6, 1, quarter, 0.55, 0.1, 0.1], rtol=1e-5)
-
-
-def test_trapezoid_plateau_and_decay():
-    s = Trapezoid(lr=1.0, warmup=10, decay=20, min_lr=0.0).build(100)
-    steps = [0, 5, 10, 40, 79, 80, 90, 95, 100]
-    np.testing.assert_allclose(_values(s, steps), [0.1, 0.6, 1, 1, 1, 1, 0.5, 0.25, 0], rtol=1e-6, atol=1e-7)
-    assert SCHEDULES["wsd"] is SCHEDULES["trapezoid"] is Trapezoid
-
-
-def test_trapezoid_longer_than_the_run_is_a_config_error(tiny_run):
-    with pytest.raises(ConfigError, match="warmup.*decay.*max_steps"):
-        Trapezoid(lr=1.0, warmup=60, decay=50).check_steps("optimizer.lr_config", 100)
-    # ... and validate() runs that check, before any data or compilation.
-    with pytest.raises(ConfigError, match="optimizer.lr_config: warmup"):
-        tiny_run("optimizer/lr_config=trapezoid", "optimizer.lr_config.warmup=60",
-                 "optimizer.lr_config.decay=50", "train.max_steps=100")
-
-
-def test_warmup_longer_than_the_run_is_a_warning_not_an_error(tiny_run):
-    run = tiny_run("optimizer/lr_config=cosine", "optimizer.lr_config.warmup=50", "train.max_steps=10")
-    assert len(run.warnings) == 1 and "optimizer.lr_config" in run.warnings[0] and "warmup" in run.warnings[0]
-    assert tiny_run("optimizer/lr_config=cosine", "optimizer.lr_config.warmup=5", "train.max_steps=10").warnings == ()
-
-
-def test_min_lr_above_lr_is_a_config_error(tiny_run):
-    with pytest.raises(ConfigError, match=r"optimizer\.lr_config\.min_lr"):
-        tiny_run("optimizer/lr_config=cosine", "optimizer.lr_config.min_lr=1.0", "optimizer.lr_config.lr=0.003")
-
-
-def test_piecewise_linear_interpolates_and_is_flat_outside():
-    s = PiecewiseLinear(lr=2.0, steps=(10, 20, 40), scales=(0.0, 1.0, 0.5)).build(100)
-    steps = [0, 10, 15, 20, 30, 40, 100]
-    np.testing.assert_allclose(_values(s, steps), [0, 0, 1, 2, 1.5, 1, 1], rtol=1e-6, atol=1e-7)
-
-
-def test_schedule_max_steps_defaults_to_train_max_steps(tiny_run):
-    run = tiny_run("optimizer/lr_config=cosine", "optimizer.lr_config.lr=1.0", "optimizer.lr_config.warmup=0",
-                   "optimizer.lr_config.min_lr=0.0", "train.max_steps=40")
-    assert run.optimizer.schedule_steps == 40
-    s = run.optimizer.schedule.build(run.optimizer.schedule_steps)
-    np.testing.assert_allclose(_values(s, [0, 20, 40]), [1, 0.5, 0], rtol=1e-6, atol=1e-7)
-    run = tiny_run("optimizer/lr_config=cosine", "optimizer.lr_config.max_steps=25", "train.max_steps=40")
-    assert run.optimizer.schedule_steps == 25
 
 
 # --- weight decay masks ------------------------------------------------------------------------
@@ -123,28 +48,61 @@ def _expected_decay(path, decay_embeddings: bool) -> bool:
     return names[0] == "head_DxV"
 
 
-@pytest.mark.parametrize("decay_embeddings", [False, True])
-@pytest.mark.parametrize("opt", [AdamW(weight_decay=0.1), SGDM(momentum=0.9, weight_decay=0.1)],
-                         ids=["adamw", "sgdm"])
-def test_weight_decay_mask(opt, decay_embeddings):
-    opt = dataclasses.replace(opt, decay_embeddings=decay_embeddings)
-    lr = 0.5
+# Every optimizer with the default decay_embeddings=false; true (embeddings decayed, through a
+# different transform under Muon) on two, to keep the compile count down.
+@pytest.mark.parametrize(("name", "decay_embeddings"),
+                         [(name, False) for name in sorted(OPTIMIZERS)] + [("adamw", True), ("muon", True)])
+def test_weight_decay_is_decoupled_and_times_the_group_lr_for_every_optimizer(name, decay_embeddings):
+    """One step on a zero gradient, so only the decay moves anything: a decayed weight becomes
+    w·(1 − lr·weight_decay) with lr the group's scheduled lr, the same for every optimizer
+    (optax.adafactor's own decay ignores the lr: w·(1 − weight_decay)); biases, norm gains and
+    undecayed embeddings stay put. Zero gradients also meet the 0/0 normalisations (Muon's
+    Newton–Schulz, Adafactor's RMS clipping, Shampoo's grafting): all must stay finite."""
+    wd = 0.1
+    opt = dataclasses.replace(OPTIMIZERS[name](), weight_decay=wd, decay_embeddings=decay_embeddings)
     params, labels = _params_and_labels()
-    tx = make_optimizer(opt, optax.constant_schedule(lr), labels, clip=1.0)
-    zero_grads = jax.tree.map(jnp.zeros_like, params)
-    updates = _first_update(tx, zero_grads, params)
+    peak = {"hidden": 0.5, "embed": 0.25, "head": 0.125, "scalar": 0.2}  # distinct: a mixed-up group shows
+    warmup = optax.linear_schedule(0.2, 1.0, 10)  # step 0 runs at 0.4 of each group's peak (base lr 0.5)
+    tx = make_optimizer(opt, warmup, labels, 1.0, 0.5, {g: {"lr": lr} for g, lr in peak.items()})
+    updates = _first_update(tx, jax.tree.map(jnp.zeros_like, params), params)
     new_params = optax.apply_updates(params, updates)
 
     decayed = []
-    for (path, p), p_new in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(new_params)):
-        name = ".".join(k.name for k in path)
+    leaves = zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(new_params), jax.tree.leaves(labels))
+    for (path, p), p_new, label in leaves:
+        leaf = f"{name}: " + ".".join(k.name for k in path)
+        assert np.all(np.isfinite(p_new)), leaf
         if _expected_decay(path, decay_embeddings):
-            decayed.append(name)
-            np.testing.assert_allclose(p_new, p * (1 - lr * 0.1), rtol=1e-6, err_msg=name)
+            decayed.append(leaf)
+            np.testing.assert_allclose(p_new, p * (1 - 0.4 * peak[label] * wd), rtol=1e-6, err_msg=leaf)
         else:
-            np.testing.assert_array_equal(p_new, p, err_msg=name)
+            np.testing.assert_array_equal(p_new, p, err_msg=leaf)
     n_embed = 2 if decay_embeddings else 0
     assert len(decayed) == 4 + 1 + n_embed  # four block matrices, the head, the embeddings if asked
+
+
+@pytest.mark.parametrize("momentum", [None, 0.9])
+def test_adafactor_without_decay_is_optax_adafactor(momentum):
+    """Rebuilt from optax's pieces for the decay's sake, the rest must still be optax.adafactor
+    (factored above 128 on both sides, RMS clipping, optional momentum) under a constant lr."""
+    rng = np.random.default_rng(5)
+    params = {"w": jnp.asarray(rng.normal(size=(2, 130, 140)), jnp.float32), "b": jnp.ones((7,), jnp.float32)}
+    grads_seq = [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params) for _ in range(3)]
+    ours = Adafactor(momentum=momentum).transform("hidden", optax.constant_schedule(0.01))
+    reference = optax.adafactor(0.01, momentum=momentum, multiply_by_parameter_scale=False)
+
+    def three_updates(tx):
+        def run(grads_seq, params):
+            state, out = tx.init(params), []
+            for g in grads_seq:
+                u, state = tx.update(g, state, params)
+                out.append(u)
+            return out
+
+        return jax.jit(run)(grads_seq, params)
+
+    for a, b in zip(jax.tree.leaves(three_updates(ours)), jax.tree.leaves(three_updates(reference)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
 
 
 # --- clipping ----------------------------------------------------------------------------------
@@ -261,21 +219,6 @@ def test_good_optimizer_knobs_are_typed():
     opt = build_section(OPTIMIZERS["adamw"], {"b1": 0, "weight_decay": 0, "nesterov": True}, "optimizer")
     assert opt == AdamW(b1=0.0, weight_decay=0.0, nesterov=True)
     assert isinstance(opt.b1, float)
-
-
-@pytest.mark.parametrize("name, node, knob", [
-    ("cosine", {"lr": 0.0}, "lr"),
-    ("cosine", {"lr": 1.0, "warmup": -1}, "warmup"),
-    ("linear", {"lr": 1.0, "const": -5}, "const"),
-    ("trapezoid", {"lr": 1.0, "decay": -1}, "decay"),
-    ("cosine", {"lr": 1.0, "max_steps": 0}, "max_steps"),
-    ("piecewise_linear", {"lr": 1.0, "steps": [0, 10], "scales": [1.0]}, "steps"),
-    ("piecewise_linear", {"lr": 1.0, "steps": [0, 10, 10], "scales": [1.0, 0.5, 0.1]}, "steps"),
-    ("constant", {}, "lr"),  # lr is required
-])
-def test_bad_schedule_knobs_raise_config_error(name, node, knob):
-    with pytest.raises(ConfigError, match=rf"optimizer\.lr_config\.{knob}"):
-        build_section(SCHEDULES[name], node, "optimizer.lr_config")
 
 
 def test_bad_optimizer_knob_fails_validation(tiny_run):

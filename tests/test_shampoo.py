@@ -6,6 +6,7 @@ fallback and a toy problem that trains. Tiny shapes, jitted updates: the file ru
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import equinox as eqx
 import jax
@@ -16,7 +17,7 @@ import pytest
 import scipy.linalg
 
 from models.gpt import GPT, GPTConfig, param_labels
-from optimizer import shampoo
+from optimizer import make_optimizer, shampoo
 from optimizer.shampoo import Shampoo, scale_by_shampoo
 from utils.errors import ConfigError
 
@@ -98,13 +99,14 @@ def random_grads(shapes: dict, steps: int, seed=0):
 
 
 @pytest.mark.parametrize(("shape", "beta2", "eps", "p"),
-                         [((6, 4), 0.9, 1e-4, None), ((6, 4), 1.0, 1e-4, None), ((5, 5), 0.9, 1e-12, None),
+                         [((6, 4), 0.9, 1e-4, None), ((6, 4), 1.0, 1e-4, None), ((5, 5), 0.9, Shampoo().epsilon, None),
                           ((5, 5), 0.9, 1e-4, 2.0)],
                          ids=["ema", "sum", "default-eps", "exponent-override"])
 def test_two_sided_matches_numpy(shape, beta2, eps, p):
-    """A 6x4 gradient leaves L rank-deficient on step 1, where float32 eigh can only resolve a
-    relative damping well above its rounding (~1e-7): eps 1e-4 there; the square case has
-    full-rank statistics from step 1 and runs at the default 1e-12."""
+    """A 6x4 gradient leaves L rank-deficient on step 1, where float32 eigh resolves the damped
+    null space only to ~1e-7·λmax, too coarse for this 1e-5 tolerance: eps 1e-4 there; the
+    square case has full-rank statistics from step 1 and runs at the default (see the
+    rank-deficient test below for the default there)."""
     grads = random_grads({"w": shape}, 5)
     tx = scale_by_shampoo(block_size=NO_BLOCKS, beta2=beta2, epsilon=eps, precondition_every=1, graft="none",
                           exponent_override=p)
@@ -158,6 +160,32 @@ def test_zero_statistics_give_the_identity_not_infinities():
     np.testing.assert_array_equal(outs[0]["w"], 0.0)
     for u, g in zip(outs[1:], grads[1:]):  # roots held from step 1: identity, so the raw gradient
         np.testing.assert_allclose(u["w"], g["w"], rtol=1e-6)
+
+
+def test_default_epsilon_is_above_float32_eigh_noise_on_rank_deficient_statistics():
+    """An 8x32 gradient gives a 32x32 right statistic of rank 8. Its roots, cached after step 1
+    (precondition_every=10, the default), precondition step 2's gradient, which reaches the null
+    space: the damping alone sizes those directions. At epsilon 1e-12 (the old default) that
+    damping is below float32 eigh's ~1e-7·λmax noise, so the noise picked the result: step 2
+    came out ~3,700x the gradient's norm and 55% away from the float64 computation of the same
+    formula. The default gives what the formula says (~146x here) to within 0.5%."""
+    eps = Shampoo().epsilon
+    assert inspect.signature(scale_by_shampoo).parameters["epsilon"].default == eps
+    grads = random_grads({"w": (8, 32)}, 2, seed=14)
+    tx = scale_by_shampoo(block_size=NO_BLOCKS, beta2=0.999, epsilon=eps, precondition_every=10, graft="none")
+    outs, states = run(tx, grads)
+    np.testing.assert_array_equal(states[1].right_roots["w"], states[0].right_roots["w"])  # held from step 1
+    right = np.asarray(states[0].right_stats["w"][0, 0], np.float64)
+    assert np.linalg.matrix_rank(right, tol=1e-5 * np.abs(right).max()) == 8
+    ref = np_shampoo([g["w"] for g in grads], 0.999, eps, every=10)
+    for t, (u, r) in enumerate(zip(outs, ref), 1):
+        assert np.all(np.isfinite(u["w"]))
+        assert rel_err(u["w"], r) < 0.03, f"step {t}: {rel_err(u['w'], r)}"
+    # Bounded by what epsilon allows: |u| <= |L^-1/4|·|R^-1/4|·|g| in operator norms.
+    g1 = np.asarray(grads[0]["w"], np.float64) * np.sqrt(1 - 0.999)
+    bound = np.linalg.norm(np_root(g1 @ g1.T, 4, eps), 2) * np.linalg.norm(np_root(g1.T @ g1, 4, eps), 2)
+    growth = np.linalg.norm(outs[1]["w"]) / np.linalg.norm(grads[1]["w"])
+    assert growth <= 1.01 * bound
 
 
 # --- the recompute schedule ----------------------------------------------------------------------
@@ -322,46 +350,55 @@ def test_trains_a_least_squares_problem_under_jit():
     assert losses[-1] < 0.05 * losses[0], losses
 
 
-def test_config_builds_on_gpt_params():
-    """Shampoo.build with the model's labels: hidden stacks per block, embeddings and head as
-    matrices, biases and gains diagonal; one jitted step is finite and moves every weight. (With
-    batched CPU eighs side by side this step deadlocked jaxlib 0.10.2 on 2 cores: see _eigh.)"""
-    cfg = GPTConfig(dim=32, num_heads=2, num_blocks=2, context_length=16, vocab_size=64, tie_embeddings=False)
+def _gpt(cfg: GPTConfig, seed: int):
     model = eqx.filter_eval_shape(GPT, cfg, jax.random.PRNGKey(0))
-    labels = param_labels(model)
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng(seed)
     params = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), model)
     grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), model)
-    opt = Shampoo(weight_decay=0.1, block_size=64)
-    tx = opt.build(optax.constant_schedule(0.01), labels)
+    return params, grads, param_labels(model)
+
+
+def test_config_builds_on_gpt_params():
+    """Shampoo through make_optimizer (as the trainer builds it) on the model's labels: hidden
+    stacks per block, embeddings and head as matrices, biases and gains diagonal; one jitted step
+    is finite and moves every weight. (With batched CPU eighs side by side this step deadlocked
+    jaxlib 0.10.2 on 2 cores: see _eigh.)"""
+    cfg = GPTConfig(dim=32, num_heads=2, num_blocks=2, context_length=16, vocab_size=64, tie_embeddings=False)
+    params, grads, labels = _gpt(cfg, 11)
+    tx = make_optimizer(Shampoo(weight_decay=0.1, block_size=64), optax.constant_schedule(0.01), labels, 1.0)
     updates, state = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
-    sh = state[0]
-    assert sh.left_stats.blocks.mlp_in.weight_IxO.shape == (2, 1, 2, 32, 32)  # (num_blocks, R, C, 32, 32)
-    assert sh.right_stats.blocks.mlp_in.weight_IxO.shape == (2, 1, 2, 64, 64)  # 128 columns -> 2 blocks
-    assert sh.left_stats.wte_VxD.shape == (1, 1, 64, 64)
-    assert sh.left_stats.blocks.mlp_in.bias_O.shape == (0,) and sh.nu.blocks.mlp_in.bias_O.shape == (2, 128)
+
+    def shampoo_state(group):  # chain(clip, multi_transform) -> the group's chain -> its ShampooState
+        return state[1].inner_states[group].inner_state[0]
+
+    hidden, embed, scalar = shampoo_state("hidden"), shampoo_state("embed"), shampoo_state("scalar")
+    assert hidden.left_stats.blocks.mlp_in.weight_IxO.shape == (2, 1, 2, 32, 32)  # (num_blocks, R, C, 32, 32)
+    assert hidden.right_stats.blocks.mlp_in.weight_IxO.shape == (2, 1, 2, 64, 64)  # 128 columns -> 2 blocks
+    assert embed.left_stats.wte_VxD.shape == (1, 1, 64, 64)
+    assert scalar.left_stats.blocks.mlp_in.bias_O.shape == (0,) and scalar.nu.blocks.mlp_in.bias_O.shape == (2, 128)
     for u in jax.tree.leaves(updates):
         assert np.all(np.isfinite(u)) and np.any(u != 0)
 
 
-def test_per_group_transform_matches_the_whole_model_chain():
-    """`transform(group, schedule)` under optax.multi_transform (what optimizer.groups builds)
-    gives the same updates as `build(schedule, labels)` when no group-specific knob differs."""
+def test_per_group_optimizer_matches_one_whole_model_chain():
+    """make_optimizer's per-group Shampoo (one scale_by_shampoo per group under
+    optax.multi_transform) gives the updates of a single scale_by_shampoo over the whole model
+    with the model's labels, followed by momentum, decay on the decayed groups and the lr."""
     cfg = GPTConfig(dim=16, num_heads=2, num_blocks=2, context_length=8, vocab_size=64)
-    model = eqx.filter_eval_shape(GPT, cfg, jax.random.PRNGKey(0))
-    labels = param_labels(model)
-    rng = np.random.default_rng(13)
-    params = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), model)
-    grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), model)
-    opt, schedule = Shampoo(block_size=16, precondition_every=1), optax.constant_schedule(0.1)
-    whole = opt.build(schedule, labels)
-    grouped = optax.multi_transform({g: opt.transform(g, schedule) for g in ("hidden", "embed", "head", "scalar")},
-                                    lambda _: labels)
+    params, grads, labels = _gpt(cfg, 13)
+    opt, lr = Shampoo(block_size=16, precondition_every=1, weight_decay=0.1), 0.1
+    grouped = make_optimizer(opt, optax.constant_schedule(lr), labels, None)
+    whole = optax.chain(
+        scale_by_shampoo(block_size=16, precondition_every=1, labels=labels),
+        optax.trace(decay=opt.momentum),
+        optax.add_decayed_weights(0.1, mask=jax.tree.map(lambda label: label in ("hidden", "head"), labels)),
+        optax.scale(-lr),
+    )
 
     def first_update(tx):
         return jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params)
 
-    for a, b in zip(jax.tree.leaves(first_update(whole)), jax.tree.leaves(first_update(grouped))):
+    for a, b in zip(jax.tree.leaves(first_update(whole)), jax.tree.leaves(first_update(grouped)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
 
 

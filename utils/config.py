@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from models.gpt import GPTConfig
 from optimizer import OPTIMIZERS
-from optimizer.groups import GROUPS, group_hparams
+from optimizer.groups import GROUPS, group_hparams, group_knobs
 from optimizer.schedules import SCHEDULES, warmup_warning
 from utils.checkpoint import CheckpointConfig, user_path
 from utils.errors import ConfigError
@@ -230,21 +230,32 @@ def _pop_name(node: dict, prefix: str, registry: dict) -> str:
 
 def _group_overrides(node: dict, hparams) -> dict[str, dict[str, float]]:
     """`optimizer.groups.<group>.<knob>` -> {group: {knob: value}} with nulls dropped; every
-    group's resulting hyperparameters are checked like the optimizer's own."""
+    group's resulting hyperparameters are checked like the optimizer's own.
+
+    A knob no group takes is refused even when null (a typo in a yaml); a knob that only other
+    groups take is refused once set (the group would ignore it), with the optimizer's
+    `group_knob_hint(group, knob)` as the fix where it has one."""
+
     if not isinstance(node, dict):
         raise ConfigError(f"optimizer.groups must be a mapping of group -> knobs, got {node!r}")
-    knobs = getattr(type(hparams), "GROUP_KNOBS", ("lr",))
     fields = typing.get_type_hints(type(hparams))
+    anywhere = {knob for group in GROUPS for knob in group_knobs(hparams, group)}
     out: dict[str, dict[str, float]] = {}
     for group, settings in node.items():
         prefix = f"optimizer.groups.{group}"
         if group not in GROUPS:
             raise ConfigError(f"{prefix}: unknown parameter group; groups are {', '.join(GROUPS)}")
+        knobs = group_knobs(hparams, group)
         for knob, value in (settings or {}).items():
-            if knob not in knobs:
+            if knob not in anywhere:
                 raise ConfigError(f"{prefix}.{knob} cannot be set per group; this optimizer allows {', '.join(knobs)}")
             if value is None:
                 continue
+            if knob not in knobs:
+                hint = getattr(hparams, "group_knob_hint", None)
+                fix = (hint(group, knob) if hint else None) or (
+                    f"the {group} group does not use it; it takes {', '.join(knobs)}")
+                raise ConfigError(f"{prefix}.{knob}: {fix}")
             value = _coerce(value, fields.get(knob, float), f"{prefix}.{knob}")
             if knob == "lr" and value <= 0:
                 raise ConfigError(f"{prefix}.lr={value} must be positive")
@@ -326,6 +337,21 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
     if ck.save and beyond:
         run = dataclasses.replace(run, warnings=run.warnings + (
             f"checkpoint.save_steps {beyond} lie beyond train.max_steps={train.max_steps} and will not be saved",))
+    m = run.model
+    if m.tie_embeddings and "head" in run.optimizer.group_overrides:
+        knob = next(iter(run.optimizer.group_overrides["head"]))
+        raise ConfigError(f"optimizer.groups.head.{knob} is set but model.tie_embeddings=true: there is no separate "
+                          "head (the embedding matrix is reused; tune optimizer.groups.embed instead) or set "
+                          "model.tie_embeddings=false")
+    if m.attn_block_size is not None and (m.attn_block_size >= run.context_length
+                                          or run.context_length % m.attn_block_size):
+        raise ConfigError(f"model.attn_block_size={m.attn_block_size} must divide the training context "
+                          f"({run.context_length} tokens) into 2 or more blocks, e.g. {run.context_length // 2}; "
+                          "null turns block-causal attention off")
+    if run.train.param_dtype == "bfloat16":
+        run = dataclasses.replace(run, warnings=run.warnings + (
+            "train.param_dtype=bfloat16 stores the weights and the optimizer state in bfloat16 with no float32 "
+            "master copy: small updates round away; keep float32 and set train.compute_dtype=bfloat16 for speed",))
     if run.context_length > run.model.context_length:
         raise ConfigError(
             f"dataset.context_length={run.dataset.context_length} exceeds model.context_length="

@@ -1,0 +1,221 @@
+"""optimizer/schedules.py: every schedule's endpoints pinned by hand.
+
+A run of N updates uses step indices 0..N-1 (optax counts from 0). The warmup starts at
+lr/warmup (step warmup-1 uses lr) and every decaying schedule reaches exactly min_lr on step
+N-1, the last update: a schedule that got there only at step N never ran its final lr. Plus
+edge cases (decay of 0 or 1 steps, warmup filling the run, a 1-step run) and the knob checks.
+Pure functions of a step: no model, no optimizer state except one hand-checked SGD run."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from optimizer import make_optimizer
+from optimizer.schedules import SCHEDULES, Constant, Cosine, Linear, PiecewiseLinear, Trapezoid
+from optimizer.sgdm import SGDM
+from utils.config import build_section
+from utils.errors import ConfigError
+
+LR, MIN_LR, WARMUP, N = 1.0, 0.1, 4, 20
+
+
+def _values(schedule, steps) -> np.ndarray:
+    """The schedule eagerly and jitted on an int32 step (what optax's count is): both must agree."""
+    steps = list(steps)
+    eager = np.array([float(schedule(jnp.asarray(s, jnp.int32))) for s in steps])
+    jitted = np.asarray(jax.jit(jax.vmap(schedule))(jnp.asarray(steps, jnp.int32)))
+    np.testing.assert_allclose(jitted, eager, rtol=1e-6)
+    assert np.all(np.isfinite(eager)), eager
+    return eager
+
+
+def _cos(x: float) -> float:
+    """The cosine decay from LR to MIN_LR at fraction x of the way."""
+    return MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi * x)) / 2
+
+
+# name -> (schedule, step index where the decay starts (first step below lr; None: never),
+#          {step: hand-computed lr} in the decay)
+DECAYING = {
+    # Flat at lr on steps 3..6 (the last warmup step, then const=3), linear to MIN_LR on step 19.
+    "linear": (Linear(lr=LR, warmup=WARMUP, const=3, min_lr=MIN_LR), 7,
+               {6: 1.0, 7: 1 - 0.9 / 13, 12: 1 - 0.9 * 6 / 13}),
+    # Cosine from lr on step 3 (the last warmup step) over 16 steps: half way on step 11.
+    "cosine": (Cosine(lr=LR, warmup=WARMUP, min_lr=MIN_LR), WARMUP,
+               {4: _cos(1 / 16), 11: 0.55, 15: _cos(12 / 16)}),
+    # The last 6 steps (14..19) below lr, linear: 1 - 0.9·k/6 on the k-th of them.
+    "trapezoid": (Trapezoid(lr=LR, warmup=WARMUP, decay=6, min_lr=MIN_LR), 14,
+                  {13: 1.0, 14: 0.85, 16: 0.55, 18: 0.25}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECAYING))
+def test_decaying_schedule_endpoints(name):
+    schedule, decay_start, points = DECAYING[name]
+    s = schedule.build(N)
+    np.testing.assert_allclose(_values(s, [0, WARMUP - 1, N - 1]), [LR / WARMUP, LR, MIN_LR], rtol=1e-6)
+    np.testing.assert_allclose(_values(s, points), list(points.values()), rtol=1e-6)
+    np.testing.assert_allclose(_values(s, [N, N + 1, 10 * N]), [MIN_LR] * 3, rtol=1e-6)  # held after the end
+
+    warmup = _values(s, range(WARMUP))
+    np.testing.assert_allclose(warmup, LR * np.arange(1, WARMUP + 1) / WARMUP, rtol=1e-6)
+    after = _values(s, range(WARMUP - 1, N))
+    flat, decay = after[: decay_start - (WARMUP - 1)], after[decay_start - (WARMUP - 1):]
+    np.testing.assert_allclose(flat, LR, rtol=1e-6)  # the last warmup step and any flat phase
+    assert np.all(np.diff(decay) < 0) and decay[0] < LR, decay  # strictly falling, from the first decay step
+    assert len(decay) == N - decay_start
+
+
+def test_constant_endpoints():
+    s = Constant(lr=LR, warmup=WARMUP).build(N)
+    np.testing.assert_allclose(_values(s, [0, 1, WARMUP - 1, WARMUP, N - 1, 10 * N]),
+                               [0.25, 0.5, LR, LR, LR, LR], rtol=1e-6)
+    np.testing.assert_allclose(_values(Constant(lr=LR).build(N), [0, 1, N - 1]), [LR] * 3, rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", [Linear(lr=LR, min_lr=MIN_LR), Cosine(lr=LR, min_lr=MIN_LR),
+                                      Trapezoid(lr=LR, decay=N, min_lr=MIN_LR)], ids=["linear", "cosine", "trapezoid"])
+def test_without_warmup_the_first_update_uses_lr_and_the_last_min_lr(schedule):
+    values = _values(schedule.build(N), range(N))
+    np.testing.assert_allclose(values[[0, -1]], [LR, MIN_LR], rtol=1e-6)
+    assert np.all(np.diff(values) < 0)
+
+
+def test_cosine_min_lr_null_is_a_tenth_of_lr():
+    np.testing.assert_allclose(_values(Cosine(lr=2.0, warmup=2).build(10), [1, 9]), [2.0, 0.2], rtol=1e-6)
+
+
+# --- edge cases: every value finite (checked in _values), the endpoints still as documented ------
+
+
+def test_decay_of_one_step_is_the_last_update_at_min_lr():
+    values = _values(Trapezoid(lr=LR, warmup=WARMUP, decay=1, min_lr=MIN_LR).build(N), range(N))
+    np.testing.assert_allclose(values[WARMUP - 1:-1], LR, rtol=1e-6)
+    np.testing.assert_allclose(values[-1], MIN_LR, rtol=1e-6)
+    # Decay k steps = k steps below lr: 2 differs from 1 (with the decay anchored on its own first
+    # step, both would give one step below lr).
+    two = _values(Trapezoid(lr=LR, warmup=WARMUP, decay=2, min_lr=MIN_LR).build(N), [N - 3, N - 2, N - 1])
+    np.testing.assert_allclose(two, [LR, (LR + MIN_LR) / 2, MIN_LR], rtol=1e-6)
+
+
+def test_decay_of_zero_steps_never_decays():
+    values = _values(Trapezoid(lr=LR, warmup=WARMUP, decay=0, min_lr=MIN_LR).build(N), range(N))
+    np.testing.assert_allclose(values[WARMUP - 1:], LR, rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", [Linear(lr=LR, warmup=N - 1, min_lr=MIN_LR),
+                                      Cosine(lr=LR, warmup=N - 1, min_lr=MIN_LR),
+                                      Trapezoid(lr=LR, warmup=N - 1, decay=1, min_lr=MIN_LR)],
+                         ids=["linear", "cosine", "trapezoid"])
+def test_one_step_left_after_warmup_is_min_lr(schedule):
+    np.testing.assert_allclose(_values(schedule.build(N), [N - 2, N - 1]), [LR, MIN_LR], rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", [Linear(lr=LR, warmup=N, min_lr=MIN_LR),
+                                      Linear(lr=LR, warmup=5, const=N - 5, min_lr=MIN_LR),
+                                      Cosine(lr=LR, warmup=N, min_lr=MIN_LR),
+                                      Trapezoid(lr=LR, warmup=N, decay=0, min_lr=MIN_LR)],
+                         ids=["linear", "linear-const", "cosine", "trapezoid"])
+def test_warmup_and_flat_phase_filling_the_run_hold_lr_to_the_end(schedule):
+    """No room to decay: the last update uses lr (not a NaN, not a constant from a zero-length
+    optax schedule); min_lr follows after the run."""
+    np.testing.assert_allclose(_values(schedule.build(N), [N - 1, N]), [LR, MIN_LR], rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", [Linear(lr=LR, min_lr=MIN_LR), Cosine(lr=LR, min_lr=MIN_LR),
+                                      Trapezoid(lr=LR, decay=1, min_lr=MIN_LR), Constant(lr=LR, warmup=1)],
+                         ids=["linear", "cosine", "trapezoid", "constant"])
+def test_one_step_runs_are_finite(schedule):
+    values = _values(schedule.build(1), [0, 1, 2])
+    assert values[0] in (pytest.approx(LR), pytest.approx(MIN_LR))
+    np.testing.assert_allclose(values[1:], values[2], rtol=1e-6)
+
+
+def test_warmup_longer_than_the_run_keeps_ramping():
+    values = _values(Cosine(lr=LR, warmup=2 * N, min_lr=MIN_LR).build(N), [0, N - 1])
+    np.testing.assert_allclose(values, [LR / (2 * N), LR / 2], rtol=1e-6)
+
+
+# --- piecewise_linear ----------------------------------------------------------------------------
+
+
+def test_piecewise_linear_interpolates_on_update_indices_and_is_flat_outside():
+    s = PiecewiseLinear(lr=2.0, steps=(10, 20, 40), scales=(0.0, 1.0, 0.5)).build(100)
+    steps = [0, 10, 15, 20, 30, 40, 100]
+    np.testing.assert_allclose(_values(s, steps), [0, 0, 1, 2, 1.5, 1, 1], rtol=1e-6, atol=1e-7)
+    # Its points are update indices: ending a 20-step run at 0.1·lr takes the point (19, 0.1).
+    end = PiecewiseLinear(lr=2.0, steps=(0, 19), scales=(1.0, 0.1)).build(20)
+    np.testing.assert_allclose(_values(end, [0, 19]), [2.0, 0.2], rtol=1e-6)
+
+
+# --- through the optimizer: the run's last update uses min_lr ------------------------------------
+
+
+def test_the_last_update_of_a_run_uses_min_lr():
+    """Plain SGD on a gradient of 1: update k is -lr(k). Pins that the optimizer asks the
+    schedule for steps 0..N-1, so the schedule's endpoints are the run's."""
+    n = 6
+    schedule = Linear(lr=LR, warmup=2, min_lr=MIN_LR).build(n)
+    tx = make_optimizer(SGDM(momentum=0.0), schedule, {"w": "hidden"}, None, LR, {})
+    params, grads = {"w": jnp.zeros(())}, {"w": jnp.ones(())}
+    update = jax.jit(tx.update)
+    state, lrs = tx.init(params), []
+    for _ in range(n):
+        u, state = update(grads, state, params)
+        lrs.append(-float(u["w"]))
+    np.testing.assert_allclose(lrs, [0.5, 1.0, 0.775, 0.55, 0.325, MIN_LR], rtol=1e-6)
+
+
+# --- config ----------------------------------------------------------------------------------------
+
+
+def test_schedule_max_steps_defaults_to_train_max_steps(tiny_run):
+    run = tiny_run("optimizer/lr_config=cosine", "optimizer.lr_config.lr=1.0", "optimizer.lr_config.warmup=0",
+                   "optimizer.lr_config.min_lr=0.0", "train.max_steps=41")
+    assert run.optimizer.schedule_steps == 41
+    s = run.optimizer.schedule.build(run.optimizer.schedule_steps)
+    np.testing.assert_allclose(_values(s, [0, 20, 40]), [1, 0.5, 0], rtol=1e-6, atol=1e-7)
+    run = tiny_run("optimizer/lr_config=cosine", "optimizer.lr_config.max_steps=25", "train.max_steps=40")
+    assert run.optimizer.schedule_steps == 25
+
+
+def test_trapezoid_longer_than_the_run_is_a_config_error(tiny_run):
+    with pytest.raises(ConfigError, match="warmup.*decay.*max_steps"):
+        Trapezoid(lr=1.0, warmup=60, decay=50).check_steps("optimizer.lr_config", 100)
+    # ... and validate() runs that check, before any data or compilation.
+    with pytest.raises(ConfigError, match="optimizer.lr_config: warmup"):
+        tiny_run("optimizer/lr_config=trapezoid", "optimizer.lr_config.warmup=60",
+                 "optimizer.lr_config.decay=50", "train.max_steps=100")
+
+
+def test_warmup_longer_than_the_run_is_a_warning_not_an_error(tiny_run):
+    run = tiny_run("optimizer/lr_config=cosine", "optimizer.lr_config.warmup=50", "train.max_steps=10")
+    assert len(run.warnings) == 1 and "optimizer.lr_config" in run.warnings[0] and "warmup" in run.warnings[0]
+    assert tiny_run("optimizer/lr_config=cosine", "optimizer.lr_config.warmup=5", "train.max_steps=10").warnings == ()
+
+
+def test_min_lr_above_lr_is_a_config_error(tiny_run):
+    with pytest.raises(ConfigError, match=r"optimizer\.lr_config\.min_lr"):
+        tiny_run("optimizer/lr_config=cosine", "optimizer.lr_config.min_lr=1.0", "optimizer.lr_config.lr=0.003")
+
+
+@pytest.mark.parametrize("name, node, knob", [
+    ("cosine", {"lr": 0.0}, "lr"),
+    ("cosine", {"lr": 1.0, "warmup": -1}, "warmup"),
+    ("linear", {"lr": 1.0, "const": -5}, "const"),
+    ("trapezoid", {"lr": 1.0, "decay": -1}, "decay"),
+    ("cosine", {"lr": 1.0, "max_steps": 0}, "max_steps"),
+    ("piecewise_linear", {"lr": 1.0, "steps": [0, 10], "scales": [1.0]}, "steps"),
+    ("piecewise_linear", {"lr": 1.0, "steps": [0, 10, 10], "scales": [1.0, 0.5, 0.1]}, "steps"),
+    ("constant", {}, "lr"),  # lr is required
+])
+def test_bad_schedule_knobs_raise_config_error(name, node, knob):
+    with pytest.raises(ConfigError, match=rf"optimizer\.lr_config\.{knob}"):
+        build_section(SCHEDULES[name], node, "optimizer.lr_config")
+
+
+def test_wsd_is_trapezoid():
+    assert SCHEDULES["wsd"] is SCHEDULES["trapezoid"] is Trapezoid
