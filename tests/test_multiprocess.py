@@ -63,7 +63,7 @@ def losses(tmp_path: Path, name: str) -> dict[int, float]:
 @pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_and_the_resume_is_bit_identical(tmp_path):
     """SIGTERM reaches process 1 only: both stop at the same step N with one checkpoint (exit 3),
-    and resume=auto to N+2 logs the same losses as an uninterrupted two-process run."""
+    and resume=auto for 2 more steps logs the same losses as an uninterrupted two-process run."""
     ck = tmp_path / "ck"
     # Constant lr: the loss at step k does not depend on max_steps, so a 40-step run is the reference.
     reference = launch(tmp_path, "full", "train.max_steps=40")
@@ -83,8 +83,9 @@ def test_sigterm_to_one_process_stops_both_and_the_resume_is_bit_identical(tmp_p
     src = open_checkpoint(str(ck), "latest", True)
     assert src.manifest["reason"] == "SIGTERM" and src.manifest["devices"] == 2
 
-    resumed = launch(tmp_path, "resumed", f"train.max_steps={n + 2}", "checkpoint.save=true",
-                     f"checkpoint.save_path={ck}", "checkpoint.resume=auto")
+    # The same command, resumed: it trains with the saved config, and a 2-step segment stops it.
+    resumed = launch(tmp_path, "resumed", "train.max_steps=100000", "checkpoint.save=true",
+                     f"checkpoint.save_path={ck}", "checkpoint.resume=auto", "checkpoint.num_steps=2")
     assert finish(resumed) == [0, 0], output(tmp_path, "resumed") + output(tmp_path, "resumed", 1)
     assert finish(reference) == [0, 0], output(tmp_path, "full")
     assert f"resumed from {ck}/iter_{n} at step {n}" in output(tmp_path, "resumed")

@@ -274,7 +274,7 @@ def signalled(request, tmp_path_factory, base_env, reference) -> dict[str, Stopp
         ok = stopped[sig].finish(EXIT_TIMEOUT_S) == SIGNALS[sig]
         n = stopped[sig].last_step()  # after the exit: the steps it finished after the signal count
         on_disk = sorted(os.listdir(cks[sig])) if cks[sig].is_dir() else []
-        resumed = start(sig, "resumed", f"train.max_steps={n + 3}", "checkpoint.resume=auto") if ok and n else None
+        resumed = start(sig, "resumed", "checkpoint.num_steps=3", "checkpoint.resume=auto") if ok and n else None
         out[sig] = Stopped(cks[sig], stopped[sig], n, on_disk, resumed)
     for s in out.values():
         if s.resumed is not None:
@@ -344,8 +344,9 @@ def test_kill_9_between_saves_resumes_from_the_newest_complete_checkpoint(launch
     newest = complete_steps(str(ck))[-1]
     assert newest % 5 == 0 and max(killed) >= newest
 
-    resumed = launch("resumed", *TINY, *EXACT, *save_args(ck, "checkpoint.save_steps=5", "checkpoint.resume=auto"),
-                     f"train.max_steps={newest + 3}")
+    # A resume trains with the saved config (max_steps LONG): a 3-step segment stops it.
+    resumed = launch("resumed", *TINY, *EXACT, *save_args(ck, "checkpoint.save_steps=5", "checkpoint.resume=auto",
+                                                          "checkpoint.num_steps=3"), f"train.max_steps={LONG}")
     resumed.assert_ok()
     assert resumed_line(ck, newest) in resumed.stdout, resumed.tail()
     after = resumed.losses()
@@ -378,8 +379,8 @@ def test_kill_9_during_a_save_leaves_a_tmp_dir_that_resume_removes(launch, refer
     newest = complete_steps(str(ck))[-1]
     assert max(killed) > newest  # the step whose save was cut off was trained and logged
 
-    resumed = launch("resumed", *TINY, *EXACT, *save_args(ck, "checkpoint.save_steps=1", "checkpoint.resume=auto"),
-                     f"train.max_steps={newest + 2}")
+    resumed = launch("resumed", *TINY, *EXACT, *save_args(ck, "checkpoint.save_steps=1", "checkpoint.resume=auto",
+                                                          "checkpoint.num_steps=2"), f"train.max_steps={LONG}")
     resumed.assert_ok()
     out = resumed.stdout
     for name in left:
