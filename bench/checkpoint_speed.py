@@ -60,6 +60,7 @@ import train_jax as T
 from models.gpt import count_params
 from utils import checkpoint as ckptlib
 from utils import mesh as meshlib
+from utils.sinks.console import warn
 from utils.config import to_dict, validate
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
@@ -170,7 +171,7 @@ def main() -> None:
         ck = dataclasses.replace(run.checkpoint, save=True, save_path=os.path.join(tmp, name), async_save=async_save,
                                  max_to_keep=None, keep_best=False, save_steps=1_000_000_000)
         saver = ckptlib.Checkpointer(ck, {**config_dict, "checkpoint": dataclasses.asdict(ck)},
-                                     dataclasses.asdict(run.model), T.warn)
+                                     dataclasses.asdict(run.model), warn)
         savers.append(saver)
         return saver
 

@@ -28,7 +28,8 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 import train_jax as T  # noqa: E402
 from optimizer import OPTIMIZERS  # noqa: E402
 from utils import mesh as meshlib  # noqa: E402
-from utils.config import validate  # noqa: E402
+from loaders.tokenizers import ByteTokenizer  # noqa: E402
+from utils.config import resolve_vocab, validate  # noqa: E402
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
@@ -61,7 +62,7 @@ def main() -> None:
         with initialize_config_dir(config_dir=CONF, version_base="1.3"):
             run = validate(compose("config", overrides=[*overrides, *extra]))
         mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size)
-        run = T.resolve_vocab(run, T.tokenizers.byte_tokenizer())  # synthetic bytes: no corpus needed
+        run = resolve_vocab(run, ByteTokenizer.vocab_size)  # synthetic bytes: no corpus needed
         _, tx, state, step = T.init_training(run, mesh)
         shape = (run.dataset.accum_steps, run.dataset.batch_size, run.context_length + 1)
         batch = meshlib.put_batch(np.random.default_rng(0).integers(0, 256, shape, dtype=np.int32),

@@ -9,36 +9,57 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from loaders.corpus import in_memory_documents
 from loaders.tokenizers import Tokenizer
 from utils.errors import CheckpointError, ConfigError, DataError
+from utils.files import atomic_write
 
 # Fixed, not random_seed: every evaluation, resume and seed of a sweep scores the same windows, so
 # val/loss compares across all of them.
 VAL_SEED = 0
 
 
+# The knobs every data source shares, in `conf/dataset/*.yaml` beside the source's own.
+BATCH_KNOBS = ("batch_size", "total_batch_size", "context_length", "shuffle")
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """The `dataset` section: which source (built by `loaders.dataset_config`) and the batch shape."""
+
+    name: str = "stdlib"  # the source's registry name (loaders.sources.SOURCES)
+    source: Any = None  # that source's config dataclass, e.g. loaders.sources.Stdlib(...)
+    batch_size: int = 32  # sequences per micro-batch, global (all devices together)
+    total_batch_size: int | None = None  # sequences per optimizer step; null = batch_size
+    context_length: int | None = None  # null = model.context_length
+    shuffle: bool = True  # a fresh permutation of training windows every epoch
+
+    def check(self, prefix: str) -> None:
+        if self.batch_size <= 0:
+            raise ConfigError(f"{prefix}.batch_size={self.batch_size} must be positive")
+        total = self.total_batch_size
+        if total is not None and (total <= 0 or total % self.batch_size):
+            raise ConfigError(
+                f"{prefix}.total_batch_size={total} must be a positive multiple of "
+                f"{prefix}.batch_size={self.batch_size} (gradient accumulation = total / batch)"
+            )
+        if self.context_length is not None and self.context_length <= 0:
+            raise ConfigError(f"{prefix}.context_length={self.context_length} must be positive or null")
+
+    @property
+    def accum_steps(self) -> int:
+        return (self.total_batch_size or self.batch_size) // self.batch_size
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """Half the memory and disk of int32 for every vocabulary up to 64k ids, which is most of them."""
     return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.uint32)
-
-
-def _save_atomic(path: str, array: np.ndarray) -> None:
-    """Write then rename, so a killed run (or another host writing the same cache) never leaves half a file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".npy.tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def tokenize_documents(
@@ -70,7 +91,8 @@ def tokenize_documents(
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype)
 
     if cache_path is not None:
-        _save_atomic(cache_path, tokens)
+        with atomic_write(cache_path) as tmp, open(tmp, "wb") as f:
+            np.save(f, tokens)  # a file object: given a path, np.save would append .npy to the tmp name
     return tokens
 
 
@@ -241,3 +263,20 @@ def eval_batches(
         idx_B[:real] = idx_N[start : start + real]
         weights_B = (np.arange(batch_size) < real).astype(np.float32)
         yield dataset.get(idx_B[rows]), weights_B[rows]
+
+
+def cached_windows(docs, tokenizer: Tokenizer, cache_dir: str, source: str, split: str, window: int) -> WindowDataset:
+    """`docs` tokenized (or read from `cache_dir/tokens/`) and cut into windows of `window` tokens.
+    The cache is keyed by the tokenizer's fingerprint (not its name: two BPEs share one) and the
+    split's stat fingerprint, so a hit reads no corpus text and a retrained tokenizer never reuses ids."""
+    docs = in_memory_documents(docs)  # a lazy corpus.Documents passes through unread
+    readable = tokenizer.name.replace("/", "_").replace(":", "_")
+    name = f"{source}-{split}-{readable}-{tokenizer.fingerprint}-{docs.fingerprint}.npy"
+    return WindowDataset(tokenize_documents(docs, tokenizer, os.path.join(cache_dir, "tokens", name)), window)
+
+
+@dataclass
+class Data:
+    train: BatchIterator  # yields this process's rows of (accum_steps, batch_size, T+1)
+    val: WindowDataset  # evaluate() scores a fixed seeded subset of it (loaders.batching.eval_indices)
+    tokens_per_step: int

@@ -293,3 +293,12 @@ def cross_entropy(
     loss = jnp.mean(logz_BxT - target_logit_BxT)
     correct = jnp.sum(jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT)
     return loss, correct
+
+
+def eval_sums(model: GPT, tokens_BxT1: jax.Array, weights_B: jax.Array, compute_dtype: jnp.dtype
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(sum of weighted per-window losses, of weighted correct predictions, of weights). Sums, not
+    means: padding rows weigh 0 and batches add up, so an evaluation averages over real windows only."""
+    # Per window: cross_entropy averages over its batch, so map it over single rows.
+    loss_B, correct_B = jax.vmap(lambda t_T1: cross_entropy(model, t_T1[None], None, compute_dtype))(tokens_BxT1)
+    return (weights_B * loss_B).sum(), (weights_B * correct_B).sum(), weights_B.sum()

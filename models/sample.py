@@ -45,3 +45,13 @@ def printable(text: str) -> str:
     """`text` with control characters (other than newline and tab) shown as escapes: an early
     byte-level model samples raw bytes that would otherwise move the cursor or ring the bell."""
     return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
+def sample_text(model: GPT, tokenizer, prompt: str, num_tokens: int, key: jax.Array, temperature: float,
+                context_length: int | None = None) -> str:
+    """Decoded, printable text of `generate` from `prompt` (text) with `tokenizer` (anything with
+    encode/decode/eot_id). An empty prompt starts after an end-of-text, as every document does."""
+    prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
+    ids = generate(model, prompt_ids, num_tokens, key, temperature, stop_id=tokenizer.eot_id,
+                   context_length=context_length)
+    return printable(tokenizer.decode(ids))

@@ -23,3 +23,8 @@ def schedules_at(opt_state: optax.OptState, step: jax.Array) -> optax.OptState:
     return jax.tree.map(
         lambda s: s._replace(count=jnp.asarray(step, s.count.dtype)) if _is_schedule_state(s) else s,
         opt_state, is_leaf=_is_schedule_state)
+
+
+def fresh_state(tx: optax.GradientTransformation, params, step: jax.Array, shardings) -> optax.OptState:
+    """`tx`'s initial state for `params`, placed in `shardings`, its schedules continuing at `step`."""
+    return jax.jit(lambda p, s: schedules_at(tx.init(p), s), out_shardings=shardings)(params, step)

@@ -5,7 +5,7 @@
 
 Only the model is read (never the optimizer state). Tensors are named by their pytree path
 (`blocks.attn_qkv.weight_IxO`); config.json holds the model config plus `step` and the run's
-`tokenizer` section. `utils.export.load_export(OUT_DIR)` rebuilds the model from the two files.
+`tokenizer` section. `models.export.load_export(OUT_DIR)` rebuilds the model from the two files.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse
 import logging
 
-from utils import checkpoint as ckptlib
-from utils import export
+from models import export
+from utils.files import user_path
 from utils.errors import EqtrainError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = export.checkpoint_parser(__doc__)
-    p.add_argument("--out", required=True, metavar="OUT_DIR", type=ckptlib.user_path,
+    p.add_argument("--out", required=True, metavar="OUT_DIR", type=user_path,
                    help="directory to write model.safetensors and config.json into; created if missing, "
                         "must be empty unless --force")
     p.add_argument("--force", action="store_true",

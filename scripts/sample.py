@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse
 import logging
 
-from utils import export
+from models import export
 from utils.errors import CheckpointError, EqtrainError
 
 
@@ -55,20 +55,17 @@ def sample(args: argparse.Namespace) -> str:
     import jax
 
     import train_jax
-    from models.sample import generate, printable
+    from models.sample import sample_text
 
     source, run, model = export.restore_for_inference(args.checkpoint_dir, args.load_file)
-    docs = train_jax.load_documents(run)[0] if run.tokenizer.name == "bpe" else []  # only BPE may need them
+    # Only a trained tokenizer needs the corpus (and reads it only if its cached file is gone).
+    docs = run.dataset.source.documents()[0] if run.tokenizer.needs_documents else []
     tokenizer = train_jax.init_tokenizer(run, docs)
     if tokenizer.vocab_size > run.model.vocab_size:
         raise CheckpointError(f"{source.path}: the rebuilt tokenizer has {tokenizer.vocab_size} ids but the model "
                               f"only {run.model.vocab_size}: the tokenizer is not the one the model was trained with")
-    # An empty prompt starts after an end-of-text, as every training document does.
-    prompt_ids = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eot_id]
-    ids = generate(model, prompt_ids, args.tokens, jax.random.PRNGKey(args.seed),
-                   args.temperature, stop_id=tokenizer.eot_id, context_length=run.context_length)
-    return printable(tokenizer.decode(ids))
-
+    return sample_text(model, tokenizer, args.prompt, args.tokens, jax.random.PRNGKey(args.seed), args.temperature,
+                       run.context_length)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -254,12 +254,10 @@ def test_validate_rejects_bad_knob(overrides, knob):
 
 
 def test_text_files_glob_matching_nothing(tmp_path):
-    import train_jax
-
     pattern = str(tmp_path / "nothing" / "*.txt")
     run = validate(compose_tiny("dataset=text_files", f"dataset.paths=[{pattern}]"))
     with pytest.raises(DataError, match=re.escape("dataset.paths")) as excinfo:
-        train_jax.load_documents(run)
+        run.dataset.source.documents()
     assert_one_line_error(str(excinfo.value), pattern)
 
 

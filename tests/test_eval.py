@@ -1,5 +1,7 @@
 """evaluate(): which validation windows it scores, and that each counts exactly once in val/*."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,7 @@ from conftest import compose_config
 
 import train_jax
 from loaders.batching import WindowDataset
-from models.gpt import cross_entropy
+from models.gpt import cross_entropy, eval_sums
 from utils import mesh as meshlib
 from utils.config import validate
 
@@ -25,7 +27,7 @@ def model():
 @pytest.fixture(scope="module")
 def eval_step():
     """One compiled step for the module: it depends on the run only through train.compute_dtype."""
-    return train_jax.make_eval_step(validate(compose_config()))
+    return eqx.filter_jit(functools.partial(eval_sums, compute_dtype=jnp.float32))
 
 
 def val_set(num_windows: int, seed: int = 0) -> tuple[WindowDataset, dict[tuple, int]]:
@@ -46,8 +48,7 @@ def run_eval(run, eval_step, model, val, index=None, seen=None) -> dict[str, flo
         seen.extend(index[tuple(row)] for row, w in zip(np.asarray(tokens).tolist(), weights) if w > 0)
         return eval_step(model, tokens, *rest)
 
-    return train_jax.evaluate(spy if seen is not None else eval_step, model, val, run,
-                              meshlib.batch_sharding(mesh, 0))
+    return train_jax.make_evaluate(run, val, mesh, spy if seen is not None else eval_step)(model)
 
 
 @eqx.filter_jit

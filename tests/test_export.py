@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -23,9 +24,9 @@ import pytest
 from safetensors.numpy import load_file
 
 import train_jax
+from models import export
 from models.gpt import GPT, GPTConfig
 from conftest import compose_config
-from utils import export
 from utils.checkpoint import open_checkpoint, restore_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +76,7 @@ def ckpt(tmp_path_factory, _cache_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def restored(ckpt) -> GPT:
-    """The checkpoint's model restored the plain way (restore_model's own recipe), not through utils.export."""
+    """The checkpoint's model restored the plain way (restore_model's own recipe), not through models.export."""
     source = open_checkpoint(str(ckpt), "latest", with_opt_state=False)
     abstract = eqx.filter_eval_shape(GPT, GPTConfig(**source.manifest["model"]), jax.random.PRNGKey(0))
     return restore_model(source, abstract)
@@ -142,6 +143,27 @@ def test_greedy_sample_starts_with_the_prompt_and_repeats(ckpt):
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert first.stdout.startswith("def ") and len(first.stdout.rstrip("\n")) > len("def ")
     assert first.stdout == second.stdout
+
+
+def test_export_files_have_umask_normal_permissions_and_round_trip(tmp_path):
+    """No checkpoint needed: a fresh tiny GPT through save_export and load_export. The safetensors
+    writer makes private 0600 files; an export is meant to be shared, so it gets what `open` gives."""
+    model = GPT(GPTConfig(dim=32, num_heads=2, num_blocks=2, context_length=16, vocab_size=64), jax.random.PRNGKey(0))
+    out = tmp_path / "out"
+    old = os.umask(0o022)
+    try:
+        export.save_export(str(out), model, 7, {"name": "byte"}, 16)
+    finally:
+        os.umask(old)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    for name in os.listdir(out):
+        assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o644, name
+    rebuilt = export.load_export(str(out))
+    assert rebuilt.cfg == model.cfg and export.read_export_config(str(out))[1]["step"] == 7
+    want, got = export.model_tensors(model), export.model_tensors(rebuilt)
+    assert set(got) == set(want)
+    for name, x in want.items():
+        np.testing.assert_array_equal(got[name], x, err_msg=name)
 
 
 @pytest.mark.parametrize("script", ["export_model", "sample"])

@@ -15,6 +15,8 @@ import pytest
 
 from loaders import corpus, tokenizers
 from loaders.batching import BatchIterator, WindowDataset, eval_batches, eval_indices, tokenize_documents
+from loaders.sources import Stdlib, TextFiles, stdlib, text_files
+from loaders.tokenizers import bpe
 from utils.errors import CheckpointError, ConfigError, DataError
 
 UNICODE_TEXT = "naïve café — 日本語 🐍 def f(x):\n\treturn x ** 2\n"
@@ -58,7 +60,7 @@ def test_bpe_tokenizer_trains_roundtrips_and_caches(tmp_path, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("cache hit expected, but the BPE was retrained")
 
-    monkeypatch.setattr(tokenizers, "_train_bpe", no_training)
+    monkeypatch.setattr(bpe, "_train_bpe", no_training)
     again = tokenizers.bpe_tokenizer(300, _small_sample, str(tmp_path))
     assert again.encode(UNICODE_TEXT).tolist() == ids.tolist() and again.fingerprint == tok.fingerprint
     assert cached.stat().st_mtime_ns == mtime
@@ -90,7 +92,7 @@ def test_hf_tokenizer_missing_model_fails_fast_with_one_line(monkeypatch):
 def test_hf_tokenizer_loads_a_local_directory(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
-    backend = tokenizers._train_bpe(300, _small_sample())
+    backend = bpe._train_bpe(300, _small_sample())
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=tokenizers.EOT_TOKEN).save_pretrained(tmp_path)
     tok = tokenizers.hf_tokenizer(str(tmp_path))
     assert tok.name == f"hf:{tmp_path}"
@@ -111,30 +113,34 @@ def _md5_is_val(key, val_fraction):
     return int(hashlib.md5(key.encode()).hexdigest(), 16) % 10_000 < val_fraction * 10_000
 
 
+def _read(source):
+    """(train, val) of a source, read now (`documents()` only lists and fingerprints)."""
+    return tuple(list(split) for split in source.documents())
+
+
 def test_stdlib_split_is_disjoint_deterministic_and_skips_tests(monkeypatch):
-    root = corpus.stdlib_root()
-    monkeypatch.setattr(corpus, "_read_text", lambda path: path)  # each document is its own path: checkable
-    train = corpus.stdlib_documents("train")
-    val = corpus.stdlib_documents("val")
+    root = stdlib.stdlib_root()
+    monkeypatch.setattr(corpus, "read_text", lambda path: path)  # each document is its own path: checkable
+    train, val = _read(Stdlib())
     rel_train = [os.path.relpath(p, root).replace(os.sep, "/") for p in train]
     rel_val = [os.path.relpath(p, root).replace(os.sep, "/") for p in val]
 
-    assert train == corpus.stdlib_documents("train")  # deterministic
+    assert train == _read(Stdlib())[0]  # deterministic
     assert rel_train == sorted(rel_train)
     assert not set(train) & set(val)
-    assert sorted(train + val) == sorted(corpus.stdlib_files())
+    assert sorted(train + val) == sorted(stdlib.stdlib_files())
     assert all(_md5_is_val(r, 0.05) for r in rel_val) and not any(_md5_is_val(r, 0.05) for r in rel_train)
     assert 0.02 < len(val) / (len(train) + len(val)) < 0.10
     assert "os.py" in rel_train + rel_val
     for rel in rel_train + rel_val:
         parts = rel.split("/")
         assert not {"test", "tests", "idle_test", "site-packages", "dist-packages"} & set(parts), rel
-    with_tests = corpus.stdlib_documents("train", include_tests=True)
+    with_tests = _read(Stdlib(include_tests=True))[0]
     assert any("/test/" in p for p in with_tests) and set(train) < set(with_tests)
 
 
 def test_stdlib_documents_are_real_source():
-    val = corpus.stdlib_documents("val")
+    val = list(Stdlib().documents()[1])
     assert val and all(isinstance(d, str) and d for d in val)
     assert any("def " in d for d in val)
 
@@ -148,36 +154,36 @@ def test_text_file_documents_txt_md_and_jsonl(tmp_path):
     (tmp_path / "c.jsonl").write_text("\n".join(lines[:100]) + "\n\n" + "\n".join(lines[100:]) + "\n")
     paths = [str(tmp_path / "**" / "*.txt"), str(tmp_path / "**" / "*.md"), str(tmp_path / "*.jsonl")]
 
-    everything = corpus.text_file_documents(paths, "train", val_fraction=0.0)
+    everything = list(TextFiles(tuple(paths), val_fraction=0.0).documents()[0])
     assert everything[:2] == ["alpha", "# beta"]
     assert everything[2:] == [f"doc {i}" for i in range(200)]
 
-    train = corpus.text_file_documents(paths, "train", val_fraction=0.3)
-    val = corpus.text_file_documents(paths, "val", val_fraction=0.3)
+    train, val = _read(TextFiles(tuple(paths), val_fraction=0.3))
     assert sorted(train + val) == sorted(everything) and not set(train) & set(val)
     assert 30 < len(val) < 90
     # Line numbers count the blank line, so doc 100 is on line 102.
     expected_val = [f"doc {i}" for i in range(200) if _md5_is_val(f"c.jsonl:{i + 1 + (i >= 100)}", 0.3)]
     assert [d for d in val if d.startswith("doc ")] == expected_val
-    assert corpus.text_files(paths) == [str(tmp_path / p) for p in ("a.txt", "empty.txt", "sub/b.md", "c.jsonl")]
+    listed = text_files.keyed_files(paths)  # glob order, then sorted; empty files are listed (and skipped later)
+    assert [path for path, _ in listed] == [str(tmp_path / p) for p in ("a.txt", "empty.txt", "sub/b.md", "c.jsonl")]
 
 
 def test_text_file_documents_errors_name_the_knob(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text field"}\n')
     with pytest.raises(DataError, match="dataset.paths"):
-        corpus.text_file_documents([], "train", 0.05)
+        TextFiles(()).documents()
     with pytest.raises(DataError, match=r"dataset.paths entry .*nothing-\*\.txt.* matches no files"):
-        corpus.text_file_documents([str(tmp_path / "nothing-*.txt")], "train", 0.05)
+        TextFiles((str(tmp_path / "nothing-*.txt"),)).documents()  # at once: listing is not deferred
     with pytest.raises(DataError, match="dataset.paths.*only empty files"):
-        corpus.text_file_documents([str(tmp_path / "*.txt")], "train", 0.05)
+        _read(TextFiles((str(tmp_path / "*.txt"),)))
     with pytest.raises(DataError, match=r"bad\.jsonl:2 has no string field dataset\.text_key='text'"):
-        corpus.text_file_documents([str(tmp_path / "bad.jsonl")], "train", 0.05)
+        _read(TextFiles((str(tmp_path / "bad.jsonl"),)))
     (tmp_path / "one.txt").write_text("a single document")
     with pytest.raises(DataError, match="dataset.val_fraction=0.0 leaves split 'val' empty"):
-        corpus.text_file_documents([str(tmp_path / "one.txt")], "val", 0.0)
+        list(TextFiles((str(tmp_path / "one.txt"),), val_fraction=0.0).documents()[1])
     with pytest.raises(ConfigError, match="dataset.val_fraction"):
-        corpus.text_file_documents([str(tmp_path / "bad.jsonl")], "train", 1.5)
+        TextFiles((str(tmp_path / "bad.jsonl"),), val_fraction=1.5).documents()
 
 
 def test_corpus_fingerprint_tracks_contents_and_extras(tmp_path):
@@ -367,14 +373,14 @@ def _corpus_run(tiny_run, paths, cache, *overrides):
                     f"cache_dir={cache}", *overrides)
 
 
-BPE = ("tokenizer=bpe", "tokenizer.vocab_size=300")
+BPE_300 = ("tokenizer=bpe", "tokenizer.vocab_size=300")
 
 
 def _build_data(run):
     """What build_trainer does for the data, short of the model."""
     import train_jax
 
-    docs = train_jax.load_documents(run)
+    docs = run.dataset.source.documents()
     tok = train_jax.init_tokenizer(run, docs[0])
     return tok, train_jax.init_data(run, tok, docs)
 
@@ -386,15 +392,15 @@ def _streams(data) -> dict[str, np.ndarray]:
 
 def _assert_fresh(run, tok, data):
     """Every token a run trains and evaluates on is what `tok` makes of the corpus as it is now."""
-    d = run.dataset
+    fresh_docs = dict(zip(("train", "val"), run.dataset.source.documents()))  # new Documents: read the files now
     for split, stream in _streams(data).items():
-        fresh = tokenize_documents(corpus.text_file_documents(list(d.paths), split, d.val_fraction), tok)
+        fresh = tokenize_documents(fresh_docs[split], tok)
         np.testing.assert_array_equal(stream, fresh[: stream.size], err_msg=f"{split}: stale token cache")
 
 
 def test_bpes_trained_on_different_samples_get_their_own_token_caches(tmp_path, tiny_run):
     paths, cache = _word_corpus(tmp_path / "corpus"), tmp_path / "cache"
-    runs = [_corpus_run(tiny_run, paths, cache, *BPE, f"tokenizer.sample_docs={n}") for n in (3, 1000)]
+    runs = [_corpus_run(tiny_run, paths, cache, *BPE_300, f"tokenizer.sample_docs={n}") for n in (3, 1000)]
     built = [_build_data(run) for run in runs]
     for run, (tok, data) in zip(runs, built):
         _assert_fresh(run, tok, data)  # before: the second run read the first BPE's ids (same name bpe-300)
@@ -405,15 +411,15 @@ def test_bpes_trained_on_different_samples_get_their_own_token_caches(tmp_path, 
 
 def test_a_cache_hit_reads_no_documents(tmp_path, tiny_run, monkeypatch):
     paths, cache = _word_corpus(tmp_path / "corpus"), tmp_path / "cache"
-    run = _corpus_run(tiny_run, paths, cache, *BPE, "tokenizer.sample_docs=10")
+    run = _corpus_run(tiny_run, paths, cache, *BPE_300, "tokenizer.sample_docs=10")
     tok, data = _build_data(run)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the corpus was read although every cache should hit")
 
-    monkeypatch.setattr(corpus, "_read_text", forbidden)
-    monkeypatch.setattr(corpus, "_jsonl_documents", forbidden)
-    monkeypatch.setattr(tokenizers, "_train_bpe", forbidden)
+    monkeypatch.setattr(corpus, "read_text", forbidden)
+    monkeypatch.setattr(text_files, "_jsonl_documents", forbidden)
+    monkeypatch.setattr(bpe, "_train_bpe", forbidden)
     again_tok, again = _build_data(run)
     assert again_tok.fingerprint == tok.fingerprint
     for split, stream in _streams(data).items():
@@ -428,8 +434,8 @@ def test_touching_or_editing_a_corpus_file_invalidates_the_token_cache(tmp_path,
     assert len(before) == 2
 
     reads = []
-    read_text = corpus._read_text
-    monkeypatch.setattr(corpus, "_read_text", lambda path: reads.append(path) or read_text(path))
+    read_text = corpus.read_text
+    monkeypatch.setattr(corpus, "read_text", lambda path: reads.append(path) or read_text(path))
     doc = tmp_path / "corpus" / "doc07.txt"
     st = doc.stat()
     os.utime(doc, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))  # touch: same bytes, newer mtime
@@ -451,17 +457,17 @@ def test_bpe_trains_on_a_seeded_random_sample_of_the_train_split(tmp_path, tiny_
 
     paths = _word_corpus(tmp_path / "corpus")
     samples = []
-    train_bpe = tokenizers._train_bpe
+    train_bpe = bpe._train_bpe
 
     def recording(vocab_size, texts):
         samples.append(list(texts))
         return train_bpe(vocab_size, samples[-1])
 
-    monkeypatch.setattr(tokenizers, "_train_bpe", recording)
+    monkeypatch.setattr(bpe, "_train_bpe", recording)
     for cache in ("c1", "c2"):  # two fresh caches: the tokenizer is trained twice
-        run = _corpus_run(tiny_run, paths, tmp_path / cache, *BPE, "tokenizer.sample_docs=5")
-        train_jax.init_tokenizer(run, train_jax.load_documents(run)[0])
-    train_docs = corpus.text_file_documents(list(run.dataset.paths), "train", run.dataset.val_fraction)
+        run = _corpus_run(tiny_run, paths, tmp_path / cache, *BPE_300, "tokenizer.sample_docs=5")
+        train_jax.init_tokenizer(run, run.dataset.source.documents()[0])
+    train_docs = list(run.dataset.source.documents()[0])
     first, second = samples
     assert len(first) == 5 and first == second  # deterministic across runs
     assert first != train_docs[:5]  # not the first files in path order
@@ -474,7 +480,7 @@ def test_in_memory_documents_still_work_as_before(tmp_path, tiny_run):
     """Callers may pass plain lists (notebooks, tests): they are fingerprinted by content."""
     import train_jax
 
-    run = _corpus_run(tiny_run, _word_corpus(tmp_path / "corpus"), tmp_path / "cache", *BPE)
+    run = _corpus_run(tiny_run, _word_corpus(tmp_path / "corpus"), tmp_path / "cache", *BPE_300)
     docs = (["alpha beta gamma " * 40, "delta epsilon " * 40], ["zeta eta " * 40])
     tok = train_jax.init_tokenizer(run, docs[0])
     val = _streams(train_jax.init_data(run, tok, docs))["val"]

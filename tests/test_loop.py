@@ -12,6 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import train_jax
+from utils import hooks
 from conftest import compose_config
 from utils.checkpoint import complete_steps
 from utils.errors import TrainingError
@@ -26,31 +27,39 @@ def records(run_dir: Path) -> list[dict]:
 def test_step_time_leaves_out_evaluations_inside_a_logging_interval(tmp_path, monkeypatch):
     """Every train step takes 1 s and every evaluation 100 s of a fake clock; evaluations fall
     between logging steps (val_freq 2, log_every 4). Each logged step_time must be exactly 1 s."""
-    now = [0.0]
-    monkeypatch.setattr(train_jax, "clock", lambda: now[0])
-    make_step, evaluate = train_jax.make_train_step, train_jax.evaluate
+    now, variants = [0.0], []
+    monkeypatch.setattr(hooks, "clock", lambda: now[0])
+    make_step, make_evaluate = train_jax.build_train_step, train_jax.make_evaluate
 
     def timed_make_step(*args, **kwargs):
         step = make_step(*args, **kwargs)
 
-        def timed(state, batch):
+        def timed(state, batch, logging=True):
             now[0] += 1.0
-            return step(state, batch)
+            variants.append(logging)
+            return step(state, batch, logging)
 
         return timed
 
-    def slow_evaluate(*args, **kwargs):
-        now[0] += 100.0
-        return evaluate(*args, **kwargs)
+    def slow_make_evaluate(*args, **kwargs):
+        evaluate = make_evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(train_jax, "make_train_step", timed_make_step)
-    monkeypatch.setattr(train_jax, "evaluate", slow_evaluate)
+        def slow(model):
+            now[0] += 100.0
+            return evaluate(model)
+
+        return slow
+
+    monkeypatch.setattr(train_jax, "build_train_step", timed_make_step)
+    monkeypatch.setattr(train_jax, "make_evaluate", slow_make_evaluate)
     train_jax.train(compose_config(*RUN, "train.max_steps=12", "train.val_freq=2"), str(tmp_path))
     timed = {r["step"]: r["train/step_time"] for r in records(tmp_path) if "train/step_time" in r}
     # The interval that holds compilation (steps 1-2) ends in an evaluation, so step 4 is timed too.
     assert timed == {4: pytest.approx(1.0), 8: pytest.approx(1.0), 12: pytest.approx(1.0)}
     tokens = {r["step"]: r["train/tokens_per_sec"] for r in records(tmp_path) if "train/tokens_per_sec" in r}
     assert tokens[8] == pytest.approx(8 * 16)  # batch 8 x context 16 tokens per 1-s step
+    # The step variant with the logging-only metrics runs on logging steps only.
+    assert [step for step, logging in enumerate(variants, start=1) if logging] == [4, 8, 12]
 
 
 def test_a_diverged_state_is_never_saved(tmp_path, monkeypatch):

@@ -33,7 +33,8 @@ import numpy as np
 import pytest
 
 from conftest import CLI_TINY
-from utils.checkpoint import EXIT_INTERRUPTED, EXIT_PREEMPTED, TMP_MARKER, complete_steps, open_checkpoint
+from utils.checkpoint import TMP_MARKER, complete_steps, open_checkpoint
+from utils.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "train_jax.py")

@@ -15,6 +15,9 @@ on disk, so a directory named `iter_N` is complete: a `kill -9` mid-save leaves 
 which the next run that saves there removes with a warning. Saves are asynchronous: `save`
 returns once the arrays are copied off the device, and the files are written while training
 goes on.
+
+This module is storage only: which checkpoint a run starts from and which config it then trains
+with is `utils/resume.py`; stopping on a signal (and the exit codes) is `utils/signals.py`.
 """
 
 from __future__ import annotations
@@ -27,10 +30,9 @@ import math
 import os
 import re
 import shutil
-import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import equinox as eqx
 import jax
@@ -41,6 +43,7 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 from utils.errors import CheckpointError, ConfigError
+from utils.files import user_path
 
 STEP_PREFIX = "iter"
 TMP_MARKER = ".orbax-checkpoint-tmp"
@@ -48,16 +51,6 @@ ARRAY_ITEMS = ("model", "opt_state", "progress")
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.yaml"
 FORMAT_VERSION = 1
-# Exit codes of a run stopped by a signal after saving (README "Checkpoints"): resume with
-# checkpoint.resume=auto. 130 is the shell's own code for Ctrl-C.
-EXIT_PREEMPTED = 3
-EXIT_INTERRUPTED = 130
-# Top-level config keys that describe this machine or this invocation, not the run being
-# trained: a run that starts from a checkpoint always takes them from its own command line
-# (parallel.*: a checkpoint saved on 8 devices loads on 4; the global batch stays the run's).
-LOCAL_KEYS = ("checkpoint", "cache_dir", "hydra", "parallel")
-
-log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- config
@@ -115,11 +108,6 @@ class CheckpointConfig:
     def save_at(self) -> tuple[int, ...] | None:
         """The list of iterations to save at, or None for an interval."""
         return None if isinstance(self.save_steps, int) else tuple(sorted(set(self.save_steps)))
-
-
-def user_path(path: str | None) -> str | None:
-    """A path as the user typed it (relative to the working directory, `~` allowed) -> absolute."""
-    return None if path is None else os.path.abspath(os.path.expanduser(str(path)))
 
 
 def parse_step(name: str) -> int | None:
@@ -280,73 +268,6 @@ def open_checkpoint(directory: str, load_file: str, with_opt_state: bool, resumi
     return Source(path, step, manifest, config, with_opt_state, resuming)
 
 
-def resume_source(cfg: CheckpointConfig, warn: Callable[[str], None]) -> Source | None:
-    """Where this run starts from: the newest checkpoint in save_path (resume=auto), else
-    load_path/load_file (load=true), else nothing. Raises before anything is compiled when a new
-    run would write into an existing save_path."""
-    if cfg.save:
-        exists = os.path.exists(cfg.save_path)
-        if cfg.resume == "auto":
-            remove_incomplete(cfg.save_path, warn)
-            if complete_steps(cfg.save_path):
-                return open_checkpoint(cfg.save_path, "latest", with_opt_state=True, resuming=True)
-        elif exists:
-            raise ConfigError(f"checkpoint.save_path={cfg.save_path} already exists: pass checkpoint.resume=auto to "
-                              "continue that run, or choose a new checkpoint.save_path")
-    if cfg.load:
-        return open_checkpoint(cfg.load_path, cfg.load_file, with_opt_state=not cfg.overwrite_optimizer)
-    return None
-
-
-# ----------------------------------------------------------------------------- which config wins
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
-def config_differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
-    """(knob, saved value, current value) for every knob that differs, local keys left out."""
-    a = {k: v for k, v in _flatten(saved).items() if k.split(".")[0] not in LOCAL_KEYS}
-    b = {k: v for k, v in _flatten(current).items() if k.split(".")[0] not in LOCAL_KEYS}
-    return [(k, a.get(k, "<unset>"), b.get(k, "<unset>")) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-
-
-def merge_config(source: Source, current: dict, cfg: CheckpointConfig, warn: Callable[[str], None]) -> dict:
-    """The config a run that starts from `source` trains with. One rule for a load and for a
-    requeued resume alike, so a segment never trains with other hyperparameters than the one
-    before it:
-
-    - overwrite_config=false (default): the config saved in the checkpoint; this command line
-      only supplies the machine-local keys (checkpoint.*, cache_dir, parallel.*) and, when a load
-      sets overwrite_optimizer=true, the optimizer group. Other overrides are reported as ignored.
-    - overwrite_config=true: this command line's config; the differences are reported (a model
-      that no longer fits fails at restore).
-
-    A resumed segment's own checkpoint already holds the config its run settled on at the start
-    (the merged one), so a requeue of the same command trains on with exactly that."""
-    if cfg.overwrite_config:
-        diffs = config_differences(source.config, current)
-        if diffs:
-            warn(f"checkpoint.overwrite_config=true: applying this command line over the config saved in "
-                 f"{source.path}: " + "; ".join(f"{k}: {a} -> {b}" for k, a, b in diffs))
-        return current
-    kept = set(LOCAL_KEYS) | ({"optimizer"} if cfg.overwrite_optimizer and not source.resuming else set())
-    merged = {k: v for k, v in source.config.items() if k not in kept}
-    merged.update({k: v for k, v in current.items() if k in kept})
-    ignored = config_differences(merged, current)  # only what this command line would really change
-    if ignored:
-        warn(f"checkpoint.overwrite_config=false: training with the config saved in {source.path}; ignoring "
-             + ", ".join(f"{k}={b} (saved: {a})" for k, a, b in ignored)
-             + " (set checkpoint.overwrite_config=true to apply them)")
-    return merged
-
-
 # ----------------------------------------------------------------------------- restore
 
 
@@ -460,7 +381,6 @@ class Checkpointer:
             best_dir = os.path.join(cfg.save_path, "best", f"{STEP_PREFIX}_{self._best.latest_step()}")
             self.best_val = read_json(os.path.join(best_dir, "manifest", MANIFEST_FILE)).get("metrics", {}).get(
                 "val/loss", math.inf)
-        self.saved: list[int] = []
 
     def due(self, step: int) -> bool:
         at = self.cfg.save_at
@@ -493,7 +413,6 @@ class Checkpointer:
         if step in self._manager.all_steps():
             return False
         self._manager.save(step, args=self._args(step, state, data_state, metrics, reason), force=True)
-        self.saved.append(step)
         return True
 
     def maybe_save_best(self, step: int, state, data_state: dict, metrics: dict) -> bool:
@@ -519,63 +438,3 @@ class Checkpointer:
         self._manager.close()
         if self._best is not None:
             self._best.close()
-
-
-# ----------------------------------------------------------------------------- signals
-
-
-class Preempted(Exception):
-    """The run stopped on a signal after saving; `exit_code` is what the process should return."""
-
-    def __init__(self, signame: str, step: int, path: str | None):
-        self.exit_code = EXIT_INTERRUPTED if signame == "SIGINT" else EXIT_PREEMPTED
-        where = f"saved {path}" if path else "nothing saved (checkpoint.save=false)"
-        super().__init__(f"stopped by {signame} after step {step}: {where}; "
-                         "run the same command with checkpoint.resume=auto to continue")
-
-
-def agree(requested: str | None, sync_point: bool) -> str | None:
-    """The stop request every process acts on. One process: its own, at once. Several: a signal
-    reaches each at a slightly different step, and a save is collective, so they agree (an
-    all-gather of one flag) only at sync points, the logging steps the host loop already waits on."""
-    if jax.process_count() == 1:
-        return requested
-    if not sync_point:
-        return None
-    from jax.experimental import multihost_utils
-
-    flags = multihost_utils.process_allgather(np.int32(requested is not None))
-    return (requested or "SIGTERM") if np.any(flags) else None
-
-
-class StopSignals:
-    """While active, SIGTERM and SIGUSR1 (what SLURM sends before a time limit) and, with
-    save_on_interrupt, SIGINT only set `requested`: the loop finishes its step, saves and stops.
-    A second SIGINT interrupts at once. Handlers are restored on exit; outside the main thread
-    (where Python cannot install handlers) this does nothing."""
-
-    def __init__(self, catch_interrupt: bool):
-        self.requested: str | None = None
-        self._signals = [signal.SIGTERM, signal.SIGUSR1] + ([signal.SIGINT] if catch_interrupt else [])
-        self._previous: dict = {}
-
-    def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if name == "SIGINT" and self.requested == "SIGINT":
-            raise KeyboardInterrupt
-        self.requested = name
-
-    def __enter__(self) -> "StopSignals":
-        try:
-            for s in self._signals:
-                self._previous[s] = signal.signal(s, self._handle)
-        except ValueError:  # not the main thread
-            pass
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        for s, handler in self._previous.items():
-            # After a stop the checkpoint is on disk and the process is about to exit with
-            # EXIT_PREEMPTED: a repeated SIGTERM/SIGUSR1 must not turn that into a kill.
-            stopping = exc_type is Preempted and s != signal.SIGINT
-            signal.signal(s, signal.SIG_IGN if stopping else handler)

@@ -2,12 +2,15 @@
 
 Every knob is checked here, before anything compiles, and a bad one raises `ConfigError` with
 one line naming it and the fix. Jitted code only ever sees these dataclasses' plain values.
+
+This is the one module of utils/ that imports upward (models, optimizer, loaders): it composes
+their config classes, each of which lives beside what it configures and checks its own knobs;
+what is left here are the rules that span sections.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -15,67 +18,20 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from loaders import dataset_config, tokenizer_config
+from loaders.batching import DatasetConfig
 from models.gpt import GPTConfig
 from optimizer import OPTIMIZERS
 from optimizer.groups import GROUPS, group_hparams, group_knobs
 from optimizer.schedules import SCHEDULES, warmup_warning
-from utils.checkpoint import CheckpointConfig, user_path
+from utils.checkpoint import CheckpointConfig
 from utils.errors import ConfigError
+from utils.files import user_path
+from utils.mesh import ParallelConfig
+from utils.sections import _coerce, build_registered, build_section
+from utils.sinks import LoggingConfig, logging_config
 
 DTYPES = ("float32", "bfloat16")
-
-
-@dataclass(frozen=True)
-class TokenizerConfig:
-    name: str = "byte"  # byte | bpe | hf
-    vocab_size: int | None = None  # bpe: size to train
-    name_or_path: str | None = None  # hf: hub name or local directory
-    sample_docs: int = 2000  # bpe: documents of the train split to train on
-
-    def check(self, prefix: str) -> None:
-        if self.name not in ("byte", "bpe", "hf"):
-            raise ConfigError(f"{prefix}.name={self.name!r} is unknown: use byte, bpe or hf")
-        if self.name == "bpe" and (self.vocab_size is None or self.vocab_size < 258):
-            raise ConfigError(f"{prefix}.vocab_size={self.vocab_size} must be >= 258 for a byte-level BPE")
-        if self.name == "hf" and not self.name_or_path:
-            raise ConfigError(f"{prefix}.name_or_path is empty: set it to a hub name or a local tokenizer directory")
-        if self.sample_docs <= 0:
-            raise ConfigError(f"{prefix}.sample_docs={self.sample_docs} must be positive")
-
-
-@dataclass(frozen=True)
-class DatasetConfig:
-    name: str = "stdlib"  # stdlib | text_files
-    batch_size: int = 32  # sequences per micro-batch, global (all devices together)
-    total_batch_size: int | None = None  # sequences per optimizer step; null = batch_size
-    context_length: int | None = None  # null = model.context_length
-    val_fraction: float = 0.05
-    include_tests: bool = False  # stdlib: also the test suites (about twice the text)
-    paths: tuple[str, ...] = ()  # text_files: globs of .txt/.md/.py/.jsonl files
-    text_key: str = "text"  # text_files: field of a .jsonl line holding the text
-    shuffle: bool = True
-
-    def check(self, prefix: str) -> None:
-        if self.name not in ("stdlib", "text_files"):
-            raise ConfigError(f"{prefix}.name={self.name!r} is unknown: use stdlib or text_files")
-        if self.batch_size <= 0:
-            raise ConfigError(f"{prefix}.batch_size={self.batch_size} must be positive")
-        total = self.total_batch_size
-        if total is not None and (total <= 0 or total % self.batch_size):
-            raise ConfigError(
-                f"{prefix}.total_batch_size={total} must be a positive multiple of "
-                f"{prefix}.batch_size={self.batch_size} (gradient accumulation = total / batch)"
-            )
-        if self.context_length is not None and self.context_length <= 0:
-            raise ConfigError(f"{prefix}.context_length={self.context_length} must be positive or null")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"{prefix}.val_fraction={self.val_fraction} must be in (0, 1)")
-        if self.name == "text_files" and not self.paths:
-            raise ConfigError(f"{prefix}.paths is empty: give globs of text files, e.g. dataset.paths='[data/*.txt]'")
-
-    @property
-    def accum_steps(self) -> int:
-        return (self.total_batch_size or self.batch_size) // self.batch_size
 
 
 @dataclass(frozen=True)
@@ -108,34 +64,6 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class LoggingConfig:
-    log_every: int = 10
-    progress_bar: bool = True  # a tqdm bar on a terminal; plain lines otherwise
-    metrics_file: str = "metrics.jsonl"
-    wandb: bool = False
-    wandb_project: str = "eqtrain"
-    wandb_mode: str = "online"  # online | offline | disabled
-
-    def check(self, prefix: str) -> None:
-        if self.log_every <= 0:
-            raise ConfigError(f"{prefix}.log_every={self.log_every} must be a positive integer")
-        if self.wandb_mode not in ("online", "offline", "disabled"):
-            raise ConfigError(f"{prefix}.wandb_mode={self.wandb_mode!r} must be online, offline or disabled")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    data: int = -1  # devices on the data axis; -1 = all devices not used by fsdp
-    fsdp: int = 1  # devices over which parameters and optimizer state are sharded
-
-    def check(self, prefix: str) -> None:
-        if self.data == 0 or self.data < -1:
-            raise ConfigError(f"{prefix}.data={self.data} must be positive or -1 (all remaining devices)")
-        if self.fsdp <= 0:
-            raise ConfigError(f"{prefix}.fsdp={self.fsdp} must be a positive integer")
-
-
-@dataclass(frozen=True)
 class OptimizerConfig:
     name: str
     hparams: Any  # the registered dataclass, e.g. optimizer.adamw.AdamW
@@ -148,8 +76,8 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class RunConfig:
     model: GPTConfig
-    tokenizer: TokenizerConfig
-    dataset: DatasetConfig
+    tokenizer: Any  # a registered tokenizer config, e.g. loaders.tokenizers.bpe.BPE
+    dataset: DatasetConfig  # batch-shape knobs + `source`, a registered source config
     optimizer: OptimizerConfig
     train: TrainConfig
     logging: LoggingConfig
@@ -158,74 +86,11 @@ class RunConfig:
     cache_dir: str  # trained tokenizers, tokenized corpora, the measured CPU peak
     checkpoint: CheckpointConfig = CheckpointConfig()
     warnings: tuple[str, ...] = ()  # legal but probably unintended settings, printed at start
+    config_dict: dict | None = None  # the plain config this was validated from: saved with checkpoints, sent to wandb
 
     @property
     def context_length(self) -> int:
         return self.dataset.context_length or self.model.context_length
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, knob: str) -> Any:
-    """Check one value against its annotation, converting only where YAML is ambiguous
-    (an int where a float is expected, an integral float where an int is)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], knob)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{knob}={value!r} must be a list")
-        return tuple(_coerce(v, args[0], f"{knob}[{i}]") for i, v in enumerate(value))
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    else:
-        return value
-    raise ConfigError(f"{knob}={value!r} must be {'null or ' if value is None else ''}a {_type_name(tp)}")
-
-
-def build_section(cls: type, node: dict, prefix: str):
-    """One config section -> `cls`, rejecting unknown knobs and calling `cls.check(prefix)`."""
-    if not isinstance(node, dict):
-        raise ConfigError(f"{prefix} must be a mapping of knobs, got {node!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(node) - set(fields))
-    if unknown:
-        raise ConfigError(f"unknown knob {prefix}.{unknown[0]}: known knobs are {', '.join(sorted(fields))}")
-    kwargs = {}
-    for name, field in fields.items():
-        if name in node:
-            kwargs[name] = _coerce(node[name], hints[name], f"{prefix}.{name}")
-        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{prefix}.{name} is missing: set it in the yaml or on the command line")
-    obj = cls(**kwargs)
-    if hasattr(obj, "check"):
-        obj.check(prefix)
-    return obj
-
-
-def _pop_name(node: dict, prefix: str, registry: dict) -> str:
-    name = node.pop("name", None)
-    if name not in registry:
-        raise ConfigError(f"{prefix}.name={name!r} is unknown: choose one of {', '.join(sorted(registry))}")
-    return name
 
 
 def _group_overrides(node: dict, hparams) -> dict[str, dict[str, float]]:
@@ -293,9 +158,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
     opt_node = dict(raw["optimizer"])
     lr_node = dict(opt_node.pop("lr_config", None) or {})
     groups_node = opt_node.pop("groups", None) or {}
-    opt_name = _pop_name(opt_node, "optimizer", OPTIMIZERS)
-    schedule_name = _pop_name(lr_node, "optimizer.lr_config", SCHEDULES)
-    schedule = build_section(SCHEDULES[schedule_name], lr_node, "optimizer.lr_config")
+    schedule_name, schedule = build_registered(SCHEDULES, lr_node, "optimizer.lr_config")
     schedule_steps = getattr(schedule, "max_steps", None) or train.max_steps
     if hasattr(schedule, "check_steps"):
         schedule.check_steps("optimizer.lr_config", schedule_steps)
@@ -303,7 +166,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         warning = schedule.warning("optimizer.lr_config", schedule_steps)
     else:
         warning = warmup_warning("optimizer.lr_config", getattr(schedule, "warmup", 0), schedule_steps)
-    hparams = build_section(OPTIMIZERS[opt_name], opt_node, "optimizer")
+    opt_name, hparams = build_registered(OPTIMIZERS, opt_node, "optimizer")
     optimizer = OptimizerConfig(
         name=opt_name,
         hparams=hparams,
@@ -318,16 +181,17 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
 
     run = RunConfig(
         model=build_section(GPTConfig, raw["model"], "model"),
-        tokenizer=build_section(TokenizerConfig, raw["tokenizer"], "tokenizer"),
-        dataset=build_section(DatasetConfig, raw["dataset"], "dataset"),
+        tokenizer=tokenizer_config(raw["tokenizer"], "tokenizer"),
+        dataset=dataset_config(raw["dataset"], "dataset"),
         optimizer=optimizer,
         train=train,
-        logging=build_section(LoggingConfig, raw["logging"], "logging"),
+        logging=logging_config(raw["logging"], "logging"),
         parallel=build_section(ParallelConfig, raw["parallel"], "parallel"),
         random_seed=seed,
         cache_dir=user_path(str(raw["cache_dir"])),
         checkpoint=build_section(CheckpointConfig, raw.get("checkpoint") or {}, "checkpoint").resolved(),
         warnings=(warning,) if warning else (),
+        config_dict=raw,
     )
     ck = run.checkpoint
     if ck.keep_best and run.train.skip_validation:
@@ -357,4 +221,16 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
             f"dataset.context_length={run.dataset.context_length} exceeds model.context_length="
             f"{run.model.context_length}: lower it or set it to null"
         )
+    return run
+
+
+def resolve_vocab(run: RunConfig, vocab_size: int) -> RunConfig:
+    """model.vocab_size null -> the tokenizer's `vocab_size`, padded to model.vocab_multiple."""
+    m = run.model
+    if m.vocab_size is None:
+        padded = -(-vocab_size // m.vocab_multiple) * m.vocab_multiple
+        return dataclasses.replace(run, model=dataclasses.replace(m, vocab_size=padded))
+    if m.vocab_size < vocab_size:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {vocab_size} "
+                          "ids: raise it or set it to null")
     return run

@@ -16,6 +16,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from utils.files import atomic_write
+
 # device_kind substring -> {dtype: dense FLOP/s}
 ACCELERATOR_PEAKS = {
     "H200": {"bfloat16": 989e12, "float32": 495e12},  # float32 counted as TF32 tensor cores
@@ -80,9 +82,7 @@ def _cpu_peak(cache_dir: str, fresh: bool = False) -> float:
         cached = {}
     peak = max(measure_matmul_flops(), float(cached.get(key, 0.0)))
     cached[key] = peak
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(cached, f)
-    os.replace(tmp, path)
+    with atomic_write(path) as tmp:  # several runs starting at once may measure and write together
+        with open(tmp, "w") as f:
+            json.dump(cached, f)
     return peak

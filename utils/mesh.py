@@ -8,6 +8,7 @@ are size 1 and every rule below degenerates to "replicated".
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -16,6 +17,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from utils.errors import ConfigError
 
 BATCH_AXES = ("data", "fsdp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    data: int = -1  # devices on the data axis; -1 = all devices not used by fsdp
+    fsdp: int = 1  # devices over which parameters and optimizer state are sharded
+
+    def check(self, prefix: str) -> None:
+        if self.data == 0 or self.data < -1:
+            raise ConfigError(f"{prefix}.data={self.data} must be positive or -1 (all remaining devices)")
+        if self.fsdp <= 0:
+            raise ConfigError(f"{prefix}.fsdp={self.fsdp} must be a positive integer")
 
 
 def make_mesh(data: int, fsdp: int, batch_size: int, devices=None) -> Mesh:

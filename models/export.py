@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from models.gpt import GPT, GPTConfig
 from utils import checkpoint as ckptlib
+from utils import files
 from utils.config import RunConfig, build_section, validate
 from utils.errors import CheckpointError
 
@@ -67,7 +68,7 @@ def checkpoint_parser(doc: str) -> "argparse.ArgumentParser":
 
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     # type=user_path: resolved once here, like checkpoint.save_path in a run (orbax needs absolute paths).
-    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=ckptlib.user_path,
+    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=files.user_path,
                    help="a run's checkpoint.save_path (the directory holding iter_N/ checkpoints)")
     p.add_argument("--load-file", default="latest",
                    help="which checkpoint: iter_N, iter_N.ckpt or latest (the newest complete one; default)")
@@ -97,19 +98,6 @@ def restore_for_inference(directory: str, load_file: str) -> tuple[ckptlib.Sourc
 # ----------------------------------------------------------------------------- safetensors
 
 
-def _write_atomic(out_dir: str, name: str, write) -> None:
-    tmp = os.path.join(out_dir, f".{name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # the safetensors writer makes private (0600) files
-        os.replace(tmp, os.path.join(out_dir, name))
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def check_out_dir(out_dir: str, force: bool) -> None:
     """Refuse, before anything is restored, to write into a non-empty directory without --force."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -124,12 +112,14 @@ def save_export(out_dir: str, model: GPT, step: int, tokenizer: dict, trained_co
     positions were trained: a shorter training window leaves the later position embeddings random."""
     from safetensors.numpy import save_file
 
-    os.makedirs(out_dir, exist_ok=True)
     tensors = model_tensors(model)
     config = {**dataclasses.asdict(model.cfg), "step": step, "tokenizer": tokenizer,
               "trained_context_length": trained_context_length}
-    _write_atomic(out_dir, WEIGHTS_FILE, lambda path: save_file(tensors, path, metadata={"format": "np"}))
-    _write_atomic(out_dir, CONFIG_FILE, lambda path: _write_json(path, config))
+    # atomic_write's default mode is what `open` gives: the safetensors writer alone makes private 0600 files.
+    with files.atomic_write(os.path.join(out_dir, WEIGHTS_FILE)) as tmp:
+        save_file(tensors, tmp, metadata={"format": "np"})
+    with files.atomic_write(os.path.join(out_dir, CONFIG_FILE)) as tmp:
+        _write_json(tmp, config)
 
 
 def _write_json(path: str, obj: dict) -> None:

@@ -1,0 +1,106 @@
+"""Any Hugging Face `transformers` tokenizer (`tokenizer=hf`), for fine-tuning or comparing with
+released models, and its config."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from loaders.tokenizers import Tokenizer, _digest
+from utils.errors import ConfigError
+
+
+class TransformersTokenizer:
+    """A `transformers` tokenizer behind the protocol, for fine-tuning or comparing with released models."""
+
+    def __init__(self, tok, name: str):
+        self._tok = tok
+        self.name = name
+        self.vocab_size = len(tok)  # len() counts added tokens; .vocab_size does not
+        self.eot_id = int(tok.eos_token_id)
+        self.fingerprint = _hf_fingerprint(tok)
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        # verbose=False: documents are longer than model_max_length by design; we window them later.
+        ids = self._tok(list(texts), add_special_tokens=False, verbose=False, return_attention_mask=False)["input_ids"]
+        return [np.asarray(x, dtype=np.int32) for x in ids]
+
+    def decode(self, ids) -> str:
+        ids_N = np.asarray(ids).reshape(-1)
+        ids_N = ids_N[(ids_N >= 0) & (ids_N < self.vocab_size)]
+        return self._tok.decode(ids_N.tolist(), skip_special_tokens=True)
+
+
+def _hf_fingerprint(tok) -> str:
+    """Class + full serialised pipeline for fast tokenizers; class + vocab + added/special tokens
+    otherwise. A hub name alone is not enough: a model repo's tokenizer can change under it."""
+    if getattr(tok, "is_fast", False):
+        body = tok.backend_tokenizer.to_str()
+    else:
+        body = json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False)
+    added = sorted((int(i), str(t)) for i, t in getattr(tok, "added_tokens_decoder", {}).items())
+    return _digest("hf", type(tok).__name__, body, added, tok.eos_token_id, sorted(tok.all_special_tokens))
+
+
+def _short_reason(e: Exception) -> str:
+    first_line = (str(e).strip().splitlines() or [""])[0]
+    reason = f"{type(e).__name__}: {first_line}" if first_line else type(e).__name__
+    return reason if len(reason) <= 160 else reason[:157] + "..."
+
+
+def hf_tokenizer(name_or_path: str) -> Tokenizer:
+    """`AutoTokenizer.from_pretrained`, turning every load failure into one actionable line."""
+    # The "PyTorch was not found" advisory is noise for a JAX trainer; set before transformers is imported.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    old_verbosity = hf_logging.get_verbosity()
+    hub_logger = logging.getLogger("huggingface_hub")
+    old_hub_level = hub_logger.level
+    hf_logging.set_verbosity_error()
+    hub_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tok = AutoTokenizer.from_pretrained(name_or_path)
+    except Exception as e:
+        raise ConfigError(
+            f"tokenizer.name_or_path={name_or_path!r} cannot be loaded ({_short_reason(e)}): point it at a local "
+            "tokenizer directory, or use tokenizer=byte / tokenizer=bpe which need no network"
+        ) from None  # from None: the transformers traceback adds nothing the user can act on
+    finally:
+        hf_logging.set_verbosity(old_verbosity)
+        hub_logger.setLevel(old_hub_level)
+
+    if tok.eos_token_id is None:
+        raise ConfigError(
+            f"tokenizer.name_or_path={name_or_path!r} defines no eos token to mark document ends: "
+            "use a tokenizer that has one, or tokenizer=byte / tokenizer=bpe"
+        )
+    return TransformersTokenizer(tok, f"hf:{name_or_path}")
+
+
+@dataclass(frozen=True)
+class HF:
+    name: ClassVar[str] = "hf"
+    needs_documents: ClassVar[bool] = False
+
+    name_or_path: str | None = None  # a hub name (network once, then the HF cache) or a local directory
+
+    def check(self, prefix: str) -> None:
+        if not self.name_or_path:
+            raise ConfigError(f"{prefix}.name_or_path is empty: set it to a hub name or a local tokenizer directory")
+
+    def build(self, train_docs: Sequence[str], cache_dir: str) -> Tokenizer:
+        return hf_tokenizer(self.name_or_path)

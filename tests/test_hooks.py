@@ -1,0 +1,163 @@
+"""The host loop's parts without a run: hook schedules, step-metric variants, the sink registry.
+Milliseconds each, except one tiny compiled step."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import train_jax as T
+from utils import hooks as H
+from utils import mesh as meshlib
+from utils import sinks
+from utils import step_metrics
+from utils.errors import ConfigError, TrainingError
+
+
+class Recorder(H.Hook):
+    def __init__(self, every=None, at_start=False, at_end=False):
+        self.every, self.at_start, self.at_end, self.steps = every, at_start, at_end, []
+
+    def __call__(self, ctx):
+        self.steps.append(ctx.step)
+
+
+def drive(hooks: list[H.Hook], start: int, end: int, record_at=()) -> H.LoopContext:
+    """The loop's calls, with no model: start, then each step's hooks."""
+    ctx = H.LoopContext(start, end, state=None, data=None)
+    runner = H.Hooks(hooks)
+    runner.run(ctx)
+    for step in range(start + 1, end + 1):
+        ctx.advance(step, None, {})
+        if step in record_at:
+            ctx.add({"train/loss": 1.0})
+        runner.run(ctx)
+    return ctx
+
+
+def test_hook_schedules():
+    every3, start_end, plain = Recorder(every=3), Recorder(at_start=True, at_end=True), Recorder()
+    drive([every3, start_end, plain], start=4, end=11)  # a resumed segment: steps 5..11
+    assert every3.steps == [6, 9]
+    assert start_end.steps == [4, 11]
+    assert plain.steps == []
+
+
+def test_evaluation_schedule_follows_the_run_not_the_segment():
+    """Every val_freq steps and at train.max_steps; the baseline only when the run starts at 0."""
+    def fake_eval(model):
+        return {"val/loss": 2.0}
+
+    def steps_of(start, end):
+        evaluation = H.Evaluation(fake_eval, val_freq=4, max_steps=10, at_start=True)
+        ctx = H.LoopContext(start, end, state=type("State", (), {"model": None})(), data=None)
+        runner = H.Hooks([evaluation])
+        evaluated = []
+        for step in range(start, end + 1):
+            if step > start:
+                ctx.advance(step, ctx.state, {})
+            runner.run(ctx)
+            if "val/loss" in ctx.record:
+                evaluated.append(step)
+        return evaluated
+
+    assert steps_of(0, 6) == [0, 4]  # a first segment of 6: no evaluation at its end
+    assert steps_of(6, 10) == [8, 10]  # the resumed one: step 8, and max_steps
+
+
+def test_divergence_hook_stops_on_a_logged_nan():
+    with pytest.raises(TrainingError, match=r"train/loss is nan at step 3"):
+        ctx = H.LoopContext(0, 5, state=None, data=None)
+        runner = H.Hooks([H.Divergence()])
+        for step in range(1, 6):
+            ctx.advance(step, None, {})
+            ctx.add({"train/loss": float("nan") if step == 3 else 1.0})
+            runner.run(ctx)
+
+
+def test_hooks_close_all_even_when_one_fails():
+    closed = []
+
+    class Closing(H.Hook):
+        def __init__(self, name, fail=False):
+            self.name, self.fail = name, fail
+
+        def close(self):
+            closed.append(self.name)
+            if self.fail:
+                raise RuntimeError(self.name)
+
+    with pytest.raises(RuntimeError, match="a"):
+        H.Hooks([Closing("a", fail=True), Closing("b")]).close()
+    assert closed == ["a", "b"]  # b (e.g. the checkpointer waiting for its writes) still closed
+
+
+def test_logging_only_metrics_compile_a_second_variant(tiny_run):
+    """A metric marked logging_only is computed by the logging variant only; without one, the two
+    variants are one compiled function."""
+    run = tiny_run("model.vocab_size=64")
+    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
+    batch = meshlib.put_batch(np.zeros((1, 8, 17), np.int32), meshlib.batch_sharding(mesh, 1))
+
+    def max_abs_update(state, grads, updates, aux):
+        return {"optim/max_abs_update": jax.numpy.stack([abs(u).max() for u in jax.tree.leaves(updates)]).max()}
+
+    plain_only = T.init_training(run, mesh)[3]
+    assert plain_only.plain is plain_only.logging
+
+    _, _, state, step = T.init_training(run, mesh, metrics=[step_metrics.StepMetric(step_metrics.loss),
+                                                           step_metrics.StepMetric(max_abs_update, logging_only=True)])
+    assert step.plain is not step.logging
+    state, plain_metrics = step(state, batch, logging=False)
+    state, logging_metrics = step(state, batch, logging=True)
+    assert set(plain_metrics) == {"train/loss"}
+    assert set(logging_metrics) == {"train/loss", "optim/max_abs_update"}
+    assert float(logging_metrics["optim/max_abs_update"]) > 0
+    state, _ = step(state, batch, logging=False)
+    assert step.plain._cache_size() == 1 and step.logging._cache_size() == 1  # no recompilation
+
+
+def test_logging_knobs_belong_to_sinks():
+    cfg = sinks.logging_config({"log_every": 5, "progress_bar": False, "metrics_file": "m.jsonl", "wandb": False,
+                                "wandb_project": "p", "wandb_mode": "offline"})
+    assert cfg.log_every == 5
+    assert [type(s).__name__ for s in cfg.sinks] == ["Console", "Jsonl", "Wandb"]
+    with pytest.raises(ConfigError, match=r"unknown knob logging\.tensorboard: known knobs are"):
+        sinks.logging_config({"tensorboard": True})
+    with pytest.raises(ConfigError, match=r"logging\.wandb_mode='cloud' must be online, offline or disabled"):
+        sinks.logging_config({"wandb_mode": "cloud"})
+
+
+def test_a_registered_sink_receives_every_logged_step(tmp_path, monkeypatch):
+    """The registry's contract: a new sink is a config class with `build` plus one SINKS entry."""
+    from dataclasses import dataclass
+
+    got = []
+
+    @dataclass(frozen=True)
+    class Memory:
+        memory: bool = True
+
+        def build(self, run_dir, total_steps, start_step, config):
+            class Sink:
+                def log(self, step, metrics):
+                    got.append((step, metrics))
+
+                def close(self):
+                    got.append("closed")
+
+            return Sink() if self.memory else None
+
+    monkeypatch.setitem(sinks.SINKS, "memory", Memory)
+    cfg = sinks.logging_config({"progress_bar": False, "memory": True})
+    opened = sinks.open_sinks(cfg, str(tmp_path), 10, 0, {})
+    opened.log(3, {"train/loss": 1.5})
+    opened.close()
+    assert got == [(3, {"train/loss": 1.5}), "closed"]
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 3, "train/loss": 1.5}]
+    off = sinks.logging_config({"progress_bar": False, "memory": False, "metrics_file": None})
+    assert all(type(s).__name__ == "ConsoleSink" for s in sinks.open_sinks(off, str(tmp_path), 10, 0, {}).sinks)

@@ -1,0 +1,264 @@
+"""The host loop's periodic jobs, each a small object with its own schedule.
+
+The loop dispatches a step and then calls every hook due at it, in list order; a new periodic
+job is one `Hook` subclass added to the run's hook list (train_jax.make_hooks), never a branch
+in the loop. A hook is due at the start (`at_start`, before the first step: the baseline
+evaluation), every `every` steps, and at the segment's last step (`at_end`); `due` can be
+overridden for anything else. `on_stop` runs when a stop signal is agreed (the checkpointer saves),
+`close` always runs when the loop ends, however it ends.
+
+Hooks share one `LoopContext`: the step's device metrics, the values pulled or computed at this
+step (`record`, what the sinks log), and the latest value of every metric (`last`, what a
+checkpoint's manifest keeps). Nothing here knows the model: hooks that need it get a function.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from utils import signals
+from utils.checkpoint import STEP_PREFIX
+from utils.errors import TrainingError
+from utils.sinks import Sinks
+from utils.sinks.console import say
+
+# The loop's clock (a seam: tests drive it to check the throughput arithmetic exactly).
+clock = time.perf_counter
+
+
+@dataclass
+class LoopContext:
+    start: int  # the step the segment starts from (0, or a checkpoint's)
+    end: int  # its last step
+    state: Any  # the TrainState after `step`
+    data: Any  # the train iterator (its state_dict goes into checkpoints)
+    step: int = 0
+    metrics: dict | None = None  # this step's metrics, device arrays (None before the first step)
+    record: dict[str, float] = field(default_factory=dict)  # values of this step, logged by the sinks
+    last: dict[str, float] = field(default_factory=dict)  # latest value of every metric so far
+    clock_mark: tuple[float, int] = (0.0, 0)  # (time, step) the next throughput interval starts from
+    stop: str | None = None  # a stop signal every process agreed on
+
+    def __post_init__(self) -> None:
+        self.step = self.start
+
+    def advance(self, step: int, state: Any, metrics: dict) -> None:
+        self.step, self.state, self.metrics, self.record = step, state, metrics, {}
+
+    def add(self, values: dict[str, float]) -> None:
+        self.record.update(values)
+        self.last.update(values)
+
+    def pull(self) -> None:
+        """This step's metrics into `record`: the only device sync of a training step."""
+        if self.metrics is not None and not any(k in self.record for k in self.metrics):
+            self.add({k: float(v) for k, v in self.metrics.items()})
+
+    def values(self, names: Sequence[str]) -> dict[str, float]:
+        return {k: float(self.metrics[k]) for k in names if k in self.metrics}
+
+    def restart_clock(self) -> None:
+        """Time spent from here on until the next step is not training (an evaluation, a save)."""
+        self.clock_mark = (clock(), self.step)
+
+
+class Hook:
+    every: int | None = None
+    at_start: bool = False
+    at_end: bool = False
+
+    def due(self, ctx: LoopContext) -> bool:
+        if ctx.step == ctx.start:
+            return self.at_start
+        return bool(self.every and ctx.step % self.every == 0) or (self.at_end and ctx.step == ctx.end)
+
+    def __call__(self, ctx: LoopContext) -> None:
+        raise NotImplementedError
+
+    def on_stop(self, ctx: LoopContext) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Hooks:
+    def __init__(self, hooks: Sequence[Hook]):
+        self.hooks = list(hooks)
+
+    def run(self, ctx: LoopContext) -> None:
+        for hook in self.hooks:
+            if hook.due(ctx):
+                hook(ctx)
+
+    def stop(self, ctx: LoopContext) -> None:
+        for hook in self.hooks:
+            hook.on_stop(ctx)
+
+    def close(self) -> None:
+        """Every hook's close, even when one fails: a pending checkpoint write must finish."""
+        error = None
+        for hook in self.hooks:
+            try:
+                hook.close()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the others closed
+                error = error or e
+        if error is not None:
+            raise error
+
+
+def check_finite(values: dict[str, float], step: int) -> None:
+    """Stop a diverged run before it logs on or saves: a NaN state written at an interval or on
+    preemption would push good checkpoints out under max_to_keep and be resumed from. The loss
+    vouches for the weights the step started from, the update's norm for the ones it produced."""
+    for name in ("train/loss", "aux/update_norm"):
+        value = values.get(name, 0.0)
+        if not math.isfinite(value):
+            raise TrainingError(f"{name} is {value} at step {step}: the run diverged; "
+                                "lower optimizer.lr_config.lr or set train.gradient_clip_val")
+
+
+class Throughput(Hook):
+    """On logging steps: pull the step's metrics and add step time, tokens/s and MFU, averaged
+    over the steps since the last mark. The first interval holds compilation, so it is not
+    reported unless it is all there is."""
+
+    at_start = at_end = True
+
+    def __init__(self, log_every: int, tokens_per_step: int, flops_per_step: float, peak: float | None):
+        self.every, self.tokens_per_step = log_every, tokens_per_step
+        self.flops_per_step, self.peak = flops_per_step, peak
+
+    def __call__(self, ctx: LoopContext) -> None:
+        if ctx.step == ctx.start:
+            ctx.restart_clock()
+            return
+        ctx.pull()
+        now, (then, step_then) = clock(), ctx.clock_mark
+        if step_then > ctx.start or ctx.step == ctx.end:
+            seconds = (now - then) / (ctx.step - step_then)
+            ctx.add({"train/step_time": seconds, "train/tokens_per_sec": self.tokens_per_step / seconds,
+                     "train/mfu": self.flops_per_step / seconds / self.peak if self.peak else float("nan")})
+        ctx.clock_mark = (now, ctx.step)
+
+
+def evaluate(eval_step: Callable, model: Any, batches: Iterable[tuple], tokens_per_window: int) -> dict[str, float]:
+    """Mean loss, perplexity and accuracy over `batches`, from `eval_step(model, *batch)`'s weighted
+    sums (loss, correct predictions, weight): padding rows weigh 0, so each real window counts once."""
+    sums = [eval_step(model, *batch) for batch in batches]  # all dispatched before the first value is pulled
+    loss_sum, correct_sum, windows = (sum(float(s[i]) for s in sums) for i in range(3))
+    loss = loss_sum / windows
+    return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0)),
+            "val/accuracy": correct_sum / (windows * tokens_per_window)}
+
+
+class Evaluation(Hook):
+    """Every `val_freq` steps and at train.max_steps (not at a segment's end: a resumed run
+    evaluates where an unbroken one would), plus the untrained baseline at step 0."""
+
+    def __init__(self, evaluate: Callable[[Any], dict[str, float]], val_freq: int, max_steps: int, at_start: bool):
+        self.evaluate, self.every, self.max_steps, self.at_start = evaluate, val_freq, max_steps, at_start
+
+    def due(self, ctx: LoopContext) -> bool:
+        if ctx.step == ctx.start:
+            return self.at_start and ctx.start == 0
+        return ctx.step % self.every == 0 or ctx.step == self.max_steps
+
+    def __call__(self, ctx: LoopContext) -> None:
+        ctx.add(self.evaluate(ctx.state.model))
+        ctx.restart_clock()  # evaluation time is not training throughput
+
+
+class Log(Hook):
+    """Progress every step; whatever this step recorded to every sink."""
+
+    at_start = True
+    every = 1
+
+    def __init__(self, sinks: Sinks):
+        self.sinks = sinks
+
+    def __call__(self, ctx: LoopContext) -> None:
+        if ctx.step > ctx.start:
+            self.sinks.advance()
+        if ctx.record:
+            self.sinks.log(ctx.step, ctx.record)
+
+    def close(self) -> None:
+        self.sinks.close()
+
+
+class Divergence(Hook):
+    """Stops the run (TrainingError) at the first logged non-finite loss or update norm."""
+
+    def due(self, ctx: LoopContext) -> bool:
+        return ctx.step > ctx.start and bool(ctx.record)
+
+    def __call__(self, ctx: LoopContext) -> None:
+        check_finite(ctx.record, ctx.step)
+
+
+class Checkpoint(Hook):
+    """Saves at checkpoint.save_steps (an interval or a list), at the segment's end, at a new best
+    val/loss (keep_best) and when a stop signal is agreed; each save only of a finite state.
+    `saver` is a utils.checkpoint.Checkpointer; `close` waits for pending asynchronous writes."""
+
+    at_end = True
+
+    def __init__(self, saver, save_path: str):
+        self.saver, self.save_path = saver, save_path
+
+    def due(self, ctx: LoopContext) -> bool:
+        return ctx.step > ctx.start and (self.saver.due(ctx.step) or ctx.step == ctx.end or "val/loss" in ctx.record)
+
+    def __call__(self, ctx: LoopContext) -> None:
+        best = "val/loss" in ctx.record and self.saver.maybe_save_best(ctx.step, ctx.state, ctx.data.state_dict(),
+                                                                       ctx.last)
+        if best:
+            say(f"checkpoint: new best val/loss {ctx.record['val/loss']:.4f}, saving {self.save_path}/best")
+        if self.saver.due(ctx.step) or ctx.step == ctx.end:
+            self.save(ctx, "end" if ctx.step == ctx.end else "scheduled")
+
+    def on_stop(self, ctx: LoopContext) -> None:
+        self.save(ctx, ctx.stop)
+
+    def save(self, ctx: LoopContext, reason: str) -> None:
+        check_finite(ctx.values(("train/loss", "aux/update_norm")), ctx.step)
+        if self.saver.save(ctx.step, ctx.state, ctx.data.state_dict(), ctx.last, reason):
+            say(f"checkpoint: saving {self.path(ctx.step)} ({reason})")
+
+    def path(self, step: int) -> str:
+        return f"{self.save_path}/{STEP_PREFIX}_{step}"
+
+    def close(self) -> None:
+        self.saver.close()
+
+
+class StopOnSignal(Hook):
+    """SIGTERM/SIGUSR1 (SLURM's warning before a time limit) or Ctrl-C: every process agrees on
+    the stop at a sync point, then the loop runs the hooks' on_stop (the checkpointer saves) and
+    ends with signals.Preempted. At the segment's end the run is done and saved: it just ends."""
+
+    every = 1
+
+    def __init__(self, stop_signals: signals.StopSignals):
+        self.stop_signals = stop_signals
+
+    def __call__(self, ctx: LoopContext) -> None:
+        if ctx.step < ctx.end:
+            ctx.stop = signals.agree(self.stop_signals.requested, sync_point=bool(ctx.record))
+
+
+class Sample(Hook):
+    """A little generated text at the segment's end, so a run shows what it learned."""
+
+    at_end = True
+
+    def __init__(self, sample: Callable[[Any], str]):
+        self.sample = sample
+
+    def __call__(self, ctx: LoopContext) -> None:
+        say("---- sample ----\n" + self.sample(ctx.state.model) + "\n----------------")

@@ -1,0 +1,86 @@
+"""Where a run starts from, and which config it trains with when that is a checkpoint.
+
+The policy on top of `utils.checkpoint`'s storage: `resume_source` picks the checkpoint
+(resume=auto in this run's save_path, else load=true), `merge_config` decides, knob by knob,
+whether the checkpoint's saved config or this command line wins.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from utils.checkpoint import CheckpointConfig, Source, complete_steps, open_checkpoint, remove_incomplete
+from utils.errors import ConfigError
+
+# Top-level config keys that describe this machine or this invocation, not the run being
+# trained: a run that starts from a checkpoint always takes them from its own command line
+# (parallel.*: a checkpoint saved on 8 devices loads on 4; the global batch stays the run's).
+LOCAL_KEYS = ("checkpoint", "cache_dir", "hydra", "parallel")
+
+
+def resume_source(cfg: CheckpointConfig, warn: Callable[[str], None]) -> Source | None:
+    """Where this run starts from: the newest checkpoint in save_path (resume=auto), else
+    load_path/load_file (load=true), else nothing. Raises before anything is compiled when a new
+    run would write into an existing save_path."""
+    if cfg.save:
+        exists = os.path.exists(cfg.save_path)
+        if cfg.resume == "auto":
+            remove_incomplete(cfg.save_path, warn)
+            if complete_steps(cfg.save_path):
+                return open_checkpoint(cfg.save_path, "latest", with_opt_state=True, resuming=True)
+        elif exists:
+            raise ConfigError(f"checkpoint.save_path={cfg.save_path} already exists: pass checkpoint.resume=auto to "
+                              "continue that run, or choose a new checkpoint.save_path")
+    if cfg.load:
+        return open_checkpoint(cfg.load_path, cfg.load_file, with_opt_state=not cfg.overwrite_optimizer)
+    return None
+
+
+# ----------------------------------------------------------------------------- which config wins
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
+    """(knob, saved value, current value) for every knob that differs, local keys left out."""
+    a = {k: v for k, v in _flatten(saved).items() if k.split(".")[0] not in LOCAL_KEYS}
+    b = {k: v for k, v in _flatten(current).items() if k.split(".")[0] not in LOCAL_KEYS}
+    return [(k, a.get(k, "<unset>"), b.get(k, "<unset>")) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def merge_config(source: Source, current: dict, cfg: CheckpointConfig, warn: Callable[[str], None]) -> dict:
+    """The config a run that starts from `source` trains with. One rule for a load and for a
+    requeued resume alike, so a segment never trains with other hyperparameters than the one
+    before it:
+
+    - overwrite_config=false (default): the config saved in the checkpoint; this command line
+      only supplies the machine-local keys (checkpoint.*, cache_dir, parallel.*) and, when a load
+      sets overwrite_optimizer=true, the optimizer group. Other overrides are reported as ignored.
+    - overwrite_config=true: this command line's config; the differences are reported (a model
+      that no longer fits fails at restore).
+
+    A resumed segment's own checkpoint already holds the config its run settled on at the start
+    (the merged one), so a requeue of the same command trains on with exactly that."""
+    if cfg.overwrite_config:
+        diffs = config_differences(source.config, current)
+        if diffs:
+            warn(f"checkpoint.overwrite_config=true: applying this command line over the config saved in "
+                 f"{source.path}: " + "; ".join(f"{k}: {a} -> {b}" for k, a, b in diffs))
+        return current
+    kept = set(LOCAL_KEYS) | ({"optimizer"} if cfg.overwrite_optimizer and not source.resuming else set())
+    merged = {k: v for k, v in source.config.items() if k not in kept}
+    merged.update({k: v for k, v in current.items() if k in kept})
+    ignored = config_differences(merged, current)  # only what this command line would really change
+    if ignored:
+        warn(f"checkpoint.overwrite_config=false: training with the config saved in {source.path}; ignoring "
+             + ", ".join(f"{k}={b} (saved: {a})" for k, a, b in ignored)
+             + " (set checkpoint.overwrite_config=true to apply them)")
+    return merged

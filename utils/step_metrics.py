@@ -1,0 +1,85 @@
+"""Metrics computed inside the jitted train step, from what the step already has.
+
+A step metric is a pure function `(state, grads, updates, aux) -> dict[str, Array]`: `state` is
+the TrainState the step started from, `grads` the averaged gradients, `updates` what the
+optimizer adds to the weights, `aux` the loss's auxiliary outputs stacked over micro-batches
+(`aux["loss"]` is loss_A). Values stay on the device; the host pulls them on logging steps.
+
+A metric marked `logging_only` costs nothing on other steps: the step is compiled in two
+variants and the loop calls the one that computes it only on logging steps (a second
+compilation, so it is only made when some metric asks for it).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import equinox as eqx
+import jax
+import optax
+
+MetricFn = Callable[[Any, Any, Any, dict], dict[str, jax.Array]]
+
+
+@dataclass(frozen=True)
+class StepMetric:
+    fn: MetricFn
+    logging_only: bool = False
+
+
+def loss(state, grads, updates, aux) -> dict[str, jax.Array]:
+    return {"train/loss": aux["loss"].mean()}
+
+
+def norms(state, grads, updates, aux) -> dict[str, jax.Array]:
+    """Global L2 norms. The update norm also vouches, before every save, that the weights a
+    step produced are finite (utils.hooks.check_finite)."""
+    return {"train/grad_norm": optax.tree.norm(grads),
+            "aux/param_norm": optax.tree.norm(eqx.filter(state.model, eqx.is_array)),
+            "aux/update_norm": optax.tree.norm(updates)}
+
+
+def learning_rates(schedule: optax.Schedule, by_group: dict[str, optax.Schedule], groups: Iterable[str]) -> MetricFn:
+    """train/lr (the run's schedule) and train/lr/<group> for each group the model has (a tied
+    head has no group of its own), at the step being taken."""
+    present = {g: by_group[g] for g in sorted(set(groups))}
+
+    def lrs(state, grads, updates, aux) -> dict[str, jax.Array]:
+        return {"train/lr": schedule(state.step), **{f"train/lr/{g}": s(state.step) for g, s in present.items()}}
+
+    return lrs
+
+
+def defaults(schedule: optax.Schedule, by_group: dict[str, optax.Schedule], groups: Iterable[str]) -> list[StepMetric]:
+    """What every run logs: train/loss, the norms, the learning rates."""
+    return [StepMetric(loss), StepMetric(norms), StepMetric(learning_rates(schedule, by_group, groups))]
+
+
+def compute(metrics: Sequence[StepMetric], state, grads, updates, aux, logging: bool) -> dict[str, jax.Array]:
+    out: dict[str, jax.Array] = {}
+    for metric in metrics:
+        if logging or not metric.logging_only:
+            out.update(metric.fn(state, grads, updates, aux))
+    return out
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    """A compiled step in two variants: `logging` also computes the metrics marked logging-only.
+    They are one function when no metric is, so nothing compiles twice."""
+
+    plain: Callable
+    logging: Callable
+
+    def __call__(self, state, batch, logging: bool = True):
+        return (self.logging if logging else self.plain)(state, batch)
+
+
+def compile_variants(step: Callable, metrics: Sequence[StepMetric], **jit_kwargs) -> TrainStep:
+    """`step(state, batch, logging)` jitted once per variant it needs (`logging` is static)."""
+    logging_step = jax.jit(functools.partial(step, logging=True), **jit_kwargs)
+    if not any(m.logging_only for m in metrics):
+        return TrainStep(logging_step, logging_step)
+    return TrainStep(jax.jit(functools.partial(step, logging=False), **jit_kwargs), logging_step)
