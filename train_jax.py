@@ -31,7 +31,7 @@ from optimizer.restart import fresh_state
 from utils import hooks as H
 from utils import mesh as meshlib
 from utils import step_metrics
-from utils.checkpoint import STEP_PREFIX, Checkpointer, Source, restore
+from utils.checkpoint import Checkpointer, Source, restore, step_path
 from utils.config import RunConfig, resolve_vocab, to_dict, validate
 from utils.errors import EqtrainError
 from utils.flops import peak_flops
@@ -155,7 +155,7 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
                                                  use_dropout=run.model.dropout > 0)
 
 
-def make_hooks(run: RunConfig, trainer: Trainer, sinks, stop_signals: StopSignals | None) -> H.Hooks:
+def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: StopSignals | None) -> H.Hooks:
     """The run's periodic jobs, in the order they run after a step."""
     t, ck, data = run.train, run.checkpoint, trainer.data
     flops_per_step = flops_per_token(run.model, run.context_length) * data.tokens_per_step
@@ -163,9 +163,11 @@ def make_hooks(run: RunConfig, trainer: Trainer, sinks, stop_signals: StopSignal
                                         peak_flops(t.compute_dtype, run.cache_dir))]
     if not t.skip_validation:
         hooks.append(H.Evaluation(trainer.evaluate, t.val_freq, t.max_steps, t.val_at_start))
+    saver = Checkpointer(ck, run.config_dict, dataclasses.asdict(run.model), warn) if ck.save else None
+    # Opened last, so a hook that fails to build leaves no open file, bar or wandb run behind.
+    sinks = open_sinks(run.logging, run_dir, t.max_steps, int(trainer.state.step), run.config_dict)
     hooks += [H.Log(sinks), H.Divergence()]
-    if ck.save:
-        saver = Checkpointer(ck, run.config_dict, dataclasses.asdict(run.model), warn)
+    if saver:
         hooks += [H.Checkpoint(saver, ck.save_path), H.StopOnSignal(stop_signals)]
     if t.sample_tokens:
         hooks.append(H.Sample(lambda model: sample_text(model, trainer.tokenizer, t.sample_prompt, t.sample_tokens,
@@ -195,7 +197,6 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
     run, ck = trainer.run, run.checkpoint
     start = int(trainer.state.step)
     end = min(run.train.max_steps, start + (ck.num_steps or run.train.max_steps))
-    sinks = open_sinks(run.logging, run_dir, run.train.max_steps, start, run.config_dict)
     say(f"eqtrain: {count_params(trainer.state.model) / 1e6:.2f}M params | {run.optimizer.name} + "
         f"{run.optimizer.schedule_name} | {trainer.data.tokens_per_step:,} tokens/step | {len(jax.devices())} "
         f"{jax.devices()[0].platform} device(s) | run dir {run_dir}")
@@ -206,17 +207,16 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
             " with a fresh optimizer state (checkpoint.overwrite_optimizer)"))
     if start >= run.train.max_steps:
         say(f"nothing to train: the run is at step {start} = train.max_steps")
-        sinks.close()
         return dict(source.manifest.get("metrics", {})) if source else {}
     ctx = H.LoopContext(start, end, trainer.state, trainer.data.train)
     with StopSignals(catch_interrupt=ck.save_on_interrupt) if ck.save else contextlib.nullcontext() as stop_signals:
-        hooks = make_hooks(run, trainer, sinks, stop_signals)
+        hooks = make_hooks(run, trainer, run_dir, stop_signals)
         try:
             train_loop(trainer, hooks, ctx)
         finally:  # inside the handlers: a second SIGTERM cannot kill a save that is still being written
             hooks.close()
         if ctx.stop:
-            raise Preempted(ctx.stop, ctx.step, f"{ck.save_path}/{STEP_PREFIX}_{ctx.step}")
+            raise Preempted(ctx.stop, ctx.step, step_path(ck.save_path, ctx.step))
     return ctx.last
 
 

@@ -29,6 +29,9 @@ from utils import mesh as meshlib  # noqa: E402
 from utils.config import validate  # noqa: E402
 from utils.errors import ConfigError  # noqa: E402
 
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from test_golden import GOLDEN, golden_run  # noqa: E402
+
 OVERRIDES = [
     "model.dim=32", "model.num_heads=2", "model.num_blocks=2", "model.context_length=16", "model.vocab_size=64",
     "dataset.batch_size=8", "dataset.total_batch_size=16",
@@ -103,15 +106,13 @@ def main() -> None:
         "max_param_diff": max(float(np.abs(a - b).max()) for a, b in zip(params_1, params_8, strict=True)),
         "params_allclose": all(np.allclose(b, a, rtol=1e-5, atol=1e-6) for a, b in zip(params_1, params_8)),
     }
-    # Every registered optimizer runs sharded (fsdp=2) and matches its 1-device losses.
-    base = [o for o in OVERRIDES if not o.startswith(("optimizer=", "optimizer.eps"))]
+    # Every registered optimizer runs sharded (fsdp=2) and matches its 1-device losses: the golden
+    # values of tests/test_golden.py, which pins them for the same run on one device.
     result["optimizers"] = {}
     for name in sorted(OPTIMIZERS):
-        overrides = (*base, f"optimizer={name}")
-        one, _, _ = train((1, 1), devices[:1], batches[:2], overrides)
-        eight, _, info = train((4, 2), devices, batches[:2], overrides)
-        result["optimizers"][name] = {"losses_1": one, "losses_8": eight,
-                                      "sharded_opt_leaves": info["sharded_opt_leaves"]}
+        losses_8, state = golden_run(name, 4, 2, devices)
+        result["optimizers"][name] = {"losses_1": GOLDEN[name], "losses_8": losses_8,
+                                      "sharded_opt_leaves": sum(map(is_split, arrays(state.opt_state)))}
     for name, args in (("bad_batch_error", (-1, 1, 12)), ("bad_mesh_error", (3, 2, 8))):
         try:
             meshlib.make_mesh(*args)

@@ -40,23 +40,27 @@ GOLDEN = {
 RTOL = 2e-5
 
 
-def golden_losses(optimizer: str) -> list[float]:
-    """The tiny test GPT (dim 32, 2 blocks, context 16, vocab 64), batch 8, dropout 0, each
-    optimizer's defaults under a cosine schedule with 5 warmup steps, 3 updates on one fixed batch.
-    The run config is test_groups.py's (the same compiled step: the compilation cache serves both)."""
+def golden_run(optimizer: str, data: int = 1, fsdp: int = 1, devices=None) -> tuple[list[float], object]:
+    """(losses, final state) of the tiny test GPT (dim 32, 2 blocks, context 16, vocab 64), batch 8,
+    dropout 0, each optimizer's defaults under a cosine schedule with 5 warmup steps, 3 updates on
+    one fixed batch, on a data x fsdp mesh (default: one device; tests/sharded_step_check.py runs it
+    on 8). The run config is test_groups.py's (the same compiled step: the compilation cache serves both)."""
     lr = {"sgdm": 0.3, "lion": 3e-3}.get(optimizer)
     run = validate(compose_config(f"optimizer={optimizer}", "train.max_steps=30", "optimizer.lr_config.warmup=5",
                                   *([f"optimizer.lr_config.lr={lr}"] if lr else [])))
-    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
+    mesh = meshlib.make_mesh(data, fsdp, run.dataset.batch_size, devices=devices or jax.devices()[:1])
     _, _, state, step = T.init_training(run, mesh)
     batch_1xBxT1 = np.random.default_rng(0).integers(0, 64, (1, 8, 17), dtype=np.int32)
     batch = meshlib.put_batch(batch_1xBxT1, meshlib.batch_sharding(mesh, 1))
     losses = []
-    for _ in range(STEPS):
+    for _ in range(STEPS + 1):  # the last logged loss is that of the weights after step 3
         state, metrics = step(state, batch)
         losses.append(float(metrics["train/loss"]))
-    _, metrics = step(state, batch)  # its logged loss is that of the weights after step 3
-    return losses + [float(metrics["train/loss"])]
+    return losses, state
+
+
+def golden_losses(optimizer: str) -> list[float]:
+    return golden_run(optimizer)[0]
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))

@@ -110,6 +110,11 @@ class CheckpointConfig:
         return None if isinstance(self.save_steps, int) else tuple(sorted(set(self.save_steps)))
 
 
+def step_path(directory: str, step: int) -> str:
+    """Where the checkpoint of `step` lives under a save_path: `directory/iter_{step}`."""
+    return os.path.join(directory, f"{STEP_PREFIX}_{step}")
+
+
 def parse_step(name: str) -> int | None:
     """iter_N or iter_N.ckpt -> N; anything else -> None."""
     m = re.fullmatch(rf"{STEP_PREFIX}_(\d+)(\.ckpt)?", name)
@@ -253,7 +258,7 @@ def open_checkpoint(directory: str, load_file: str, with_opt_state: bool, resumi
             have = ", ".join(f"{STEP_PREFIX}_{s}" for s in steps) or "none"
             raise CheckpointError(f"{names[1]}{load_file}: no {STEP_PREFIX}_{step} in {directory} "
                                   f"(complete checkpoints: {have})")
-    path = os.path.join(directory, f"{STEP_PREFIX}_{step}")
+    path = step_path(directory, step)
     manifest = read_json(os.path.join(path, "manifest", MANIFEST_FILE))
     for key in ("step", "data", "model"):
         if key not in manifest:
@@ -378,7 +383,7 @@ class Checkpointer:
         self._best = _manager(os.path.join(cfg.save_path, "best"), cfg, best=True) if cfg.keep_best else None
         self.best_val = math.inf  # carried over from best/ when a run resumes
         if self._best is not None and self._best.latest_step() is not None:
-            best_dir = os.path.join(cfg.save_path, "best", f"{STEP_PREFIX}_{self._best.latest_step()}")
+            best_dir = step_path(os.path.join(cfg.save_path, "best"), self._best.latest_step())
             self.best_val = read_json(os.path.join(best_dir, "manifest", MANIFEST_FILE)).get("metrics", {}).get(
                 "val/loss", math.inf)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from utils import signals
-from utils.checkpoint import STEP_PREFIX
+from utils.checkpoint import step_path
 from utils.errors import TrainingError
 from utils.sinks import Sinks
 from utils.sinks.console import say
@@ -41,12 +41,13 @@ class LoopContext:
     last: dict[str, float] = field(default_factory=dict)  # latest value of every metric so far
     clock_mark: tuple[float, int] = (0.0, 0)  # (time, step) the next throughput interval starts from
     stop: str | None = None  # a stop signal every process agreed on
+    pulled: bool = False  # this step's metrics are in `record` already
 
     def __post_init__(self) -> None:
         self.step = self.start
 
     def advance(self, step: int, state: Any, metrics: dict) -> None:
-        self.step, self.state, self.metrics, self.record = step, state, metrics, {}
+        self.step, self.state, self.metrics, self.record, self.pulled = step, state, metrics, {}, False
 
     def add(self, values: dict[str, float]) -> None:
         self.record.update(values)
@@ -54,8 +55,9 @@ class LoopContext:
 
     def pull(self) -> None:
         """This step's metrics into `record`: the only device sync of a training step."""
-        if self.metrics is not None and not any(k in self.record for k in self.metrics):
+        if self.metrics is not None and not self.pulled:
             self.add({k: float(v) for k, v in self.metrics.items()})
+            self.pulled = True
 
     def values(self, names: Sequence[str]) -> dict[str, float]:
         return {k: float(self.metrics[k]) for k in names if k in self.metrics}
@@ -228,10 +230,7 @@ class Checkpoint(Hook):
     def save(self, ctx: LoopContext, reason: str) -> None:
         check_finite(ctx.values(("train/loss", "aux/update_norm")), ctx.step)
         if self.saver.save(ctx.step, ctx.state, ctx.data.state_dict(), ctx.last, reason):
-            say(f"checkpoint: saving {self.path(ctx.step)} ({reason})")
-
-    def path(self, step: int) -> str:
-        return f"{self.save_path}/{STEP_PREFIX}_{step}"
+            say(f"checkpoint: saving {step_path(self.save_path, ctx.step)} ({reason})")
 
     def close(self) -> None:
         self.saver.close()

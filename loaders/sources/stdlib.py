@@ -56,7 +56,6 @@ class Stdlib:
 
     def documents(self) -> tuple[corpus.Documents, corpus.Documents]:
         """(train, val): the files are listed and stat-fingerprinted now, read on first access."""
-        corpus.check_fraction(self.val_fraction)
         files = stdlib_files(self.include_tests)
         return corpus.lazy_splits(
             files,

@@ -103,7 +103,6 @@ class TextFiles:
     def documents(self) -> tuple[corpus.Documents, corpus.Documents]:
         """(train, val): the globs are expanded and the files stat-fingerprinted now (a glob that matches
         nothing fails here), read on first access."""
-        corpus.check_fraction(self.val_fraction)
         paths = [self.paths] if isinstance(self.paths, str) else list(self.paths)
         files = keyed_files(paths)
         return corpus.lazy_splits(
