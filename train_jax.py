@@ -28,6 +28,7 @@ from models.gpt import GPT, count_params, cross_entropy, eval_sums, flops_per_to
 from models.sample import sample_text
 from optimizer import group_schedules, make_optimizer
 from optimizer.restart import fresh_state
+from utils import aux_state
 from utils import hooks as H
 from utils import mesh as meshlib
 from utils import step_metrics
@@ -65,9 +66,10 @@ def init_scheduler(run: RunConfig) -> optax.Schedule:
 
 
 def init_optimizer(run: RunConfig, schedule: optax.Schedule, labels) -> optax.GradientTransformation:
-    o = run.optimizer
-    return make_optimizer(o.hparams, schedule, labels, run.train.gradient_clip_val, o.schedule.lr, o.group_overrides)
-
+    o, t = run.optimizer, run.train
+    tx = make_optimizer(o.hparams, schedule, labels, t.gradient_clip_val, o.schedule.lr, o.group_overrides)
+    # A non-finite gradient leaves weights and optimizer state as they were (trainit's apply_if_finite).
+    return optax.apply_if_finite(tx, t.max_consecutive_skips) if t.skip_nonfinite else tx
 
 
 def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, source: Source | None = None):
@@ -77,7 +79,8 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, source: S
     def build() -> TrainState:
         model_key, train_key = jax.random.split(jax.random.PRNGKey(run.random_seed))
         model = init_model(run, model_key)
-        return TrainState(model, tx.init(eqx.filter(model, eqx.is_array)), jnp.zeros((), jnp.int32), train_key)
+        return TrainState(model, tx.init(eqx.filter(model, eqx.is_array)), jnp.zeros((), jnp.int32), train_key,
+                          aux_state.init(run.logging.aux, eqx.filter(model, eqx.is_inexact_array)))
 
     abstract = jax.eval_shape(build)
     shardings = meshlib.tree_shardings(mesh, abstract)
@@ -88,7 +91,11 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, source: S
     model, progress = restored["model"], restored["progress"]
     opt_state = restored["opt_state"] if "opt_state" in restored else fresh_state(  # overwrite_optimizer
         tx, eqx.filter(model, eqx.is_array), progress["step"], shardings.opt_state)
-    return TrainState(model, opt_state, progress["step"], progress["key"]), shardings
+    aux = restored.get("aux") if abstract.aux is not None else None
+    if abstract.aux is not None and aux is None:  # a checkpoint without (these) diagnostics' buffers
+        aux = jax.jit(lambda m: aux_state.init(run.logging.aux, eqx.filter(m, eqx.is_inexact_array)),
+                      out_shardings=shardings.aux)(model)
+    return TrainState(model, opt_state, progress["step"], progress["key"], aux), shardings
 
 
 def loss_fn(model: GPT, tokens_BxT1: jax.Array, key: jax.Array | None, compute_dtype) -> tuple[jax.Array, dict]:
@@ -129,7 +136,7 @@ class Trainer:  # everything a run builds before its first step; benchmarks and 
     evaluate: Callable[[GPT], dict[str, float]]
 
 
-def build_trainer(run: RunConfig, source: Source | None = None) -> Trainer:
+def build_trainer(run: RunConfig, source: Source | None = None, schedule: optax.Schedule | None = None) -> Trainer:
     meshlib.init_distributed()
     mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size)
     docs = run.dataset.source.documents()  # listed and fingerprinted; read only if a cache misses
@@ -138,37 +145,50 @@ def build_trainer(run: RunConfig, source: Source | None = None) -> Trainer:
     data = init_data(run, tokenizer, docs)
     if source is not None:
         data.train.load_state_dict(source.manifest["data"])
-    schedule, tx, state, train_step = init_training(run, mesh, source)
+    schedule, tx, state, train_step = init_training(run, mesh, source, schedule=schedule)
     return Trainer(run, mesh, tokenizer, data, schedule, tx, state, train_step, make_evaluate(run, data.val, mesh))
 
 
-def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=None):
+def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=None,
+                  schedule: optax.Schedule | None = None):
     """(schedule, optimizer, sharded initial or restored state, train step compiled on first call);
-    model.vocab_size must be resolved. `metrics` (StepMetric list) defaults to loss, norms and lrs."""
+    model.vocab_size must be resolved. `metrics` (StepMetric list) defaults to loss, norms and lrs;
+    `schedule` replaces optimizer.lr_config's (the LR finder's exponential sweep)."""
     labels = param_labels(eqx.filter_eval_shape(GPT, run.model, jax.random.PRNGKey(0)))
-    schedule, o = init_scheduler(run), run.optimizer
+    schedule, o = schedule or init_scheduler(run), run.optimizer
     tx = init_optimizer(run, schedule, labels)
     state, shardings = init_state(run, tx, mesh, source)
-    by_group = group_schedules(o.hparams, schedule, o.schedule.lr, o.group_overrides)
-    metrics = step_metrics.defaults(schedule, by_group, jax.tree.leaves(labels)) if metrics is None else metrics
+    if metrics is None:
+        by_group = group_schedules(o.hparams, schedule, o.schedule.lr, o.group_overrides)
+        metrics = step_metrics.defaults(schedule, by_group, jax.tree.leaves(labels), run.train.skip_nonfinite)
+        if run.logging.aux.on and run.logging.aux.per_layer:
+            metrics.append(step_metrics.StepMetric(aux_state.per_layer(lambda tree: tree.blocks, run.model.num_blocks),
+                                                   logging_only=True))
     return schedule, tx, state, build_train_step(loss_fn, tx, metrics, shardings, mesh, run.train.compute_dtype,
-                                                 use_dropout=run.model.dropout > 0)
+                                                 use_dropout=run.model.dropout > 0, aux_cfg=run.logging.aux)
 
 
-def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: StopSignals | None) -> H.Hooks:
+def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: StopSignals | None,
+               source: Source | None = None) -> H.Hooks:
     """The run's periodic jobs, in the order they run after a step."""
     t, ck, data = run.train, run.checkpoint, trainer.data
     flops_per_step = flops_per_token(run.model, run.context_length) * data.tokens_per_step
+    resumed = source.manifest if source is not None and source.resuming else {}
     hooks: list[H.Hook] = [H.Throughput(run.logging.log_every, data.tokens_per_step, flops_per_step,
-                                        peak_flops(t.compute_dtype, run.cache_dir))]
+                                        peak_flops(t.compute_dtype, run.cache_dir),
+                                        resumed.get("metrics", {}).get("time/elapsed_sec", 0.0))]
     if not t.skip_validation:
         hooks.append(H.Evaluation(trainer.evaluate, t.val_freq, t.max_steps, t.val_at_start))
     saver = Checkpointer(ck, run.config_dict, dataclasses.asdict(run.model), warn) if ck.save else None
     # Opened last, so a hook that fails to build leaves no open file, bar or wandb run behind.
-    sinks = open_sinks(run.logging, run_dir, t.max_steps, int(trainer.state.step), run.config_dict)
-    hooks += [H.Log(sinks), H.Divergence()]
+    sinks = open_sinks(run.logging, run_dir, t.max_steps, int(trainer.state.step), run.config_dict,
+                       saved=resumed.get("sinks"))  # a resumed run continues its wandb run
     if saver:
-        hooks += [H.Checkpoint(saver, ck.save_path), H.StopOnSignal(stop_signals)]
+        saver.add_to_manifest("sinks", sinks.state_dict)
+    vouchers = ("update/norm",) if t.skip_nonfinite else H.VOUCHERS  # a skipped step's loss is NaN
+    hooks += [H.Log(sinks), H.Divergence(vouchers)]
+    if saver:
+        hooks += [H.Checkpoint(saver, ck.save_path, vouchers), H.StopOnSignal(stop_signals)]
     if t.sample_tokens:
         hooks.append(H.Sample(lambda model: sample_text(model, trainer.tokenizer, t.sample_prompt, t.sample_tokens,
                                                         jax.random.PRNGKey(run.random_seed), t.sample_temperature,
@@ -178,12 +198,18 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
 
 def train_loop(trainer: Trainer, hooks: H.Hooks, ctx: H.LoopContext) -> None:
     """Dispatch step t, run the hooks due at t: the host waits on the device only in a hook that pulls values."""
-    batch_sharding, log_every = meshlib.batch_sharding(trainer.mesh, 1), trainer.run.logging.log_every
+    batch_sharding, log_every, step_fn = meshlib.batch_sharding(trainer.mesh, 1), trainer.run.logging.log_every, \
+        trainer.train_step
     hooks.run(ctx)  # the start: the throughput clock, the baseline evaluation
     for step in range(ctx.start + 1, ctx.end + 1):
+        waited = H.clock()
         batch = meshlib.put_batch(next(trainer.data.train), batch_sharding)
+        ctx.data_wait += H.clock() - waited
         logging_step = step % log_every == 0 or step == ctx.end
-        ctx.advance(step, *trainer.train_step(ctx.state, batch, logging_step))  # dispatched; the host moves on
+        compiled, dispatched = step_fn.compiled(), H.clock()
+        ctx.advance(step, *step_fn(ctx.state, batch, logging_step))  # dispatched; the host moves on
+        if step_fn.compiled() > compiled:  # this call traced and compiled a variant: the host waited for it
+            ctx.compile_sec += H.clock() - dispatched
         hooks.run(ctx)
         if ctx.stop:
             hooks.stop(ctx)  # the checkpointer saves
@@ -210,7 +236,7 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
         return dict(source.manifest.get("metrics", {})) if source else {}
     ctx = H.LoopContext(start, end, trainer.state, trainer.data.train)
     with StopSignals(catch_interrupt=ck.save_on_interrupt) if ck.save else contextlib.nullcontext() as stop_signals:
-        hooks = make_hooks(run, trainer, run_dir, stop_signals)
+        hooks = make_hooks(run, trainer, run_dir, stop_signals, source)
         try:
             train_loop(trainer, hooks, ctx)
         finally:  # inside the handlers: a second SIGTERM cannot kill a save that is still being written

@@ -42,9 +42,9 @@ def train(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, Path]:
     return train_jax.train(cfg, str(run_dir)), run_dir
 
 
-def losses(run_dir: Path) -> dict[int, float]:
+def losses(run_dir: Path, name: str = "train/loss") -> dict[int, float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+    return {r["step"]: r[name] for r in records if name in r}
 
 
 def arrays(ckpt_dir: Path, item: str) -> list[np.ndarray]:
@@ -113,7 +113,8 @@ def test_keep_best_holds_the_lowest_val_loss(tmp_path):
 @pytest.mark.parametrize("extra", [(), ("dataset.total_batch_size=16",)], ids=["plain", "accumulation"])
 def test_resume_is_bit_identical(tmp_path, extra):
     """Stop at step 5 and resume: losses at every step and the final weights and optimizer state
-    equal an uninterrupted run's exactly (data order and dropout keys included)."""
+    equal an uninterrupted run's exactly (data order and dropout keys included), and so do the
+    aux-state diagnostics, whose buffers and running sums the checkpoint carries."""
     full_ck, seg_ck = Path("ckpt/full"), Path("ckpt/seg")  # relative, as in the README
     train(tmp_path, "full", *extra, "checkpoint.save=true", f"checkpoint.save_path={full_ck}")
     _, first = train(tmp_path, "first", *extra, "checkpoint.save=true", f"checkpoint.save_path={seg_ck}",
@@ -127,8 +128,11 @@ def test_resume_is_bit_identical(tmp_path, extra):
     assert sorted(resumed) == list(range(1, 13))
     assert resumed == full  # exact float equality, step by step
     assert 0 not in losses(second) and min(losses(second)) == 6
-    for item in ("model", "opt_state", "progress"):
+    for item in ("model", "opt_state", "progress", "aux"):
         assert_same_arrays(full_ck / "iter_12", seg_ck / "iter_12", item)
+    for name in ("update/<gn, Delta(n)>_sum", "grads/cos(gn, g(n-1))", "grads/cos(gn, g(1:n-1))",
+                 "update/cos(Delta(n+1), Delta(n))"):
+        assert {**losses(first, name), **losses(second, name)} == losses(tmp_path / "full", name), name
 
 
 def test_resume_auto_without_checkpoint_starts_fresh_and_finished_run_is_a_no_op(tmp_path, capsys):

@@ -97,8 +97,8 @@ def test_hooks_close_all_even_when_one_fails():
 
 def test_logging_only_metrics_compile_a_second_variant(tiny_run):
     """A metric marked logging_only is computed by the logging variant only; without one, the two
-    variants are one compiled function."""
-    run = tiny_run("model.vocab_size=64")
+    variants are one compiled function (the aux-state hook, off here, always asks for two)."""
+    run = tiny_run("model.vocab_size=64", "logging.log_callback_data=false")
     mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
     batch = meshlib.put_batch(np.zeros((1, 8, 17), np.int32), meshlib.batch_sharding(mesh, 1))
 
@@ -121,12 +121,12 @@ def test_logging_only_metrics_compile_a_second_variant(tiny_run):
 
 
 def test_logging_knobs_belong_to_sinks():
-    cfg = sinks.logging_config({"log_every": 5, "progress_bar": False, "metrics_file": "m.jsonl", "wandb": False,
+    cfg = sinks.logging_config({"log_every": 5, "progress_bar": False, "metrics_file": "m.jsonl", "tensorboard": True,
                                 "wandb_project": "p", "wandb_mode": "offline"})
     assert cfg.log_every == 5
-    assert [type(s).__name__ for s in cfg.sinks] == ["Console", "Jsonl", "Wandb"]
-    with pytest.raises(ConfigError, match=r"unknown knob logging\.tensorboard: known knobs are"):
-        sinks.logging_config({"tensorboard": True})
+    assert [type(s).__name__ for s in cfg.sinks] == ["Console", "Jsonl", "TensorBoard", "Wandb"]
+    with pytest.raises(ConfigError, match=r"unknown knob logging\.wandb: known knobs are"):
+        sinks.logging_config({"wandb": True})  # gone: wandb_project set = on
     with pytest.raises(ConfigError, match=r"logging\.wandb_mode='cloud' must be online, offline or disabled"):
         sinks.logging_config({"wandb_mode": "cloud"})
 
@@ -141,7 +141,7 @@ def test_a_registered_sink_receives_every_logged_step(tmp_path, monkeypatch):
     class Memory:
         memory: bool = True
 
-        def build(self, run_dir, total_steps, start_step, config):
+        def build(self, run_dir, total_steps, start_step, config, saved):
             class Sink:
                 def log(self, step, metrics):
                     got.append((step, metrics))

@@ -26,7 +26,7 @@ def records(run_dir: Path) -> list[dict]:
 
 def test_step_time_leaves_out_evaluations_inside_a_logging_interval(tmp_path, monkeypatch):
     """Every train step takes 1 s and every evaluation 100 s of a fake clock; evaluations fall
-    between logging steps (val_freq 2, log_every 4). Each logged step_time must be exactly 1 s."""
+    between logging steps (val_freq 2, log_every 4). Each logged time/step_sec must be exactly 1 s."""
     now, variants = [0.0], []
     monkeypatch.setattr(hooks, "clock", lambda: now[0])
     make_step, make_evaluate = train_jax.build_train_step, train_jax.make_evaluate
@@ -39,6 +39,7 @@ def test_step_time_leaves_out_evaluations_inside_a_logging_interval(tmp_path, mo
             variants.append(logging)
             return step(state, batch, logging)
 
+        timed.compiled = step.compiled  # what the loop asks to time compilations
         return timed
 
     def slow_make_evaluate(*args, **kwargs):
@@ -53,11 +54,15 @@ def test_step_time_leaves_out_evaluations_inside_a_logging_interval(tmp_path, mo
     monkeypatch.setattr(train_jax, "build_train_step", timed_make_step)
     monkeypatch.setattr(train_jax, "make_evaluate", slow_make_evaluate)
     train_jax.train(compose_config(*RUN, "train.max_steps=12", "train.val_freq=2"), str(tmp_path))
-    timed = {r["step"]: r["train/step_time"] for r in records(tmp_path) if "train/step_time" in r}
+    timed = {r["step"]: r["time/step_sec"] for r in records(tmp_path) if "time/step_sec" in r}
     # The interval that holds compilation (steps 1-2) ends in an evaluation, so step 4 is timed too.
     assert timed == {4: pytest.approx(1.0), 8: pytest.approx(1.0), 12: pytest.approx(1.0)}
     tokens = {r["step"]: r["train/tokens_per_sec"] for r in records(tmp_path) if "train/tokens_per_sec" in r}
     assert tokens[8] == pytest.approx(8 * 16)  # batch 8 x context 16 tokens per 1-s step
+    # The two variants compiled at steps 1 and 4 (1 s each on this clock); batches never waited.
+    assert {r["step"]: r["time/compile_sec"] for r in records(tmp_path) if "time/compile_sec" in r} == {4: 2.0}
+    assert all(r["time/data_wait_sec"] == 0.0 for r in records(tmp_path) if "time/data_wait_sec" in r)
+    assert [r["time/eval_sec"] for r in records(tmp_path) if "time/eval_sec" in r] == [100.0] * 7
     # The step variant with the logging-only metrics runs on logging steps only.
     assert [step for step, logging in enumerate(variants, start=1) if logging] == [4, 8, 12]
 

@@ -47,7 +47,8 @@ from utils.files import user_path
 
 STEP_PREFIX = "iter"
 TMP_MARKER = ".orbax-checkpoint-tmp"
-ARRAY_ITEMS = ("model", "opt_state", "progress")
+ARRAY_ITEMS = ("model", "opt_state", "progress")  # every checkpoint has these
+OPTIONAL_ITEMS = ("aux",)  # the aux-state hook's buffers, when the run keeps them
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.yaml"
 FORMAT_VERSION = 1
@@ -184,7 +185,7 @@ def _manager(directory: str, cfg: CheckpointConfig, best: bool = False) -> ocp.C
     return ocp.CheckpointManager(
         os.path.abspath(directory),
         options=options,
-        item_handlers={**{item: ocp.PyTreeCheckpointHandler(use_compression=cfg.compress) for item in ARRAY_ITEMS},
+        item_handlers={**{item: ocp.PyTreeCheckpointHandler(use_compression=cfg.compress) for item in ARRAY_ITEMS + OPTIONAL_ITEMS},
                        "manifest": ocp.JsonCheckpointHandler(filename=MANIFEST_FILE), "config": _YamlHandler()},
     )
 
@@ -292,14 +293,12 @@ def _check_model_fits(source: Source, abstract_model: Any, model_config: dict) -
         raise CheckpointError(f"{source.path} holds another model ({'; '.join(knobs)}): "
                               "restore with the checkpoint's model config or start a fresh run")
     try:
-        metadata = ocp.StandardCheckpointer().metadata(os.path.join(source.path, "model")).item_metadata
-        saved_leaves = {m.name: tuple(m.shape) for m in jax.tree.leaves(metadata)}
+        saved_leaves = _saved_shapes(os.path.join(source.path, "model"))
     except Exception as e:  # noqa: BLE001 - any orbax failure here means unreadable metadata
         raise CheckpointError(f"{os.path.join(source.path, 'model')} has unreadable array metadata "
                               f"({type(e).__name__}): the checkpoint is corrupt") from None
     # Shapes only: orbax casts on restore, so a float32 checkpoint loads into a bfloat16 run.
-    wanted = {leaf_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract_model)[0]}
-    for name, shape in wanted.items():
+    for name, shape in _shapes(abstract_model).items():
         if saved_leaves.get(name) != shape:
             got = f"shape {saved_leaves[name]}" if name in saved_leaves else "nothing"
             raise CheckpointError(f"{os.path.join(source.path, 'model')} holds {got} for {name}, this model needs "
@@ -338,7 +337,9 @@ def _restore_error(source: Source, e: Exception) -> CheckpointError:
 
 def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str, Any]:
     """Arrays of `source` placed straight into the shardings of `abstract_state` (a TrainState of
-    ShapeDtypeStructs): {"model", "progress"} and "opt_state" unless overwrite_optimizer."""
+    ShapeDtypeStructs): {"model", "progress"}, "opt_state" unless overwrite_optimizer, and "aux"
+    when the run keeps an aux state, the checkpoint has one of the same layout, and it continues
+    the optimizer state (a fresh optimizer starts fresh diagnostics)."""
     _quiet_orbax()
     abstract_model = _arrays(abstract_state.model)
     _check_model_fits(source, abstract_model, model_config)
@@ -346,12 +347,33 @@ def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str
              "progress": _restore_args({"step": abstract_state.step, "key": abstract_state.key})}
     if source.with_opt_state:
         items["opt_state"] = _restore_args(_arrays(abstract_state.opt_state))
+        abstract_aux = getattr(abstract_state, "aux", None)
+        if abstract_aux is not None and _same_layout(os.path.join(source.path, "aux"), _arrays(abstract_aux)):
+            items["aux"] = _restore_args(_arrays(abstract_aux))
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             restored = checkpointer.restore(source.path, args=ocp.args.Composite(**items))
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types; the user needs the file
         raise _restore_error(source, e) from None
     return {name: restored[name] for name in items}
+
+
+def _saved_shapes(item_dir: str) -> dict[str, tuple[int, ...]]:
+    """{array name: shape} of the pytree saved in `item_dir` (from orbax's metadata, no arrays read)."""
+    metadata = ocp.StandardCheckpointer().metadata(item_dir).item_metadata
+    return {m.name: tuple(m.shape) for m in jax.tree.leaves(metadata)}
+
+
+def _shapes(abstract_tree: Any) -> dict[str, tuple[int, ...]]:
+    return {leaf_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract_tree)[0]}
+
+
+def _same_layout(item_dir: str, abstract_tree: Any) -> bool:
+    """Whether `item_dir` holds exactly the arrays (names, shapes) of `abstract_tree`."""
+    try:
+        return os.path.isdir(item_dir) and _saved_shapes(item_dir) == _shapes(abstract_tree)
+    except Exception:  # noqa: BLE001 - unreadable metadata: start fresh diagnostics, never fail the resume
+        return False
 
 
 # ----------------------------------------------------------------------------- saving
@@ -382,10 +404,15 @@ class Checkpointer:
         self._manager = _manager(cfg.save_path, cfg)
         self._best = _manager(os.path.join(cfg.save_path, "best"), cfg, best=True) if cfg.keep_best else None
         self.best_val = math.inf  # carried over from best/ when a run resumes
+        self._extra: dict[str, Callable[[], Any]] = {}  # more manifest entries, e.g. the sinks' state
         if self._best is not None and self._best.latest_step() is not None:
             best_dir = step_path(os.path.join(cfg.save_path, "best"), self._best.latest_step())
             self.best_val = read_json(os.path.join(best_dir, "manifest", MANIFEST_FILE)).get("metrics", {}).get(
                 "val/loss", math.inf)
+
+    def add_to_manifest(self, name: str, value: Callable[[], Any]) -> None:
+        """Every later manifest gets `name: value()` (JSON), read back from Source.manifest on resume."""
+        self._extra[name] = value
 
     def due(self, step: int) -> bool:
         at = self.cfg.save_at
@@ -403,13 +430,17 @@ class Checkpointer:
             "model": self._model,
             "devices": jax.device_count(),
             "versions": _versions(),
+            **{name: value() for name, value in self._extra.items()},
         }
+        # The aux state (diagnostics' buffers) when the run keeps one: its diagnostics resume exactly too.
+        aux = {} if getattr(state, "aux", None) is None else {"aux": ocp.args.PyTreeSave(_arrays(state.aux))}
         return ocp.args.Composite(
             model=ocp.args.PyTreeSave(_arrays(state.model)),
             opt_state=ocp.args.PyTreeSave(_arrays(state.opt_state)),
             progress=ocp.args.PyTreeSave({"step": state.step, "key": state.key}),
             manifest=ocp.args.JsonSave(manifest),
             config=YamlSave(self._config),
+            **aux,
         )
 
     def save(self, step: int, state, data_state: dict, metrics: dict, reason: str) -> bool:

@@ -47,6 +47,8 @@ class TrainConfig:
     sample_tokens: int = 200  # tokens generated at the end (0: none)
     sample_prompt: str = "def "
     sample_temperature: float = 0.8
+    skip_nonfinite: bool = False  # a step with a non-finite gradient is skipped instead of stopping the run
+    max_consecutive_skips: int = 10  # after this many in a row the update is applied and the run stops
 
     def check(self, prefix: str) -> None:
         for knob in ("max_steps", "val_freq", "max_val_steps"):
@@ -57,6 +59,8 @@ class TrainConfig:
         for knob in ("param_dtype", "compute_dtype"):
             if getattr(self, knob) not in DTYPES:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)!r} must be one of {', '.join(DTYPES)}")
+        if self.max_consecutive_skips <= 0:
+            raise ConfigError(f"{prefix}.max_consecutive_skips={self.max_consecutive_skips} must be a positive integer")
         if self.sample_tokens < 0:
             raise ConfigError(f"{prefix}.sample_tokens={self.sample_tokens} must be >= 0")
         if self.sample_temperature < 0:

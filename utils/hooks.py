@@ -42,6 +42,8 @@ class LoopContext:
     clock_mark: tuple[float, int] = (0.0, 0)  # (time, step) the next throughput interval starts from
     stop: str | None = None  # a stop signal every process agreed on
     pulled: bool = False  # this step's metrics are in `record` already
+    data_wait: float = 0.0  # seconds the loop waited for batches since the clock mark
+    compile_sec: float = 0.0  # seconds the loop waited for compilations not yet logged
 
     def __post_init__(self) -> None:
         self.step = self.start
@@ -65,6 +67,7 @@ class LoopContext:
     def restart_clock(self) -> None:
         """Time spent from here on until the next step is not training (an evaluation, a save)."""
         self.clock_mark = (clock(), self.step)
+        self.data_wait = 0.0
 
 
 class Hook:
@@ -112,11 +115,15 @@ class Hooks:
             raise error
 
 
-def check_finite(values: dict[str, float], step: int) -> None:
+VOUCHERS = ("train/loss", "update/norm")
+
+
+def check_finite(values: dict[str, float], step: int, names: Sequence[str] = VOUCHERS) -> None:
     """Stop a diverged run before it logs on or saves: a NaN state written at an interval or on
     preemption would push good checkpoints out under max_to_keep and be resumed from. The loss
-    vouches for the weights the step started from, the update's norm for the ones it produced."""
-    for name in ("train/loss", "aux/update_norm"):
+    vouches for the weights the step started from, the update's norm for the ones it produced
+    (with train.skip_nonfinite a NaN loss is a skipped step, so only the update's norm counts)."""
+    for name in names:
         value = values.get(name, 0.0)
         if not math.isfinite(value):
             raise TrainingError(f"{name} is {value} at step {step}: the run diverged; "
@@ -124,27 +131,38 @@ def check_finite(values: dict[str, float], step: int) -> None:
 
 
 class Throughput(Hook):
-    """On logging steps: pull the step's metrics and add step time, tokens/s and MFU, averaged
-    over the steps since the last mark. The first interval holds compilation, so it is not
-    reported unless it is all there is."""
+    """On logging steps: pull the step's metrics and add step time, tokens/s, MFU and the time
+    spent waiting for data, averaged over the steps since the last mark, plus the tokens consumed
+    and the wall time since the run began (`elapsed` carries earlier segments' over a resume).
+    The first interval holds compilation, so it is not reported unless it is all there is."""
 
     at_start = at_end = True
 
-    def __init__(self, log_every: int, tokens_per_step: int, flops_per_step: float, peak: float | None):
+    def __init__(self, log_every: int, tokens_per_step: int, flops_per_step: float, peak: float | None,
+                 elapsed: float = 0.0):
         self.every, self.tokens_per_step = log_every, tokens_per_step
         self.flops_per_step, self.peak = flops_per_step, peak
+        self.elapsed, self.began = elapsed, 0.0
 
     def __call__(self, ctx: LoopContext) -> None:
         if ctx.step == ctx.start:
+            self.began = clock()
             ctx.restart_clock()
             return
         ctx.pull()
         now, (then, step_then) = clock(), ctx.clock_mark
         if step_then > ctx.start or ctx.step == ctx.end:
-            seconds = (now - then) / (ctx.step - step_then)
-            ctx.add({"train/step_time": seconds, "train/tokens_per_sec": self.tokens_per_step / seconds,
-                     "train/mfu": self.flops_per_step / seconds / self.peak if self.peak else float("nan")})
-        ctx.clock_mark = (now, ctx.step)
+            steps = ctx.step - step_then
+            seconds = (now - then) / steps
+            ctx.add({"time/step_sec": seconds, "train/tokens_per_sec": self.tokens_per_step / seconds,
+                     "train/mfu": self.flops_per_step / seconds / self.peak if self.peak else float("nan"),
+                     "time/data_wait_sec": ctx.data_wait / steps})
+        ctx.add({"data/tokens": float(ctx.step * self.tokens_per_step),
+                 "time/elapsed_sec": self.elapsed + now - self.began})
+        if ctx.compile_sec:
+            ctx.add({"time/compile_sec": ctx.compile_sec})
+            ctx.compile_sec = 0.0
+        ctx.clock_mark, ctx.data_wait = (now, ctx.step), 0.0
 
 
 def evaluate(eval_step: Callable, model: Any, batches: Iterable[tuple], tokens_per_window: int) -> dict[str, float]:
@@ -170,7 +188,9 @@ class Evaluation(Hook):
         return ctx.step % self.every == 0 or ctx.step == self.max_steps
 
     def __call__(self, ctx: LoopContext) -> None:
+        began = clock()
         ctx.add(self.evaluate(ctx.state.model))
+        ctx.add({"time/eval_sec": clock() - began})
         ctx.restart_clock()  # evaluation time is not training throughput
 
 
@@ -194,13 +214,22 @@ class Log(Hook):
 
 
 class Divergence(Hook):
-    """Stops the run (TrainingError) at the first logged non-finite loss or update norm."""
+    """Stops the run (TrainingError) at the first logged non-finite loss or update norm; with
+    train.skip_nonfinite, says when steps were skipped since the last log."""
+
+    def __init__(self, vouchers: Sequence[str] = VOUCHERS):
+        self.vouchers, self.skipped = vouchers, 0
 
     def due(self, ctx: LoopContext) -> bool:
         return ctx.step > ctx.start and bool(ctx.record)
 
     def __call__(self, ctx: LoopContext) -> None:
-        check_finite(ctx.record, ctx.step)
+        check_finite(ctx.record, ctx.step, self.vouchers)
+        skipped = int(ctx.record.get("train/skipped_steps", self.skipped))
+        if skipped > self.skipped:
+            say(f"step {ctx.step}: {skipped - self.skipped} step(s) with a non-finite gradient skipped "
+                f"(train.skip_nonfinite; {skipped} in all)")
+        self.skipped = skipped
 
 
 class Checkpoint(Hook):
@@ -210,8 +239,8 @@ class Checkpoint(Hook):
 
     at_end = True
 
-    def __init__(self, saver, save_path: str):
-        self.saver, self.save_path = saver, save_path
+    def __init__(self, saver, save_path: str, vouchers: Sequence[str] = VOUCHERS):
+        self.saver, self.save_path, self.vouchers = saver, save_path, vouchers
 
     def due(self, ctx: LoopContext) -> bool:
         return ctx.step > ctx.start and (self.saver.due(ctx.step) or ctx.step == ctx.end or "val/loss" in ctx.record)
@@ -228,8 +257,10 @@ class Checkpoint(Hook):
         self.save(ctx, ctx.stop)
 
     def save(self, ctx: LoopContext, reason: str) -> None:
-        check_finite(ctx.values(("train/loss", "aux/update_norm")), ctx.step)
+        check_finite(ctx.values(self.vouchers), ctx.step, self.vouchers)
+        began = clock()
         if self.saver.save(ctx.step, ctx.state, ctx.data.state_dict(), ctx.last, reason):
+            ctx.add({"time/save_sec": clock() - began})  # until the arrays are off the device; files follow
             say(f"checkpoint: saving {step_path(self.save_path, ctx.step)} ({reason})")
 
     def close(self) -> None:

@@ -16,8 +16,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-import equinox as eqx
 import jax
+import jax.numpy as jnp
 import optax
 
 MetricFn = Callable[[Any, Any, Any, dict], dict[str, jax.Array]]
@@ -29,16 +29,20 @@ class StepMetric:
     logging_only: bool = False
 
 
+def all_finite(tree) -> jax.Array:
+    """One boolean: every element of every leaf is finite (apply_if_finite's own test)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
 def loss(state, grads, updates, aux) -> dict[str, jax.Array]:
     return {"train/loss": aux["loss"].mean()}
 
 
 def norms(state, grads, updates, aux) -> dict[str, jax.Array]:
-    """Global L2 norms. The update norm also vouches, before every save, that the weights a
-    step produced are finite (utils.hooks.check_finite)."""
-    return {"train/grad_norm": optax.tree.norm(grads),
-            "aux/param_norm": optax.tree.norm(eqx.filter(state.model, eqx.is_array)),
-            "aux/update_norm": optax.tree.norm(updates)}
+    """Global L2 norms of the gradient (before clipping) and of the update this step applied.
+    The update norm also vouches, before every save, that the weights a step produced are finite
+    (utils.hooks.check_finite). (params/norm and the rest: utils/aux_state.py.)"""
+    return {"train/grad_norm": optax.tree.norm(grads), "update/norm": optax.tree.norm(updates)}
 
 
 def learning_rates(schedule: optax.Schedule, by_group: dict[str, optax.Schedule], groups: Iterable[str]) -> MetricFn:
@@ -52,9 +56,16 @@ def learning_rates(schedule: optax.Schedule, by_group: dict[str, optax.Schedule]
     return lrs
 
 
-def defaults(schedule: optax.Schedule, by_group: dict[str, optax.Schedule], groups: Iterable[str]) -> list[StepMetric]:
-    """What every run logs: train/loss, the norms, the learning rates."""
-    return [StepMetric(loss), StepMetric(norms), StepMetric(learning_rates(schedule, by_group, groups))]
+def skipped_steps(state, grads, updates, aux) -> dict[str, jax.Array]:
+    """Steps whose non-finite gradient optax.apply_if_finite skipped, this one included."""
+    return {"train/skipped_steps": state.opt_state.total_notfinite + (~all_finite(grads)).astype(jnp.int32)}
+
+
+def defaults(schedule: optax.Schedule, by_group: dict[str, optax.Schedule], groups: Iterable[str],
+             skip_nonfinite: bool = False) -> list[StepMetric]:
+    """What every run logs: train/loss, the norms, the learning rates (and the skipped steps)."""
+    metrics = [StepMetric(loss), StepMetric(norms), StepMetric(learning_rates(schedule, by_group, groups))]
+    return metrics + ([StepMetric(skipped_steps)] if skip_nonfinite else [])
 
 
 def compute(metrics: Sequence[StepMetric], state, grads, updates, aux, logging: bool) -> dict[str, jax.Array]:
@@ -76,10 +87,16 @@ class TrainStep:
     def __call__(self, state, batch, logging: bool = True):
         return (self.logging if logging else self.plain)(state, batch)
 
+    def compiled(self) -> int:
+        """Programs compiled so far: grows on the call that traced and compiled a variant."""
+        variants = [self.logging] if self.plain is self.logging else [self.plain, self.logging]
+        return sum(f._cache_size() if hasattr(f, "_cache_size") else 0 for f in variants)
 
-def compile_variants(step: Callable, metrics: Sequence[StepMetric], **jit_kwargs) -> TrainStep:
-    """`step(state, batch, logging)` jitted once per variant it needs (`logging` is static)."""
+
+def compile_variants(step: Callable, metrics: Sequence[StepMetric], split: bool = False, **jit_kwargs) -> TrainStep:
+    """`step(state, batch, logging)` jitted once per variant it needs (`logging` is static); `split`
+    asks for both variants whatever the metrics (the aux-state hook computes values only when logging)."""
     logging_step = jax.jit(functools.partial(step, logging=True), **jit_kwargs)
-    if not any(m.logging_only for m in metrics):
+    if not split and not any(m.logging_only for m in metrics):
         return TrainStep(logging_step, logging_step)
     return TrainStep(jax.jit(functools.partial(step, logging=False), **jit_kwargs), logging_step)

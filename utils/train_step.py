@@ -1,7 +1,7 @@
 """The train step, whatever the model: a state, gradients through the model's loss with gradient
-accumulation, the optimizer update and the step metrics, jitted with shardings and buffer
-donation (the old state's buffers become the new state's). The model and its loss come from
-train_jax; nothing here knows what they are.
+accumulation, the optimizer update, the aux-state diagnostics and the step metrics, jitted with
+shardings and buffer donation (the old state's buffers become the new state's). The model and
+its loss come from train_jax; nothing here knows what they are.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from utils import aux_state
 from utils import mesh as meshlib
 from utils import step_metrics
 
@@ -22,13 +23,35 @@ class TrainState(eqx.Module):
     opt_state: optax.OptState
     step: jax.Array  # int32 scalar: optimizer updates done
     key: jax.Array  # uint32[2]: dropout randomness, split once per step
+    aux: aux_state.AuxState | None = None  # diagnostics' buffers; None when logging.log_callback_data=false
+
+
+def over_micro_batches(fn: Callable, batch_AxBxT1: jax.Array, keys_A: jax.Array):
+    """(mean over micro-batches of fn's first output, fn's second output stacked): gradient
+    accumulation as a scan. With one micro-batch there is no loop and no zero-filled accumulator,
+    so XLA fuses the step end to end."""
+    accum = batch_AxBxT1.shape[0]
+    if accum == 1:
+        out, aux = fn(batch_AxBxT1[0], keys_A[0])
+        return out, jax.tree.map(lambda x: x[None], aux)
+
+    def micro(total, xs):
+        out, aux = fn(*xs)
+        return jax.tree.map(jnp.add, total, out), aux
+
+    shapes = jax.eval_shape(fn, batch_AxBxT1[0], keys_A[0])[0]
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    total, aux = jax.lax.scan(micro, zeros, (batch_AxBxT1, keys_A))
+    return jax.tree.map(lambda t: t / accum, total), aux
 
 
 def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metrics: Sequence[step_metrics.StepMetric],
-                     state_shardings, mesh, compute_dtype, use_dropout: bool) -> step_metrics.TrainStep:
+                     state_shardings, mesh, compute_dtype, use_dropout: bool,
+                     aux_cfg: aux_state.AuxConfig = aux_state.AuxConfig(log_callback_data=False)
+                     ) -> step_metrics.TrainStep:
     """One jitted update: gradient accumulation as a scan over micro-batches, clipping and the
-    optimizer inside `tx`, metrics returned as device arrays (pulled only on logging steps).
-    `loss_fn(model, tokens_BxT1, key or None, compute_dtype) -> (loss, aux)`."""
+    optimizer inside `tx`, the aux state updated, metrics returned as device arrays (pulled only
+    on logging steps). `loss_fn(model, tokens_BxT1, key or None, compute_dtype) -> (loss, aux)`."""
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     compute_dtype = jnp.dtype(compute_dtype)
 
@@ -36,26 +59,36 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
         key, step_key = jax.random.split(state.key)
         micro_keys = jax.random.split(step_key, batch_AxBxT1.shape[0])
 
-        def grads_of(tokens_BxT1, k):
-            (_, aux), grads = grad_fn(state.model, tokens_BxT1, k if use_dropout else None, compute_dtype)
-            return grads, aux
+        def grads_at(model):
+            def fn(tokens_BxT1, k):
+                (_, aux), grads = grad_fn(model, tokens_BxT1, k if use_dropout else None, compute_dtype)
+                return grads, aux
+            return fn
 
-        accum = batch_AxBxT1.shape[0]
-        if accum == 1:  # no loop, no zero-filled accumulator: XLA fuses the step end to end
-            grads, aux = grads_of(batch_AxBxT1[0], micro_keys[0])
-            aux = jax.tree.map(lambda x: x[None], aux)
-        else:
-            def micro(grads_sum, xs):
-                grads, aux = grads_of(*xs)
-                return jax.tree.map(jnp.add, grads_sum, grads), aux
+        grads, aux = over_micro_batches(grads_at(state.model), batch_AxBxT1, micro_keys)
+        params = eqx.filter(state.model, eqx.is_array)
+        updates, opt_state = tx.update(grads, state.opt_state, params)
+        new_state = TrainState(eqx.apply_updates(state.model, updates), opt_state, state.step + 1, key, state.aux)
+        out = step_metrics.compute(metrics, state, grads, updates, aux, logging)
+        if state.aux is not None:
+            last = None
+            if aux_cfg.needs_last_point:  # this batch at x(n-1), with the same dropout keys
+                last_model = eqx.combine(state.aux.last_params, eqx.filter(state.model, eqx.is_inexact_array,
+                                                                           inverse=True))
+                if aux_cfg.compute_last_grads:
+                    last_grads, last_aux = over_micro_batches(grads_at(last_model), batch_AxBxT1, micro_keys)
+                else:
+                    def loss_at(tokens_BxT1, k):
+                        return (), loss_fn(last_model, tokens_BxT1, k if use_dropout else None, compute_dtype)[1]
+                    last_grads, last_aux = over_micro_batches(loss_at, batch_AxBxT1, micro_keys)
+                    last_grads = None
+                last = aux_state.LastPoint(last_aux["loss"].mean(), last_grads)
+            new_aux, aux_metrics = aux_state.update(aux_cfg, state.aux, eqx.filter(state.model, eqx.is_inexact_array),
+                                                    grads, updates, aux["loss"].mean(), last, logging)
+            new_state = eqx.tree_at(lambda s: s.aux, new_state, new_aux)
+            out.update(aux_metrics)
+        return new_state, out
 
-            zeros = jax.tree.map(jnp.zeros_like, eqx.filter(state.model, eqx.is_array))
-            grads_sum, aux = jax.lax.scan(micro, zeros, (batch_AxBxT1, micro_keys))
-            grads = jax.tree.map(lambda g: g / accum, grads_sum)
-        updates, opt_state = tx.update(grads, state.opt_state, eqx.filter(state.model, eqx.is_array))
-        new_state = TrainState(eqx.apply_updates(state.model, updates), opt_state, state.step + 1, key)
-        return new_state, step_metrics.compute(metrics, state, grads, updates, aux, logging)
-
-    return step_metrics.compile_variants(train_step, metrics, donate_argnums=0,
+    return step_metrics.compile_variants(train_step, metrics, split=aux_cfg.on, donate_argnums=0,
                                          in_shardings=(state_shardings, meshlib.batch_sharding(mesh, 1)),
                                          out_shardings=(state_shardings, meshlib.replicated(mesh)))

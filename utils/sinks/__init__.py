@@ -1,11 +1,20 @@
 """Where a run's metrics go: a registry of sinks behind one interface.
 
 A sink is one file here: a frozen config dataclass whose fields are its `logging.*` knobs (plus
-`check(prefix)` if it has rules) and whose `build(run_dir, total_steps, start_step, config)`
-returns an object with `log(step, metrics)` and `close()` (and optionally `advance(steps)` for
-progress), or None when it is switched off. Register it in SINKS. Only process 0 builds sinks;
-the others get an empty `Sinks`. The loop hands over plain floats it already pulled from the
-device: no sink touches a device array.
+`check(prefix)` if it has rules) and whose
+`build(run_dir, total_steps, start_step, config, saved)` returns an object with
+`log(step, metrics)` and `close()` (and optionally `advance(steps)` for progress, and
+`state_dict() -> dict` for what a resumed run needs back), or None when it is switched off.
+Register it in SINKS; its key there names it.
+
+Resuming: `Sinks.state_dict()` is `{sink name: that sink's state_dict()}` (JSON: e.g.
+`{"wandb": {"id": "abc123"}}`); the checkpoint stores it (manifest "sinks") and the next segment
+passes it back as `open_sinks(..., saved=...)`, which hands each sink's `build` its own part as
+`saved` (`{}` when none: a fresh run, or a sink with no state). A part whose sink is off in this
+segment is carried over unchanged, so switching wandb off for one segment does not lose its run.
+
+Only process 0 builds sinks; the others get an empty `Sinks`. The loop hands over plain floats it
+already pulled from the device: no sink touches a device array.
 """
 
 from __future__ import annotations
@@ -16,13 +25,15 @@ from typing import Any, Protocol
 
 import jax
 
+from utils.aux_state import AuxConfig
 from utils.errors import ConfigError
 from utils.sections import build_section
 from utils.sinks.console import Console
 from utils.sinks.jsonl import Jsonl
+from utils.sinks.tensorboard import TensorBoard
 from utils.sinks.wandb import Wandb
 
-SINKS = {"console": Console, "jsonl": Jsonl, "wandb": Wandb}
+SINKS = {"console": Console, "jsonl": Jsonl, "tensorboard": TensorBoard, "wandb": Wandb}
 
 
 class Sink(Protocol):
@@ -34,6 +45,8 @@ class Sink(Protocol):
 @dataclass(frozen=True)
 class LoggingConfig:
     log_every: int = 10  # pull metrics from the device every N steps (no host sync in between)
+    samples_file: str | None = "samples.jsonl"  # text sampled at each evaluation; null = none
+    aux: AuxConfig = AuxConfig()  # the aux-state hook's flags (utils/aux_state.py)
     sinks: tuple = ()  # one built config per entry of SINKS, in its order
 
     def check(self, prefix: str) -> None:
@@ -46,7 +59,9 @@ def logging_config(node: dict, prefix: str = "logging") -> LoggingConfig:
     fields (knob names are the users'); a knob no sink has is refused."""
     if not isinstance(node, dict):
         raise ConfigError(f"{prefix} must be a mapping of knobs, got {node!r}")
-    owned = {"log_every"}
+    own = ("log_every", "samples_file")
+    aux_knobs = {f.name for f in dataclasses.fields(AuxConfig)}
+    owned = set(own) | aux_knobs
     sinks = []
     for cls in SINKS.values():
         knobs = {f.name for f in dataclasses.fields(cls)}
@@ -55,15 +70,19 @@ def logging_config(node: dict, prefix: str = "logging") -> LoggingConfig:
     unknown = sorted(set(node) - owned)
     if unknown:
         raise ConfigError(f"unknown knob {prefix}.{unknown[0]}: known knobs are {', '.join(sorted(owned))}")
-    base = build_section(LoggingConfig, {k: v for k, v in node.items() if k == "log_every"}, prefix)
-    return dataclasses.replace(base, sinks=tuple(sinks))
+    base = build_section(LoggingConfig, {k: v for k, v in node.items() if k in own}, prefix)
+    aux = build_section(AuxConfig, {k: v for k, v in node.items() if k in aux_knobs}, prefix)
+    return dataclasses.replace(base, aux=aux, sinks=tuple(sinks))
 
 
 class Sinks:
-    """All of a run's sinks as one: the loop logs once, each sink gets it."""
+    """All of a run's sinks as one: the loop logs once, each sink gets it. `sinks` maps each
+    sink's name (its SINKS key) to the built sink; `saved` is the state the run resumed with."""
 
-    def __init__(self, sinks: list[Any]):
-        self.sinks = sinks
+    def __init__(self, sinks: dict[str, Any] | None = None, saved: dict | None = None):
+        self.named = dict(sinks or {})
+        self.sinks = list(self.named.values())
+        self._saved = dict(saved or {})
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for sink in self.sinks:
@@ -74,13 +93,38 @@ class Sinks:
             if hasattr(sink, "advance"):
                 sink.advance(steps)
 
+    def state_dict(self) -> dict:
+        """What a resumed run passes back to `open_sinks(saved=...)`: JSON, for the checkpoint."""
+        state = dict(self._saved)
+        for name, sink in self.named.items():
+            if hasattr(sink, "state_dict"):
+                state[name] = sink.state_dict()
+        return state
+
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
 
 
-def open_sinks(cfg: LoggingConfig, run_dir: str, total_steps: int, start_step: int, config: dict) -> Sinks:
+def sink_name(sink_cfg: Any) -> str:
+    """A sink config's name: its key in SINKS."""
+    for name, cls in SINKS.items():
+        if type(sink_cfg) is cls:
+            return name
+    return getattr(type(sink_cfg), "name", type(sink_cfg).__name__.lower())
+
+
+def open_sinks(cfg: LoggingConfig, run_dir: str, total_steps: int, start_step: int, config: dict,
+               saved: dict | None = None) -> Sinks:
+    """Build the run's sinks. `saved` is what `Sinks.state_dict()` returned in the run's previous
+    segment (None or {} for a fresh run)."""
+    saved = dict(saved or {})
     if jax.process_index() != 0:
-        return Sinks([])
-    built = (sink.build(run_dir, total_steps, start_step, config) for sink in cfg.sinks)
-    return Sinks([sink for sink in built if sink is not None])
+        return Sinks({}, saved)
+    built = {}
+    for sink_cfg in cfg.sinks:
+        name = sink_name(sink_cfg)
+        sink = sink_cfg.build(run_dir, total_steps, start_step, config, saved=dict(saved.get(name) or {}))
+        if sink is not None:
+            built[name] = sink
+    return Sinks(built, saved)

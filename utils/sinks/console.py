@@ -48,7 +48,8 @@ class Console:
     name: ClassVar[str] = "console"
     progress_bar: bool = True  # a tqdm bar on a terminal; plain lines when output is a file (SLURM)
 
-    def build(self, run_dir: str, total_steps: int, start_step: int, config: dict) -> "ConsoleSink":
+    def build(self, run_dir: str, total_steps: int, start_step: int, config: dict,
+              saved: dict | None = None) -> "ConsoleSink":
         return ConsoleSink(self.progress_bar and sys.stderr.isatty(), total_steps, start_step)
 
 

@@ -14,7 +14,8 @@ class Jsonl:
     name: ClassVar[str] = "jsonl"
     metrics_file: str | None = "metrics.jsonl"  # relative to the run directory; null = none
 
-    def build(self, run_dir: str, total_steps: int, start_step: int, config: dict) -> "JsonlSink | None":
+    def build(self, run_dir: str, total_steps: int, start_step: int, config: dict,
+              saved: dict | None = None) -> "JsonlSink | None":
         return JsonlSink(os.path.join(run_dir, self.metrics_file)) if self.metrics_file else None
 
 

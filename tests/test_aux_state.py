@@ -1,0 +1,220 @@
+"""The aux-state hook: every diagnostic against a direct NumPy computation, the flags' rules, the
+buffers' absence when off, and a non-finite gradient counted and skipped."""
+
+import itertools
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import train_jax as T
+from utils import aux_state
+from utils import mesh as meshlib
+from utils.aux_state import AuxConfig
+from utils.errors import ConfigError
+from utils.sinks import logging_config
+from utils.train_step import build_train_step
+
+FLAGS = ("store_last_params", "store_last_grads", "store_past_grads", "compute_last_loss", "compute_last_grads")
+ALL_ON = AuxConfig(**{f: True for f in FLAGS})
+
+
+def flat(tree) -> np.ndarray:
+    return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
+
+
+def cos(a: np.ndarray, b: np.ndarray) -> float:
+    den = np.linalg.norm(a) * np.linalg.norm(b)
+    return float(a @ b / den) if den > 0 else 0.0
+
+
+def expected(hist: list[dict], n: int) -> dict[str, float]:
+    """The metrics of step n from the history of x, g, the update, f and the x(n-1) point."""
+    x, g, u = hist[n]["x"], hist[n]["g"], hist[n]["u"]
+    x_prev = hist[n - 1]["x"] if n else x  # x(-1) := x(0)
+    g_prev = hist[n - 1]["g"] if n else np.zeros_like(g)
+    past = sum((h["g"] for h in hist[:n]), np.zeros_like(g))
+    delta = x - x_prev
+    out = {}
+    for name, v in (("params", x), ("grads", g), ("update", u)):
+        out.update({f"{name}/norm": np.linalg.norm(v), f"{name}/norm_l1": np.abs(v).sum(),
+                    f"{name}/norm_inf": np.abs(v).max()})
+    out.update({
+        "params/cos(xn, x(n-1))": cos(x, x_prev),
+        "update/<gn, xn-x(n-1)>": g @ delta, "update/<gn, Delta(n)>": g @ delta,
+        "update/cos(gn, Delta(n))": cos(g, delta), "update/cos(Delta(n+1), Delta(n))": cos(u, delta),
+        "grads/<gn, g(n-1)>": g @ g_prev, "grads/cos(gn, g(n-1))": cos(g, g_prev),
+        "update/<g(n-1), Delta(n)>": g_prev @ delta, "update/cos(g(n-1), Delta(n))": cos(g_prev, delta),
+        "grads/<gn, g(1:n-1)>": g @ past, "grads/cos(gn, g(1:n-1))": cos(g, past),
+        "loss/fn-f(n-1)": hist[n]["f"] - hist[n]["f_prev"],
+        "grads/cos(gn, g'(n-1))": cos(g, hist[n]["g_prev_point"]),
+        "curvature/<gn-g'(n-1), Delta(n)>": (g - hist[n]["g_prev_point"]) @ delta,
+        "grads/inf_grads": 0.0,
+    })
+    for name in ("update/<gn, xn-x(n-1)>", "update/<gn, Delta(n)>", "update/<g(n-1), Delta(n)>", "loss/fn-f(n-1)"):
+        out[name + "_sum"] = sum(expected_one(hist, k, name) for k in range(n + 1))
+    return out
+
+
+def expected_one(hist, k, name):
+    x_prev = hist[k - 1]["x"] if k else hist[k]["x"]
+    delta = hist[k]["x"] - x_prev
+    if name == "loss/fn-f(n-1)":
+        return hist[k]["f"] - hist[k]["f_prev"]
+    if name == "update/<g(n-1), Delta(n)>":
+        return (hist[k - 1]["g"] if k else np.zeros_like(delta)) @ delta
+    return hist[k]["g"] @ delta
+
+
+def test_every_metric_matches_numpy_over_three_steps():
+    """A quadratic f(x; z) = ½|x - z|² on a two-leaf tree with negative entries (norm_inf is max |x|,
+    not max x), three SGD steps; the first step's Δ is 0, so its cosines must be exactly 0."""
+    rng = np.random.default_rng(0)
+    x = {"a": jnp.asarray(rng.normal(size=(3, 4)) - 2.0, jnp.float32), "b": jnp.asarray(-rng.random(5) * 3, jnp.float32)}
+    f = lambda p, z: 0.5 * sum(jnp.sum((p[k] - z[k]) ** 2) for k in p)  # noqa: E731
+    aux = aux_state.init(ALL_ON, x)
+    hist, got = [], []
+    for n in range(3):
+        z = jax.tree.map(lambda v: jnp.asarray(rng.normal(size=v.shape), jnp.float32), x)
+        g = jax.grad(f)(x, z)
+        u = jax.tree.map(lambda v: -0.3 * v, g)
+        x_prev = aux.last_params
+        last = aux_state.LastPoint(f(x_prev, z), jax.grad(f)(x_prev, z))
+        aux, metrics = aux_state.update(ALL_ON, aux, x, g, u, f(x, z), last, logging=True)
+        hist.append({"x": flat(x), "g": flat(g), "u": flat(u), "f": float(f(x, z)), "f_prev": float(last.loss),
+                     "g_prev_point": flat(last.grads)})
+        got.append({k: float(v) for k, v in metrics.items()})
+        x = jax.tree.map(jnp.add, x, u)
+    assert got[0]["update/cos(gn, Delta(n))"] == 0.0 and got[0]["grads/cos(gn, g(n-1))"] == 0.0
+    assert got[2]["params/norm_inf"] > float(max(jnp.max(v) for v in jax.tree.leaves(x)))  # |x|, not x
+    for n in range(3):
+        want = expected(hist, n)
+        assert set(got[n]) == set(want)
+        for name, value in want.items():
+            assert got[n][name] == pytest.approx(value, rel=2e-5, abs=2e-5), (n, name)
+
+
+def test_non_logging_steps_return_nothing_but_keep_the_sums():
+    x = {"w": jnp.arange(4.0)}
+    g = {"w": jnp.ones(4)}
+    aux = aux_state.init(ALL_ON, x)
+    aux, metrics = aux_state.update(ALL_ON, aux, x, g, g, jnp.float32(1.0), aux_state.LastPoint(jnp.float32(0.5)),
+                                    logging=False)
+    assert metrics == {}
+    assert float(aux.sums["loss/fn-f(n-1)_sum"]) == 0.5
+
+
+@pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=len(FLAGS))),
+                         ids=lambda fl: "".join("1" if f else "0" for f in fl))
+def test_every_flag_combination_runs_or_is_refused_at_start(flags):
+    node = {"log_callback_data": True, **dict(zip(FLAGS, flags))}
+    cfg = dict(zip(FLAGS, flags))
+    needs_params = cfg["compute_last_loss"] or cfg["compute_last_grads"]
+    if needs_params and not cfg["store_last_params"]:
+        with pytest.raises(ConfigError, match=r"logging\.compute_last_(loss|grads)=true .*store_last_params=true"):
+            logging_config(node)
+        return
+    aux_cfg = logging_config(node).aux
+    x = {"w": jnp.arange(3.0) - 1.0}
+    state = aux_state.init(aux_cfg, x)
+    last = aux_state.LastPoint(jnp.float32(0.0), x if cfg["compute_last_grads"] else None) if needs_params else None
+    state, metrics = aux_state.update(aux_cfg, state, x, x, x, jnp.float32(1.0), last, logging=True)
+    assert (state.last_params is None) == (not cfg["store_last_params"])
+    assert ("grads/cos(gn, g(1:n-1))" in metrics) == cfg["store_past_grads"]
+    assert ("loss/fn-f(n-1)" in metrics) == needs_params
+    assert all(math.isfinite(float(v)) for v in metrics.values())
+
+
+def test_with_log_callback_data_false_the_other_flags_are_moot():
+    cfg = logging_config({"log_callback_data": False, "store_last_params": False, "compute_last_loss": True}).aux
+    assert aux_state.init(cfg, {"w": jnp.zeros(3)}) is None and cfg.buffer_copies() == 0
+
+
+# ----------------------------------------------------------------------------- through the real step
+
+
+def assemble(tiny_run, *overrides):
+    run = tiny_run(*overrides)
+    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
+    _, tx, state, step = T.init_training(run, mesh)
+    return run, tx, state, step, mesh
+
+
+def test_the_train_step_carries_the_aux_state_and_matches_numpy(tiny_run):
+    """Three steps of the tiny GPT with every flag: g(n-1)' and f(x(n-1), z(n)) recomputed here
+    directly from saved copies of the weights."""
+    flags = [f"logging.{f}=true" for f in FLAGS]
+    run, _, state, step, mesh = assemble(tiny_run, "optimizer=sgdm", "optimizer/lr_config=constant",
+                                         "optimizer.lr_config.lr=0.5", "optimizer.lr_config.warmup=0",
+                                         "train.gradient_clip_val=null", *flags)
+    rng = np.random.default_rng(1)
+    params = lambda model: eqx.filter(model, eqx.is_inexact_array)  # noqa: E731
+    grad_at = eqx.filter_value_and_grad(lambda m, t: T.loss_fn(m, t, None, "float32")[0])
+    xs, metrics = [], []
+    for _ in range(3):
+        batch = rng.integers(0, 64, (1, 8, 17), dtype=np.int32)
+        xs.append((jax.tree.map(lambda v: jnp.copy(v) if eqx.is_array(v) else v, state.model), batch))  # donated
+        state, m = step(state, meshlib.put_batch(batch, meshlib.batch_sharding(mesh, 1)), True)
+        metrics.append({k: float(v) for k, v in m.items()})
+    x0, x1, x2 = (flat(params(model)) for model, _ in xs)
+    (f2, g2), (f2_prev, g2_prev) = (grad_at(m, jnp.asarray(xs[2][1][0])) for m in (xs[2][0], xs[1][0]))
+    g1 = grad_at(xs[1][0], jnp.asarray(xs[1][1][0]))[1]
+    g2, g2_prev, g1 = flat(g2), flat(g2_prev), flat(g1)
+    got = metrics[2]
+    assert got["loss/fn-f(n-1)"] == pytest.approx(float(f2 - f2_prev), rel=1e-4, abs=1e-6)
+    assert got["grads/cos(gn, g(n-1))"] == pytest.approx(cos(g2, g1), rel=1e-4)
+    assert got["grads/cos(gn, g'(n-1))"] == pytest.approx(cos(g2, g2_prev), rel=1e-4)
+    assert got["curvature/<gn-g'(n-1), Delta(n)>"] == pytest.approx((g2 - g2_prev) @ (x2 - x1), rel=1e-3, abs=1e-7)
+    assert got["update/cos(Delta(n+1), Delta(n))"] == pytest.approx(cos(flat(params(state.model)) - x2, x2 - x1), rel=1e-4)
+    assert got["update/<gn, Delta(n)>_sum"] == pytest.approx(g2 @ (x2 - x1) + g1 @ (x1 - x0), rel=1e-4)
+    assert step.compiled() == 1  # one variant used so far: the logging one
+
+
+def test_log_callback_data_false_leaves_no_aux_leaves(tiny_run):
+    _, _, state, step, mesh = assemble(tiny_run, "logging.log_callback_data=false")
+    assert state.aux is None
+    state, metrics = step(state, meshlib.put_batch(np.zeros((1, 8, 17), np.int32), meshlib.batch_sharding(mesh, 1)))
+    assert state.aux is None and not any(k.startswith(("params/", "grads/")) for k in metrics)
+    assert step.plain is step.logging  # no logging-only work: one program
+
+
+def test_a_nonfinite_gradient_is_counted_and_skipped(tiny_run):
+    """A batch whose first token is 63 makes the loss (so the gradient) NaN. With skip_nonfinite the
+    weights and optimizer state stay as they were, the step is counted, and the next finite step
+    trains on with buffers the NaN did not reach."""
+    run = tiny_run("train.skip_nonfinite=true")
+    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
+    _, tx, state, _ = T.init_training(run, mesh)
+
+    def poisoned_loss(model, tokens_BxT1, key, compute_dtype):
+        loss, aux = T.loss_fn(model, tokens_BxT1, key, compute_dtype)
+        loss = loss * jnp.where(tokens_BxT1[0, 0] == 63, jnp.nan, 1.0)  # NaN reaches the gradient
+        return loss, {**aux, "loss": loss}
+
+    shardings = meshlib.tree_shardings(mesh, jax.eval_shape(lambda: state))
+    from utils import step_metrics
+    metrics = step_metrics.defaults(optax.constant_schedule(1e-3), {}, [], skip_nonfinite=True)
+    step = build_train_step(poisoned_loss, tx, metrics, shardings, mesh, "float32", False, run.logging.aux)
+    put = lambda b: meshlib.put_batch(b, meshlib.batch_sharding(mesh, 1))  # noqa: E731
+    good = np.ones((1, 8, 17), np.int32)
+    bad = good.copy()
+    bad[0, 0, 0] = 63
+    state, _ = step(state, put(good), True)
+    kept = lambda s: [np.array(x) for x in jax.tree.leaves(eqx.filter((s.model, s.opt_state.inner_state),  # noqa: E731
+                                                                       eqx.is_array))]
+    before = kept(state)
+    state, m = step(state, put(bad), True)
+    after = kept(state)
+    assert float(m["grads/inf_grads"]) == 1 and float(m["train/skipped_steps"]) == 1
+    assert float(m["update/norm"]) == 0.0 and math.isnan(float(m["train/loss"]))
+    assert len(before) == len(after)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    state, m = step(state, put(good), True)
+    assert all(math.isfinite(float(v)) for k, v in m.items() if k != "train/loss")
+    assert float(m["train/skipped_steps"]) == 1 and float(m["grads/inf_grads"]) == 1
+    assert np.isfinite(flat(state.aux.last_grads)).all() and np.isfinite(flat(state.aux.past_grads)).all()

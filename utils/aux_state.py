@@ -1,0 +1,219 @@
+"""The aux-state hook: training diagnostics updated inside the jitted step, as trainit's
+`update_aux_state` computes them, under the same metric names.
+
+Notation (the step that starts from parameters x_n): z_n its batch, g_n = ∇f(x_n, z_n) the
+averaged gradient before clipping, Δ_n = x_n − x_{n−1} the previous step's update and Δ_{n+1}
+the update this step applies, ⟨·,·⟩ the inner product over all parameters, cos the normalised
+one (0 when either norm is 0). The buffers x_{n−1}, g_{n−1} and Σ g_{1..n−1} live in the train
+state (`AuxState`), shard like the parameters (utils.mesh gives every leaf of one shape the same
+layout) and are saved in checkpoints, so a resumed run's diagnostics continue exactly.
+
+Why the split between every step and logging steps: the `_sum` metrics and the buffers must be
+updated at every step (a running sum over every step), so they are cheap, fused reductions; all
+other values (norms, cosines) are computed only in the train step's logging variant.
+
+A step whose gradient is not finite is counted (`grads/inf_grads`) and leaves the gradient
+buffers and the sums as they were, so one bad batch skipped by `train.skip_nonfinite` does not
+poison every later cosine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from utils.errors import ConfigError
+from utils.step_metrics import all_finite
+
+F32 = jnp.float32
+
+
+@dataclass(frozen=True)
+class AuxConfig:
+    """The `logging.*` flags of the aux-state hook (the names of seed 003's pipeline)."""
+
+    log_callback_data: bool = True  # false: no diagnostics, no buffers
+    store_last_params: bool = True  # keep x(n-1): 1 parameter copy
+    store_last_grads: bool = True  # keep g(n-1): 1 parameter copy
+    store_past_grads: bool = True  # keep the sum of g(1..n-1): 1 parameter copy
+    compute_last_loss: bool = False  # f(x(n-1), z(n)): one extra forward per step
+    compute_last_grads: bool = False  # grad f(x(n-1), z(n)): one extra forward and backward per step
+    per_layer: bool = False  # norms per block (logging steps only)
+
+    def check(self, prefix: str) -> None:
+        if not self.log_callback_data:
+            return  # every flag below is moot: nothing is computed
+        for flag in ("compute_last_loss", "compute_last_grads"):
+            if getattr(self, flag) and not self.store_last_params:
+                raise ConfigError(f"{prefix}.{flag}=true evaluates at x(n-1), which only {prefix}.store_last_params "
+                                  f"keeps: set {prefix}.store_last_params=true or {prefix}.{flag}=false")
+
+    @property
+    def on(self) -> bool:
+        return self.log_callback_data
+
+    @property
+    def needs_last_point(self) -> bool:
+        """The step evaluates the loss at x(n-1) on this step's batch."""
+        return self.on and (self.compute_last_loss or self.compute_last_grads)
+
+    @property
+    def sum_names(self) -> tuple[str, ...]:
+        names: list[str] = []
+        if self.store_last_params:
+            names += ["update/<gn, xn-x(n-1)>_sum", "update/<gn, Delta(n)>_sum"]
+            if self.store_last_grads:
+                names.append("update/<g(n-1), Delta(n)>_sum")
+            if self.compute_last_loss or self.compute_last_grads:
+                names.append("loss/fn-f(n-1)_sum")
+        return tuple(names) if self.on else ()
+
+    def buffer_copies(self) -> int:
+        """Parameter-sized buffers the state carries (the README's memory figure)."""
+        return (self.store_last_params + self.store_last_grads + self.store_past_grads) if self.on else 0
+
+
+class AuxState(eqx.Module):
+    last_params: Any  # x(n-1), or None without store_last_params
+    last_grads: Any  # g(n-1), or None
+    past_grads: Any  # sum of g(1..n-1), or None
+    sums: dict  # running sums over every step, float32 scalars
+    inf_grads: jax.Array  # int32: steps whose gradient was not finite
+
+
+# ----------------------------------------------------------------------------- tree arithmetic, in float32
+
+
+def _vdot(a, b) -> jax.Array:
+    return optax.tree.vdot(optax.tree.cast(a, F32), optax.tree.cast(b, F32))
+
+
+def _norms(tree) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(L2, L1, L∞ = max |x|) of a whole tree."""
+    t = optax.tree.cast(tree, F32)
+    return optax.tree.norm(t), optax.tree.norm(t, ord=1), optax.tree.norm(t, ord=math.inf)
+
+
+def cosine(dot: jax.Array, norm_a: jax.Array, norm_b: jax.Array) -> jax.Array:
+    """dot / (|a| |b|), and 0 when either vector is 0 (the first step's Δ, a zero buffer)."""
+    den = norm_a * norm_b
+    return jnp.where(den > 0, dot / jnp.where(den > 0, den, 1.0), 0.0)
+
+
+# ----------------------------------------------------------------------------- the hook
+
+
+def init(cfg: AuxConfig, params) -> AuxState | None:
+    """The buffers at step 0: x(-1) := x(0), so the first Δ is 0 and its cosines are 0."""
+    if not cfg.on:
+        return None
+    zeros = lambda: optax.tree.zeros_like(params)  # noqa: E731
+    return AuxState(last_params=jax.tree.map(jnp.copy, params) if cfg.store_last_params else None,
+                    last_grads=zeros() if cfg.store_last_grads else None,
+                    past_grads=zeros() if cfg.store_past_grads else None,
+                    sums={name: jnp.zeros((), F32) for name in cfg.sum_names},
+                    inf_grads=jnp.zeros((), jnp.int32))
+
+
+@dataclass(frozen=True)
+class LastPoint:
+    """This step's batch evaluated at x(n-1): the loss, and the gradient g'(n-1) when asked for."""
+
+    loss: jax.Array
+    grads: Any = None
+
+
+def update(cfg: AuxConfig, aux: AuxState, params, grads, updates, loss: jax.Array, last: LastPoint | None,
+           logging: bool) -> tuple[AuxState, dict[str, jax.Array]]:
+    """(the next AuxState, metrics): the `_sum`s and buffers at every step, every other value only
+    when `logging`. `params` is x_n, `grads` g_n, `updates` Δ(n+1), `loss` f(x_n, z_n)."""
+    finite = all_finite(grads)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    out: dict[str, jax.Array] = {}
+    sums = dict(aux.sums)
+
+    def add_sum(name: str, value: jax.Array) -> None:
+        sums[name + "_sum"] = jnp.where(finite, sums[name + "_sum"] + value, sums[name + "_sum"])
+        out[name] = value
+
+    g_norms = _norms(grads)
+    if logging:
+        for prefix, tree, norms in (("params", params, _norms(params)), ("grads", grads, g_norms),
+                                    ("update", updates, _norms(updates))):
+            out.update({f"{prefix}/norm": norms[0], f"{prefix}/norm_l1": norms[1], f"{prefix}/norm_inf": norms[2]})
+
+    if cfg.store_last_params:
+        delta = optax.tree.sub(optax.tree.cast(params, F32), optax.tree.cast(aux.last_params, F32))
+        delta_norm = optax.tree.norm(delta)
+        g_delta = _vdot(grads, delta)
+        add_sum("update/<gn, xn-x(n-1)>", g_delta)
+        add_sum("update/<gn, Delta(n)>", g_delta)  # Δ(n) is x(n) - x(n-1): the same product, the seed's two names
+        if logging:
+            out["params/cos(xn, x(n-1))"] = cosine(_vdot(params, aux.last_params), optax.tree.norm(
+                optax.tree.cast(params, F32)), optax.tree.norm(optax.tree.cast(aux.last_params, F32)))
+            out["update/cos(gn, Delta(n))"] = cosine(g_delta, g_norms[0], delta_norm)
+            out["update/cos(Delta(n+1), Delta(n))"] = cosine(_vdot(updates, delta), optax.tree.norm(
+                optax.tree.cast(updates, F32)), delta_norm)
+    if cfg.store_last_grads:
+        last_g_norm = optax.tree.norm(aux.last_grads)
+        if logging:
+            dot = _vdot(grads, aux.last_grads)
+            out["grads/<gn, g(n-1)>"] = dot
+            out["grads/cos(gn, g(n-1))"] = cosine(dot, g_norms[0], last_g_norm)
+        if cfg.store_last_params:
+            dot = _vdot(aux.last_grads, delta)
+            add_sum("update/<g(n-1), Delta(n)>", dot)
+            if logging:
+                out["update/cos(g(n-1), Delta(n))"] = cosine(dot, last_g_norm, delta_norm)
+    if cfg.store_past_grads and logging:
+        dot = _vdot(grads, aux.past_grads)
+        out["grads/<gn, g(1:n-1)>"] = dot
+        out["grads/cos(gn, g(1:n-1))"] = cosine(dot, g_norms[0], optax.tree.norm(aux.past_grads))
+    if last is not None:
+        add_sum("loss/fn-f(n-1)", loss.astype(F32) - last.loss.astype(F32))
+        if last.grads is not None and logging:
+            out["grads/cos(gn, g'(n-1))"] = cosine(_vdot(grads, last.grads), g_norms[0], optax.tree.norm(
+                optax.tree.cast(last.grads, F32)))
+            out["curvature/<gn-g'(n-1), Delta(n)>"] = _vdot(optax.tree.sub(optax.tree.cast(grads, F32),
+                                                                          optax.tree.cast(last.grads, F32)), delta)
+
+    inf_grads = aux.inf_grads + (~finite).astype(jnp.int32)
+    new = AuxState(
+        last_params=jax.tree.map(jnp.copy, params) if cfg.store_last_params else None,
+        last_grads=keep(optax.tree.cast_like(grads, aux.last_grads), aux.last_grads) if cfg.store_last_grads else None,
+        past_grads=keep(optax.tree.add(aux.past_grads, optax.tree.cast_like(grads, aux.past_grads)), aux.past_grads)
+        if cfg.store_past_grads else None,
+        sums=sums, inf_grads=inf_grads)
+    if logging:
+        out.update({name: value for name, value in sums.items()})
+        out["grads/inf_grads"] = inf_grads
+        return new, out
+    return new, {}
+
+
+# ----------------------------------------------------------------------------- per-block norms
+
+
+def per_layer(blocks_of: Callable[[Any], Any], num_blocks: int):
+    """A step metric (logging steps only): `layers/<i>/{params,grads,update}/norm` for each block
+    i of the stacked blocks `blocks_of(tree)` picks out (every leaf's leading axis is the block)."""
+
+    def block_norms(tree) -> jax.Array:
+        leaves = jax.tree.leaves(blocks_of(tree))
+        return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(F32)).reshape(x.shape[0], -1), axis=1) for x in leaves))
+
+    def metric(state, grads, updates, aux) -> dict[str, jax.Array]:
+        out = {}
+        for name, tree in (("params", eqx.filter(state.model, eqx.is_inexact_array)), ("grads", grads),
+                           ("update", updates)):
+            norms_L = block_norms(tree)
+            out.update({f"layers/{i}/{name}/norm": norms_L[i] for i in range(num_blocks)})
+        return out
+
+    return metric
