@@ -186,13 +186,17 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
     if saver:
         saver.add_to_manifest("sinks", sinks.state_dict)
     vouchers = ("update/norm",) if t.skip_nonfinite else H.VOUCHERS  # a skipped step's loss is NaN
-    hooks += [H.Log(sinks), H.Divergence(vouchers)]
+    sample = lambda model, prompt, tokens: sample_text(  # noqa: E731
+        model, trainer.tokenizer, prompt, tokens, jax.random.PRNGKey(run.random_seed), t.sample_temperature,
+        run.context_length)
+    hooks.append(H.Log(sinks))
+    if not t.skip_validation and run.logging.sample_prompts:
+        hooks.append(H.EvalSamples(sample, run.logging.sample_prompts, run.logging.sample_tokens, sinks))
+    hooks.append(H.Divergence(vouchers))
     if saver:
         hooks += [H.Checkpoint(saver, ck.save_path, vouchers), H.StopOnSignal(stop_signals)]
     if t.sample_tokens:
-        hooks.append(H.Sample(lambda model: sample_text(model, trainer.tokenizer, t.sample_prompt, t.sample_tokens,
-                                                        jax.random.PRNGKey(run.random_seed), t.sample_temperature,
-                                                        run.context_length)))
+        hooks.append(H.Sample(sample, t.sample_prompt, t.sample_tokens))
     return H.Hooks(hooks)
 
 

@@ -22,6 +22,7 @@ TINY_OVERRIDES = (
     "dataset.batch_size=8",
     "train.max_steps=20",
     "train.sample_tokens=0",
+    "logging.sample_prompts=[]",
     "logging.progress_bar=false",
 )
 

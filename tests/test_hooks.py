@@ -25,13 +25,13 @@ class Recorder(H.Hook):
         self.steps.append(ctx.step)
 
 
-def drive(hooks: list[H.Hook], start: int, end: int, record_at=()) -> H.LoopContext:
+def drive(hooks: list[H.Hook], start: int, end: int, record_at=(), state=None) -> H.LoopContext:
     """The loop's calls, with no model: start, then each step's hooks."""
-    ctx = H.LoopContext(start, end, state=None, data=None)
+    ctx = H.LoopContext(start, end, state=state, data=None)
     runner = H.Hooks(hooks)
     runner.run(ctx)
     for step in range(start + 1, end + 1):
-        ctx.advance(step, None, {})
+        ctx.advance(step, state, {})
         if step in record_at:
             ctx.add({"train/loss": 1.0})
         runner.run(ctx)
@@ -73,7 +73,7 @@ def test_divergence_hook_stops_on_a_logged_nan():
         ctx = H.LoopContext(0, 5, state=None, data=None)
         runner = H.Hooks([H.Divergence()])
         for step in range(1, 6):
-            ctx.advance(step, None, {})
+            ctx.advance(step, state, {})
             ctx.add({"train/loss": float("nan") if step == 3 else 1.0})
             runner.run(ctx)
 
@@ -161,3 +161,25 @@ def test_a_registered_sink_receives_every_logged_step(tmp_path, monkeypatch):
         {"step": 3, "train/loss": 1.5}]
     off = sinks.logging_config({"progress_bar": False, "memory": False, "metrics_file": None})
     assert all(type(s).__name__ == "ConsoleSink" for s in sinks.open_sinks(off, str(tmp_path), 10, 0, {}).sinks)
+
+
+def test_eval_samples_go_to_samples_jsonl_at_each_evaluation(tmp_path):
+    """Evaluations at steps 0, 2 and 4 (val_freq 2): each writes one line per fixed prompt; the
+    sampler gets the same prompts and token count every time."""
+    cfg = sinks.logging_config({"metrics_file": None, "samples_file": "samples.jsonl", "progress_bar": False})
+    out = sinks.open_sinks(cfg, str(tmp_path), 4, 0, {})
+    calls = []
+
+    def sample(model, prompt, tokens):
+        calls.append((prompt, tokens))
+        return prompt + "x" * tokens
+
+    evaluation = H.Evaluation(lambda model: {"val/loss": 1.0}, 2, 4, at_start=True)
+    drive([evaluation, H.EvalSamples(sample, ("def ", "import "), 3, out)], 0, 4,
+          state=type("State", (), {"model": None})())
+    out.close()
+    lines = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompt"], r["text"]) for r in lines] == [
+        (s, p, p + "xxx") for s in (0, 2, 4) for p in ("def ", "import ")]
+    assert set(calls) == {("def ", 3), ("import ", 3)}
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -282,13 +282,29 @@ class StopOnSignal(Hook):
             ctx.stop = signals.agree(self.stop_signals.requested, sync_point=bool(ctx.record))
 
 
+class EvalSamples(Hook):
+    """At each evaluation, text from fixed prompts with a fixed key, to the sinks (samples.jsonl,
+    TensorBoard, wandb): how the same prompts read as training goes on. Every process samples
+    (the model is sharded), only process 0's sinks write."""
+
+    def __init__(self, sample: Callable[[Any, str, int], str], prompts: Sequence[str], tokens: int, sinks: Sinks):
+        self.sample, self.prompts, self.tokens, self.sinks = sample, tuple(prompts), tokens, sinks
+
+    def due(self, ctx: LoopContext) -> bool:
+        return "val/loss" in ctx.record
+
+    def __call__(self, ctx: LoopContext) -> None:
+        self.sinks.log_samples(ctx.step, [(p, self.sample(ctx.state.model, p, self.tokens)) for p in self.prompts])
+        ctx.restart_clock()  # sampling time is not training throughput
+
+
 class Sample(Hook):
     """A little generated text at the segment's end, so a run shows what it learned."""
 
     at_end = True
 
-    def __init__(self, sample: Callable[[Any], str]):
-        self.sample = sample
+    def __init__(self, sample: Callable[[Any, str, int], str], prompt: str, tokens: int):
+        self.sample, self.prompt, self.tokens = sample, prompt, tokens
 
     def __call__(self, ctx: LoopContext) -> None:
-        say("---- sample ----\n" + self.sample(ctx.state.model) + "\n----------------")
+        say("---- sample ----\n" + self.sample(ctx.state.model, self.prompt, self.tokens) + "\n----------------")

@@ -45,13 +45,16 @@ class Sink(Protocol):
 @dataclass(frozen=True)
 class LoggingConfig:
     log_every: int = 10  # pull metrics from the device every N steps (no host sync in between)
-    samples_file: str | None = "samples.jsonl"  # text sampled at each evaluation; null = none
+    sample_prompts: tuple[str, ...] = ("def ", "import ")  # sampled from at each evaluation; [] = none
+    sample_tokens: int = 32  # tokens per evaluation sample
     aux: AuxConfig = AuxConfig()  # the aux-state hook's flags (utils/aux_state.py)
     sinks: tuple = ()  # one built config per entry of SINKS, in its order
 
     def check(self, prefix: str) -> None:
         if self.log_every <= 0:
             raise ConfigError(f"{prefix}.log_every={self.log_every} must be a positive integer")
+        if self.sample_tokens <= 0:
+            raise ConfigError(f"{prefix}.sample_tokens={self.sample_tokens} must be a positive integer")
 
 
 def logging_config(node: dict, prefix: str = "logging") -> LoggingConfig:
@@ -59,7 +62,7 @@ def logging_config(node: dict, prefix: str = "logging") -> LoggingConfig:
     fields (knob names are the users'); a knob no sink has is refused."""
     if not isinstance(node, dict):
         raise ConfigError(f"{prefix} must be a mapping of knobs, got {node!r}")
-    own = ("log_every", "samples_file")
+    own = ("log_every", "sample_prompts", "sample_tokens")
     aux_knobs = {f.name for f in dataclasses.fields(AuxConfig)}
     owned = set(own) | aux_knobs
     sinks = []
@@ -87,6 +90,12 @@ class Sinks:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for sink in self.sinks:
             sink.log(step, metrics)
+
+    def log_samples(self, step: int, samples: list[tuple[str, str]]) -> None:
+        """(prompt, generated text) pairs, to every sink that shows text (`log_samples`)."""
+        for sink in self.sinks:
+            if hasattr(sink, "log_samples"):
+                sink.log_samples(step, samples)
 
     def advance(self, steps: int = 1) -> None:
         for sink in self.sinks:

@@ -72,6 +72,11 @@ class TensorBoardSink:
                                                      summary=self._summary_pb2.Summary(value=values)))
         self._writer.flush()
 
+    def log_samples(self, step: int, samples: list[tuple[str, str]]) -> None:
+        for i, (prompt, text) in enumerate(samples):
+            self._add_text(f"samples/{i}", f"prompt: {prompt!r}\n\n    " + text.replace("\n", "\n    "), int(step))
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
 

@@ -66,6 +66,11 @@ class WandbSink:
         # past its last checkpoint) are dropped, not logged twice.
         self._run.log(metrics, step=step)
 
+    def log_samples(self, step: int, samples: list[tuple[str, str]]) -> None:
+        import wandb
+
+        self._run.log({"samples": wandb.Table(columns=["prompt", "text"], data=[list(s) for s in samples])}, step=step)
+
     def state_dict(self) -> dict:
         return {"id": self._run.id}
 
