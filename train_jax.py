@@ -27,6 +27,7 @@ from loaders.tokenizers import Tokenizer
 from models.gpt import GPT, count_params, cross_entropy, eval_sums, flops_per_token, param_labels
 from models.sample import sample_text
 from optimizer import group_schedules, make_optimizer
+from optimizer.diagnostics import optimizer_metrics, state_bytes_metric
 from optimizer.restart import fresh_state
 from utils import aux_state
 from utils import hooks as H
@@ -161,9 +162,13 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
     if metrics is None:
         by_group = group_schedules(o.hparams, schedule, o.schedule.lr, o.group_overrides)
         metrics = step_metrics.defaults(schedule, by_group, jax.tree.leaves(labels), run.train.skip_nonfinite)
-        if run.logging.aux.on and run.logging.aux.per_layer:
+        aux = run.logging.aux
+        if aux.on and aux.per_layer:
             metrics.append(step_metrics.StepMetric(aux_state.per_layer(lambda tree: tree.blocks, run.model.num_blocks),
                                                    logging_only=True))
+        if aux.on and aux.optim_diagnostics:
+            metrics.append(step_metrics.StepMetric(lambda s, g, u, a: optimizer_metrics(
+                o.hparams, s.opt_state, eqx.filter(s.model, eqx.is_array), o.group_overrides), logging_only=True))
     return schedule, tx, state, build_train_step(loss_fn, tx, metrics, shardings, mesh, run.train.compute_dtype,
                                                  use_dropout=run.model.dropout > 0, aux_cfg=run.logging.aux)
 
@@ -239,6 +244,7 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
         say(f"nothing to train: the run is at step {start} = train.max_steps")
         return dict(source.manifest.get("metrics", {})) if source else {}
     ctx = H.LoopContext(start, end, trainer.state, trainer.data.train)
+    ctx.add(state_bytes_metric(trainer.state.opt_state))  # logged once, with the first record
     with StopSignals(catch_interrupt=ck.save_on_interrupt) if ck.save else contextlib.nullcontext() as stop_signals:
         hooks = make_hooks(run, trainer, run_dir, stop_signals, source)
         try:

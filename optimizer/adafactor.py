@@ -15,10 +15,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
+from optimizer.diagnostics import find_states, is_masked, sqrt_v_stats
 from optimizer.groups import check_non_negative, check_unit_interval
 from utils.errors import ConfigError
+
+
+def implied_v(v_row: jax.Array, v_col: jax.Array, v: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The second moment optax.scale_by_factored_rms divides by, param-shaped: `v` itself where
+    the leaf is not factored, else v_row ⊗ v_col / mean(v_row) over the two factored axes (the
+    largest two, as optax picks them)."""
+    if tuple(v.shape) == tuple(shape):  # not factored (a factored leaf keeps a (1,) placeholder)
+        return v
+    sorted_dims = np.argsort(shape)
+    d1, d0 = int(sorted_dims[-2]), int(sorted_dims[-1])  # v_row lacks axis d0, v_col lacks d1
+    reduced_d1 = d1 - 1 if d1 > d0 else d1
+    row = v_row / jnp.mean(v_row, axis=reduced_d1, keepdims=True)
+    return jnp.expand_dims(row, d0) * jnp.expand_dims(v_col, d1)
 
 
 @dataclass(frozen=True)
@@ -51,3 +68,16 @@ class Adafactor:
             optax.add_decayed_weights(self.weight_decay),
             optax.scale_by_learning_rate(schedule),
         )
+
+    def diagnostics(self, group: str, group_state, params) -> dict:
+        """sqrt_v_min / _median / _max of √v over the group, v the (factored) second moment the
+        update divides by (`implied_v`, materialised param-sized; no bias correction: Adafactor's
+        decay schedule needs none)."""
+        states = find_states(group_state, optax.FactoredState)
+        if not states:
+            return {}
+        state = states[0]
+        vs: list = []
+        jax.tree.map(lambda r, c, v, p: vs.append(implied_v(r, c, v, p.shape)) if hasattr(v, "shape") else None,
+                     state.v_row, state.v_col, state.v, params, is_leaf=is_masked)
+        return sqrt_v_stats(vs, None, None)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import optax
 
+from optimizer.diagnostics import adam_sqrt_v
 from optimizer.groups import check_non_negative, check_unit_interval
 from utils.errors import ConfigError
 
@@ -30,3 +31,7 @@ class AdamW:
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
         return optax.adamw(schedule, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay,
                            nesterov=self.nesterov)
+
+    def diagnostics(self, group: str, group_state, params) -> dict:
+        """sqrt_v_min / _median / _max: √v̂ of Adam's bias-corrected second moment (optimizer/diagnostics.py)."""
+        return adam_sqrt_v(group_state, self.b2)

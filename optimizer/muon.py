@@ -21,9 +21,12 @@ import math
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import optax
-from optax.contrib import MuonDimensionNumbers, scale_by_muon
+from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
+from optax.contrib._muon import orthogonalize_via_newton_schulz  # what scale_by_muon calls; not re-exported
 
+from optimizer.diagnostics import adam_sqrt_v, array_leaves, find_states
 from optimizer.groups import check_non_negative, check_unit_interval
 from utils.errors import ConfigError
 
@@ -52,6 +55,18 @@ def scale_by_shape(convention: str) -> optax.GradientTransformation:
         return jax.tree.map(lambda u: u * shape_factor(u.shape, convention), updates), state
 
     return optax.GradientTransformation(lambda _params: optax.EmptyState(), update_fn)
+
+
+def orthogonality_error(o_BxMxN: jax.Array) -> jax.Array:
+    """‖G − I‖_F / √k per matrix of a stack, G = O Oᵀ when m <= n else Oᵀ O (the k×k Gram on
+    the smaller side, k = min(m, n)); equal to √(Σᵢ(σᵢ² − 1)²/k), the RMS of σ² − 1 over O's k
+    singular values: 0 when O is orthogonal (on its short side), 1 when O = 0."""
+    o = o_BxMxN.astype(jnp.float32)
+    m, n = o.shape[-2:]
+    gram_BxKxK = (jnp.matmul(o, jnp.swapaxes(o, -1, -2), precision=jax.lax.Precision.HIGHEST) if m <= n else
+                  jnp.matmul(jnp.swapaxes(o, -1, -2), o, precision=jax.lax.Precision.HIGHEST))
+    k = min(m, n)
+    return jnp.linalg.norm(gram_BxKxK - jnp.eye(k, dtype=jnp.float32), axis=(-2, -1)) / math.sqrt(k)
 
 
 @dataclass(frozen=True)
@@ -103,3 +118,21 @@ class Muon:
             optax.add_decayed_weights(self.weight_decay),
             optax.scale_by_learning_rate(schedule),
         )
+
+    def diagnostics(self, group: str, group_state, params) -> dict:
+        """hidden: ortho_err_mean / ortho_err_max, the `orthogonality_error` of the Newton–Schulz
+        output recomputed from the momentum in the state (the same ns_steps, coefficients and
+        Frobenius pre-scaling as the update), over every block of every hidden leaf; costs one
+        more Newton–Schulz pass. Other groups (AdamW): sqrt_v_min / _median / _max."""
+        if group != "hidden":
+            return adam_sqrt_v(group_state, self.adam_b2)
+        states = find_states(group_state, MuonState)
+        mus = array_leaves(states[0].mu) if states else []
+        if not mus:
+            return {}
+        errs = jnp.concatenate([
+            orthogonality_error(orthogonalize_via_newton_schulz(
+                mu, jnp.asarray(states[0].ns_coeffs), self.ns_steps, "frobenius", 1e-8, STACKED_MATRIX)
+            ).reshape(-1)
+            for mu in mus])
+        return {"ortho_err_mean": jnp.mean(errs), "ortho_err_max": jnp.max(errs)}

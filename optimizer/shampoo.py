@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optimizer.diagnostics import find_states, is_masked, median_nonneg
 from optimizer.groups import check_non_negative, check_unit_interval
 from utils.errors import ConfigError
 
@@ -179,6 +180,31 @@ def _inverse_root(stats_BxB: jax.Array, p: float, epsilon: float) -> jax.Array:
     root_BxB = jnp.matmul(eigvecs_BxB * scale_B[..., None, :], _t(eigvecs_BxB), precision=_HIGHEST)
     eye = jnp.eye(stats_BxB.shape[-1], dtype=jnp.float32)
     return jnp.where(positive[..., None], root_BxB, eye)
+
+
+def statistics_spectrum(stats: jax.Array, side: str, true_len: int, epsilon: float
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(λmin, λmax, damped condition number) of every block of one leaf's statistic, each shaped
+    (*stack, R, C). `side` "left" (blocks of rows: the row padding gives zero rows and columns)
+    or "right" (of columns); `true_len` the param's length on that side. The eigenvalues are
+    those of the true sub-block: the padding's exact zero eigenvalues (the smallest `pad` of the
+    sorted spectrum) are left out. λmin is clamped at 0, as `_inverse_root` does; the condition
+    number is that of S + epsilon·λmax·I, the matrix whose root the update uses: (1 + epsilon) /
+    (λmin/λmax + epsilon), at most 1 + 1/epsilon; 1 for an all-zero statistic (identity root).
+    Cost: one eigh per block (`_eigh`, as a root recompute)."""
+    eigvals_RxCxB = _eigh(stats.astype(jnp.float32))[0]  # ascending
+    b, rows, cols = stats.shape[-1], stats.shape[-4], stats.shape[-3]
+    blocks = rows if side == "left" else cols
+    pad = np.maximum(0, (np.arange(blocks) + 1) * b - true_len)  # nonzero on the last block only
+    pad = pad.reshape(-1, 1) if side == "left" else pad.reshape(1, -1)
+    index = np.broadcast_to(pad, (rows, cols))[..., None]
+    index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (*eigvals_RxCxB.shape[:-1], 1))
+    lam_min = jnp.maximum(jnp.take_along_axis(eigvals_RxCxB, index, axis=-1)[..., 0], 0.0)
+    lam_max = eigvals_RxCxB[..., -1]
+    positive = lam_max > 0
+    rel_min = lam_min / jnp.where(positive, lam_max, 1.0)
+    cond = jnp.where(positive, (1.0 + epsilon) / (rel_min + epsilon), 1.0)
+    return lam_min, lam_max, cond
 
 
 def scale_by_shampoo(
@@ -420,3 +446,35 @@ class Shampoo:
             optax.add_decayed_weights(self.weight_decay),
             optax.scale_by_learning_rate(schedule),
         )
+
+    def steps_since_roots(self, count: jax.Array) -> jax.Array:
+        """Updates since the inverse roots were last recomputed, after `count` updates (0 right
+        after a recompute); -1 before the first (start_preconditioning_step not reached)."""
+        since = (count - self.start_preconditioning_step) % self.precondition_every
+        return jnp.where(count >= self.start_preconditioning_step, since, -1).astype(jnp.int32)
+
+    def diagnostics(self, group: str, group_state, params) -> dict:
+        """Of every block statistic of the group (left and right, every leaf; not the roots, which
+        lag up to precondition_every − 1 updates behind): stats_eig_min, stats_eig_max (over all
+        blocks), stats_cond_max, stats_cond_median (over blocks, damped; see
+        `statistics_spectrum`) and steps_since_roots. A group with no statistics (scalar: the
+        diagonal path) reports nothing. Cost: one eigh per statistic block, like a root recompute."""
+        states = find_states(group_state, ShampooState)
+        if not states:
+            return {}
+        state = states[0]
+        found: list = []
+
+        def collect(side, stats, param):
+            if _is_array(stats) and stats.size and _is_array(param):
+                true_len = param.shape[-2] if side == "left" else param.shape[-1]
+                found.append(statistics_spectrum(stats, side, true_len, self.epsilon))
+
+        for side, tree in (("left", state.left_stats), ("right", state.right_stats)):
+            jax.tree.map(lambda stats, param, side=side: collect(side, stats, param), tree, params, is_leaf=is_masked)
+        if not found:
+            return {}
+        lam_min, lam_max, cond = (jnp.concatenate([f[i].reshape(-1) for f in found]) for i in range(3))
+        return {"stats_eig_min": jnp.min(lam_min), "stats_eig_max": jnp.max(lam_max),
+                "stats_cond_max": jnp.max(cond), "stats_cond_median": median_nonneg(cond),
+                "steps_since_roots": self.steps_since_roots(state.count)}

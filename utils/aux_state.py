@@ -45,6 +45,7 @@ class AuxConfig:
     compute_last_loss: bool = False  # f(x(n-1), z(n)): one extra forward per step
     compute_last_grads: bool = False  # grad f(x(n-1), z(n)): one extra forward and backward per step
     per_layer: bool = False  # norms per block (logging steps only)
+    optim_diagnostics: bool = True  # the optimizer's own optim/<group>/... metrics (logging steps only)
 
     def check(self, prefix: str) -> None:
         if not self.log_callback_data:

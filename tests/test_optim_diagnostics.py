@@ -1,0 +1,376 @@
+"""Optimizer diagnostics (optimizer/diagnostics.py): each `optim/...` value equals a direct NumPy
+computation on the optimizer state, the function jits, and the state is found by type through
+clipping chains, multi_transform and masks. References here index the state by its known
+layout (chain -> PartitionState -> MaskedState -> the group's chain) on purpose: the code under
+test must find the same arrays by isinstance."""
+
+from __future__ import annotations
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from optax.contrib import MuonState
+
+from models.gpt import GPT, GPTConfig, param_labels
+from optimizer import OPTIMIZERS, make_optimizer
+from optimizer.adafactor import Adafactor, implied_v
+from optimizer.adamw import AdamW
+from optimizer.diagnostics import kth_smallest_nonneg, median_nonneg, optimizer_metrics, state_bytes, state_bytes_metric
+from optimizer.muon import Muon, orthogonality_error
+from optimizer.shampoo import Shampoo, ShampooState
+
+# dim 32: hidden leaves (2, 32, 96), (2, 32, 32), (2, 32, 128), (2, 128, 32); untied head (32, 64).
+SMALL = GPTConfig(dim=32, num_heads=2, num_blocks=2, context_length=16, vocab_size=64, tie_embeddings=False)
+GROUPS = ("embed", "head", "hidden", "scalar")
+
+
+def _setup(cfg, hparams, clip: float | None = 1.0, overrides=None, updates: int = 3, seed: int = 0):
+    """(tx, params, labels, [opt_state after 0..updates updates]) with random grads; `cfg` a
+    GPTConfig (the GPT's params and labels) or {name: (shape, label)} (a dict of params)."""
+    rng = np.random.default_rng(seed)
+    if isinstance(cfg, GPTConfig):
+        model = eqx.filter_eval_shape(GPT, cfg, jax.random.PRNGKey(0))
+        labels = param_labels(model)
+    else:
+        model = {k: jax.ShapeDtypeStruct(shape, jnp.float32) for k, (shape, _) in cfg.items()}
+        labels = {k: label for k, (_, label) in cfg.items()}
+    params = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), model)
+    tx = make_optimizer(hparams, optax.constant_schedule(1e-2), labels, clip, 1e-2, overrides or {})
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])
+    states = [tx.init(params)]
+    for _ in range(updates):
+        grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
+        states.append(step(grads, states[-1], params))
+    return tx, params, labels, states
+
+
+@functools.cache
+def _jitted_metrics(hparams, overrides: tuple):
+    return jax.jit(lambda s, p: optimizer_metrics(hparams, s, p, {g: dict(o) for g, o in overrides}))
+
+
+def _metrics(hparams, state, params, overrides=None):
+    """optimizer_metrics, jitted once per optimizer and overrides (then per state structure)."""
+    frozen = tuple(sorted((g, tuple(sorted(o.items()))) for g, o in (overrides or {}).items()))
+    return _jitted_metrics(hparams, frozen)(state, params)
+
+
+def _group_state(state, group):
+    """The known layout of make_optimizer's state: (clip, PartitionState) -> MaskedState."""
+    return state[1].inner_states[group].inner_state
+
+
+def _leaves(tree):
+    return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+
+
+def _aligned(tree, params, labels):
+    """[(array of `tree`, param, label)] where `tree` (one group's, MaskedNode elsewhere) holds an array."""
+    out = []
+    jax.tree.map(lambda x, p, label: out.append((np.asarray(x, np.float64), p, label)) if hasattr(x, "shape") else None,
+                 tree, params, labels, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    return out
+
+
+def _assert_close(metrics, name, expected, rtol=1e-5, atol=0.0):
+    np.testing.assert_allclose(float(metrics[name]), expected, rtol=rtol, atol=atol, err_msg=name)
+
+
+# --- the median without a sort ------------------------------------------------------------------
+
+
+def test_radix_median_equals_numpy_median():
+    rng = np.random.default_rng(0)
+    median, kth = jax.jit(median_nonneg), jax.jit(kth_smallest_nonneg)
+    for n in (1000, 1001):  # even: the mean of the two middle values
+        for x in (np.abs(rng.normal(size=n)) * 10.0 ** rng.integers(-30, 4, size=n),  # 1e-30 .. 1e4
+                  rng.integers(0, 3, size=n),  # ties
+                  np.zeros(n)):
+            x = jnp.asarray(x, jnp.float32)
+            np.testing.assert_allclose(median(x), np.median(np.asarray(x, np.float64)), rtol=1e-6)
+            if n == 1001:
+                for k in (0, 1, 500, 999, 1000):
+                    assert kth(x, k) == np.sort(np.asarray(x))[k]
+
+
+# --- AdamW ------------------------------------------------------------------------------------
+
+
+def test_adamw_sqrt_v_matches_numpy_per_group_with_group_b2():
+    overrides = {"embed": {"b2": 0.5}}  # a group's own b2 sets its bias correction
+    hp = AdamW(b2=0.9)
+    _, params, _, states = _setup(SMALL, hp, overrides=overrides)
+    metrics = _metrics(hp, states[-1], params, overrides)
+    assert set(metrics) == {f"optim/{g}/sqrt_v_{s}" for g in GROUPS for s in ("min", "median", "max")}
+    for group in GROUPS:
+        adam = _group_state(states[-1], group)[0]
+        assert isinstance(adam, optax.ScaleByAdamState) and int(adam.count) == 3
+        b2 = overrides.get(group, {}).get("b2", hp.b2)
+        sqrt_v = np.sqrt(np.concatenate([nu.ravel() for nu in _leaves(adam.nu)]) / (1 - b2**3))
+        _assert_close(metrics, f"optim/{group}/sqrt_v_min", sqrt_v.min())
+        _assert_close(metrics, f"optim/{group}/sqrt_v_median", np.median(sqrt_v))
+        _assert_close(metrics, f"optim/{group}/sqrt_v_max", sqrt_v.max())
+
+
+def test_fresh_state_without_clipping_gives_zeros_and_an_empty_group_nothing():
+    """count 0 (the step-0 state the first logging step sees): no 0/0 from the bias correction;
+    clip=None puts optax.identity() first in the chain, found all the same; a group with no
+    leaves (here head, as with tied embeddings) logs nothing."""
+    hp = AdamW()
+    _, params, _, states = _setup({"w": ((2, 4, 6), "hidden"), "e": ((5, 4), "embed"), "b": ((4,), "scalar")}, hp,
+                                  clip=None, updates=0)
+    metrics = _metrics(hp, states[0], params)
+    assert {k.split("/")[1] for k in metrics} == {"embed", "hidden", "scalar"}
+    assert len(metrics) == 9 and all(float(v) == 0.0 for v in metrics.values())
+
+
+# --- Muon -------------------------------------------------------------------------------------
+
+
+def _np_newton_schulz(x, coeffs, steps):
+    """optax's quintic Newton–Schulz in float64: Frobenius-normalise, iterate on the wide side."""
+    transposed = x.shape[0] > x.shape[1]
+    x = x.T if transposed else x
+    x = x / (np.linalg.norm(x) + 1e-8)
+    a, b, c = coeffs
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if transposed else x
+
+
+def _np_ortho_error(o):
+    k = min(o.shape)
+    gram = o @ o.T if o.shape[0] <= o.shape[1] else o.T @ o
+    return np.linalg.norm(gram - np.eye(k)) / np.sqrt(k)
+
+
+def _np_muon_errors(muon_state, steps):
+    coeffs = np.asarray(muon_state.ns_coeffs, np.float64)
+    return np.array([_np_ortho_error(_np_newton_schulz(block, coeffs, steps))
+                     for mu in _leaves(muon_state.mu) for block in mu])
+
+
+def _with_mu(state, fn):
+    """`state` with every Muon momentum leaf replaced by fn(leaf)."""
+    return jax.tree.map(lambda s: s._replace(mu=jax.tree.map(fn, s.mu)) if isinstance(s, MuonState) else s,
+                        state, is_leaf=lambda x: isinstance(x, MuonState))
+
+
+def test_orthogonality_error_is_zero_for_orthogonal_one_for_zero_and_matches_numpy():
+    rng = np.random.default_rng(1)
+    for shape in ((3, 8, 20), (3, 20, 8), (2, 12, 12)):
+        q = np.stack([np.linalg.qr(rng.normal(size=shape[1:][::-1] if shape[1] < shape[2] else shape[1:]))[0]
+                      for _ in range(shape[0])])
+        q = np.swapaxes(q, -1, -2) if shape[1] < shape[2] else q
+        assert q.shape == shape
+        np.testing.assert_allclose(orthogonality_error(jnp.asarray(q, jnp.float32)), 0.0, atol=2e-6)
+        np.testing.assert_allclose(orthogonality_error(jnp.zeros(shape)), 1.0)
+        x = rng.normal(size=shape)
+        np.testing.assert_allclose(orthogonality_error(jnp.asarray(x, jnp.float32)),
+                                   [_np_ortho_error(b) for b in x], rtol=1e-5)
+
+
+def test_muon_ortho_error_matches_numpy_newton_schulz():
+    hp = Muon(ns_steps=5)
+    _, params, _, states = _setup(SMALL, hp, updates=2)
+    state = states[-1]
+    muon = _group_state(state, "hidden")[0]
+    assert isinstance(muon, MuonState)
+
+    def check(state, label):
+        metrics = _metrics(hp, state, params)
+        expected = _np_muon_errors(_group_state(state, "hidden")[0], hp.ns_steps)
+        for stat, value in (("mean", expected.mean()), ("max", expected.max())):
+            np.testing.assert_allclose(float(metrics[f"optim/hidden/ortho_err_{stat}"]), value, rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{label}: ortho_err_{stat}")
+        return metrics, expected
+
+    metrics, _ = check(state, "trained")  # the momentum after two random updates
+    assert {k for k in metrics if k.startswith("optim/hidden/")} == {"optim/hidden/ortho_err_mean",
+                                                                      "optim/hidden/ortho_err_max"}
+    assert {k.split("/")[1] for k in metrics if "sqrt_v" in k} == {"embed", "head", "scalar"}  # AdamW groups
+
+    # An exactly orthogonal momentum: NS maps every singular value, 1/√k after the Frobenius
+    # scaling, through the same scalar quintic, so O = c·Q and the error is |c² − 1|, not 0:
+    # Muon's coefficients deliberately leave singular values in ~[0.7, 1.2] rather than at 1.
+    rng = np.random.default_rng(2)
+
+    def orthogonal(mu):
+        _, m, n = mu.shape
+        q = np.stack([np.linalg.qr(rng.normal(size=(max(m, n), min(m, n))))[0] for _ in range(mu.shape[0])])
+        return jnp.asarray(q if m >= n else np.swapaxes(q, -1, -2), jnp.float32)
+
+    metrics, expected = check(_with_mu(state, orthogonal), "orthogonal")
+    c = 1 / np.sqrt(32)  # k = 32 for every hidden leaf of SMALL
+    a, b, c5 = np.asarray(muon.ns_coeffs, np.float64)
+    for _ in range(hp.ns_steps):
+        c = a * c + b * c**3 + c5 * c**5
+    np.testing.assert_allclose(expected, abs(c**2 - 1), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["optim/hidden/ortho_err_max"]), abs(c**2 - 1), rtol=1e-4)
+    assert abs(c**2 - 1) < 0.6
+
+    # Rank one: NS cannot lift the zero singular values, so the error is ≥ √((k − 1)/k).
+    def rank_one(mu):
+        b, m, n = mu.shape
+        return jnp.asarray(rng.normal(size=(b, m, 1)) * rng.normal(size=(b, 1, n)), jnp.float32)
+
+    metrics, _ = check(_with_mu(state, rank_one), "rank one")
+    assert float(metrics["optim/hidden/ortho_err_mean"]) > 0.95
+
+
+# --- Shampoo ----------------------------------------------------------------------------------
+
+
+def _np_spectrum(stats, param_shape, side, eps):
+    """(λmin, λmax, damped cond) of every block's true (unpadded) sub-block, float64."""
+    m, n = param_shape[-2:]
+    b = stats.shape[-1]
+    out = []
+    for index in np.ndindex(*stats.shape[:-2]):
+        r, c = index[-2], index[-1]
+        true = min(b, (m - r * b) if side == "left" else (n - c * b))
+        eig = np.linalg.eigvalsh(stats[index][:true, :true])
+        lam_min, lam_max = max(eig[0], 0.0), eig[-1]
+        out.append((lam_min, lam_max, (1 + eps) / (lam_min / lam_max + eps) if lam_max > 0 else 1.0))
+    return out
+
+
+def test_shampoo_eigenvalues_match_numpy_eigvalsh_of_the_statistics():
+    # block 16: 20 = 16 + 4 and 30 = 16 + 14, so padded blocks on both sides (the padding's zero
+    # eigenvalues must be left out). epsilon 1e-3: a condition number checkable against float64
+    # (at 1e-6 float32 eigh noise on λmin, ~1e-7·λmax, moves it by ~10%); one group overrides it.
+    overrides = {"head": {"epsilon": 1e-2}}
+    hp = Shampoo(block_size=16, epsilon=1e-3)
+    shapes = {"w": ((2, 20, 30), "hidden"), "w2": ((2, 30, 12), "hidden"), "head": ((30, 20), "head"),
+              "wte": ((40, 20), "embed"), "b": ((20,), "scalar")}
+    # 6 updates: every true sub-block has full rank (a 16-row block of a gradient with 4 columns
+    # needs 4 updates), so each group's true λmin is > 0 while its padded blocks have λ = 0.
+    _, params, labels, states = _setup(shapes, hp, overrides=overrides, updates=6)
+    metrics = _metrics(hp, states[-1], params, overrides)
+    stat_names = ("stats_eig_min", "stats_eig_max", "stats_cond_max", "stats_cond_median", "steps_since_roots")
+    assert set(metrics) == {f"optim/{g}/{s}" for g in ("embed", "head", "hidden") for s in stat_names}
+    for group in ("embed", "head", "hidden"):
+        shampoo = _group_state(states[-1], group)[0]
+        assert isinstance(shampoo, ShampooState)
+        eps = overrides.get(group, {}).get("epsilon", hp.epsilon)
+        blocks = []
+        for side, tree in (("left", shampoo.left_stats), ("right", shampoo.right_stats)):
+            for stats, param, label in _aligned(tree, params, labels):
+                assert label == group
+                if stats.size:
+                    blocks += _np_spectrum(stats, param.shape, side, eps)
+        lam_min, lam_max, cond = (np.array(x) for x in zip(*blocks))
+        scale = lam_max.max()
+        _assert_close(metrics, f"optim/{group}/stats_eig_max", scale, rtol=1e-5)
+        _assert_close(metrics, f"optim/{group}/stats_eig_min", lam_min.min(), rtol=1e-3, atol=1e-6 * scale)
+        _assert_close(metrics, f"optim/{group}/stats_cond_max", cond.max(), rtol=1e-2)
+        _assert_close(metrics, f"optim/{group}/stats_cond_median", np.median(cond), rtol=1e-2)
+        assert lam_min.min() > 1e-4 * scale  # the padding's zero eigenvalues were left out
+
+
+def test_shampoo_steps_since_roots_follows_the_recompute_interval():
+    """Counted against when the cached roots actually change (a recompute), not the formula."""
+    hp = Shampoo(block_size=64, precondition_every=3, start_preconditioning_step=2)
+    _, params, _, states = _setup({"w": ((2, 4, 6), "hidden"), "e": ((5, 4), "embed")}, hp, updates=8)
+    last, previous, seen = None, None, []
+    for k, state in enumerate(states):
+        roots = _leaves(_group_state(state, "hidden")[0].left_roots)
+        if k and any(not np.array_equal(a, b) for a, b in zip(roots, previous)):
+            last = k
+        previous = roots
+        metrics = _metrics(hp, state, params)
+        seen.append(int(metrics["optim/hidden/steps_since_roots"]))
+        assert seen[-1] == (-1 if last is None else k - last), (k, seen)
+        assert int(metrics["optim/embed/steps_since_roots"]) == seen[-1]
+    assert seen == [-1, -1, 0, 1, 2, 0, 1, 2, 0]
+
+
+# --- Adafactor --------------------------------------------------------------------------------
+
+
+ADAFACTOR_PARAMS = {"qkv": ((2, 128, 192), "hidden"), "down": ((2, 256, 128), "hidden"),  # stacked, factored
+                    "wte": ((128, 128), "embed"),  # factored
+                    "wpe": ((16, 128), "embed"), "bias": ((128,), "scalar")}  # not factored (a side < 128)
+
+
+def test_adafactor_sqrt_v_of_the_factored_second_moment_matches_numpy():
+    hp = Adafactor()
+    _, params, labels, states = _setup(ADAFACTOR_PARAMS, hp, updates=2)
+    metrics = _metrics(hp, states[-1], params)
+    assert set(metrics) == {f"optim/{g}/sqrt_v_{s}" for g in ("embed", "hidden", "scalar")
+                            for s in ("min", "median", "max")}
+    factored = 0
+    for group in ("embed", "hidden", "scalar"):
+        fs = _group_state(states[-1], group)[0]
+        assert isinstance(fs, optax.FactoredState)
+        vs = []
+        rows, cols = _aligned(fs.v_row, params, labels), _aligned(fs.v_col, params, labels)
+        for (r, _, _), (c, _, _), (v, p, label) in zip(rows, cols, _aligned(fs.v, params, labels), strict=True):
+            assert label == group
+            if v.shape == p.shape:
+                vs.append(v)
+                continue
+            factored += 1
+            if p.shape[-1] >= p.shape[-2]:  # v_row: per row (axis -2), v_col: per column
+                vs.append(r[..., :, None] * c[..., None, :] / r.mean(-1)[..., None, None])
+            else:  # the largest axis is -2: v_row lacks it (so is per column), v_col is per row
+                vs.append(c[..., :, None] * r[..., None, :] / r.mean(-1)[..., None, None])
+        sqrt_v = np.sqrt(np.concatenate([v.ravel() for v in vs]))
+        _assert_close(metrics, f"optim/{group}/sqrt_v_min", sqrt_v.min(), rtol=1e-5)
+        _assert_close(metrics, f"optim/{group}/sqrt_v_median", np.median(sqrt_v), rtol=1e-5)
+        _assert_close(metrics, f"optim/{group}/sqrt_v_max", sqrt_v.max(), rtol=1e-5)
+    assert factored == 3
+
+
+def test_adafactor_implied_v_is_what_the_update_divides_by():
+    """u = g / √v for optax's own factored update: the reconstruction, checked without its formula."""
+    rng = np.random.default_rng(5)
+    params = {k: jnp.asarray(rng.normal(size=shape), jnp.float32) for k, (shape, _) in ADAFACTOR_PARAMS.items()}
+    tx = optax.scale_by_factored_rms()
+
+    @jax.jit
+    def two_updates(grads1, grads2):
+        state = tx.init(params)
+        _, state = tx.update(grads1, state, params)
+        updates, state = tx.update(grads2, state, params)
+        return updates, {k: implied_v(state.v_row[k], state.v_col[k], state.v[k], p.shape) for k, p in params.items()}
+
+    grads = [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params) for _ in range(2)]
+    updates, v = two_updates(*grads)
+    for k in params:
+        np.testing.assert_allclose(updates[k], grads[1][k] / jnp.sqrt(v[k]), rtol=2e-5, err_msg=k)
+
+
+# --- every optimizer ----------------------------------------------------------------------------
+
+
+ADAM = ("sqrt_v_min", "sqrt_v_median", "sqrt_v_max")
+SHAMPOO = ("stats_eig_min", "stats_eig_max", "stats_cond_max", "stats_cond_median", "steps_since_roots")
+NAMES = {  # every optim/<group>/<stat> of the untied GPT, per optimizer: stable names
+    "adamw": {g: ADAM for g in GROUPS},
+    "adafactor": {g: ADAM for g in GROUPS},
+    "muon": {"hidden": ("ortho_err_mean", "ortho_err_max"), "embed": ADAM, "head": ADAM, "scalar": ADAM},
+    "shampoo": {"hidden": SHAMPOO, "embed": SHAMPOO, "head": SHAMPOO},
+    "lion": {},
+    "sgdm": {},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_state_bytes_is_the_sum_of_leaf_nbytes_and_names_are_stable(name):
+    hp = OPTIMIZERS[name]()
+    tx, params, _, states = _setup(SMALL, hp, updates=0)
+    expected = sum(np.asarray(x).nbytes for x in jax.tree.leaves(states[0]))
+    assert state_bytes(states[0]) == expected > 0
+    assert state_bytes(jax.eval_shape(tx.init, params)) == expected  # shapes alone suffice
+    assert state_bytes_metric(states[0]) == {"optim/state_bytes": expected}
+    # traced on the GPT's own tree (the state lined up with an Equinox module of params), not run
+    shapes = jax.eval_shape(lambda s, p: optimizer_metrics(hp, s, p), states[0], params)
+    assert set(shapes) == {f"optim/{g}/{stat}" for g, stats in NAMES[name].items() for stat in stats}
+    assert all(x.shape == () for x in shapes.values())
