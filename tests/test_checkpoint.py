@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -19,6 +21,7 @@ import pytest
 
 import train_jax
 from conftest import compose_config
+from utils import sinks
 from utils.checkpoint import complete_steps, open_checkpoint
 from utils.errors import CheckpointError, ConfigError
 
@@ -357,3 +360,41 @@ def test_bad_checkpoint_knobs_are_one_line_config_errors(tiny_run, overrides, me
 def test_list_steps_beyond_the_run_are_a_warning(tiny_run):
     run = tiny_run("checkpoint.save=true", "checkpoint.save_path=/nonexistent/x", "checkpoint.save_steps=[5,100]")
     assert any("checkpoint.save_steps [100] lie beyond train.max_steps=20" in w for w in run.warnings)
+
+
+def test_a_resumed_run_hands_each_sink_its_saved_state(tmp_path, monkeypatch):
+    """The wiring the wandb sink relies on to continue its run (tests/test_sinks.py checks wandb
+    itself offline): a sink's state_dict goes into every checkpoint's manifest and comes back to
+    its build when the run resumes. A recording sink stands in for wandb."""
+    built = []
+
+    class Stateful:
+        def __init__(self, saved):
+            self.id = (saved or {}).get("id") or f"run-{len(built)}"
+
+        def log(self, step, metrics):
+            pass
+
+        def state_dict(self):
+            return {"id": self.id}
+
+        def close(self):
+            pass
+
+    @dataclass(frozen=True)
+    class Recording:
+        name: ClassVar[str] = "recording"
+
+        def build(self, run_dir, total_steps, start_step, config, saved=None):
+            sink = Stateful(saved)
+            built.append(dict(saved or {}))
+            return sink
+
+    monkeypatch.setitem(sinks.SINKS, "recording", Recording)
+    ck = Path("ckpt/run")
+    overrides = ("train.max_steps=4", "checkpoint.save=true", f"checkpoint.save_path={ck}")
+    train(tmp_path, "first", *overrides, "checkpoint.num_steps=2")
+    assert open_checkpoint(str(ck), "latest", True).manifest["sinks"] == {"recording": {"id": "run-0"}}
+    train(tmp_path, "second", *overrides, "checkpoint.resume=auto")
+    assert built == [{}, {"id": "run-0"}]
+    assert open_checkpoint(str(ck), "latest", True).manifest["sinks"] == {"recording": {"id": "run-0"}}
