@@ -207,18 +207,12 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
 
 def train_loop(trainer: Trainer, hooks: H.Hooks, ctx: H.LoopContext) -> None:
     """Dispatch step t, run the hooks due at t: the host waits on the device only in a hook that pulls values."""
-    batch_sharding, log_every, step_fn = meshlib.batch_sharding(trainer.mesh, 1), trainer.run.logging.log_every, \
-        trainer.train_step
+    batch_sharding, log_every = meshlib.batch_sharding(trainer.mesh, 1), trainer.run.logging.log_every
     hooks.run(ctx)  # the start: the throughput clock, the baseline evaluation
     for step in range(ctx.start + 1, ctx.end + 1):
-        waited = H.clock()
-        batch = meshlib.put_batch(next(trainer.data.train), batch_sharding)
-        ctx.data_wait += H.clock() - waited
+        batch = ctx.fetch(lambda: meshlib.put_batch(next(trainer.data.train), batch_sharding))
         logging_step = step % log_every == 0 or step == ctx.end
-        compiled, dispatched = step_fn.compiled(), H.clock()
-        ctx.advance(step, *step_fn(ctx.state, batch, logging_step))  # dispatched; the host moves on
-        if step_fn.compiled() > compiled:  # this call traced and compiled a variant: the host waited for it
-            ctx.compile_sec += H.clock() - dispatched
+        ctx.advance(step, *ctx.dispatch(trainer.train_step, batch, logging_step))  # the host moves on
         hooks.run(ctx)
         if ctx.stop:
             hooks.stop(ctx)  # the checkpointer saves

@@ -64,6 +64,22 @@ class LoopContext:
     def values(self, names: Sequence[str]) -> dict[str, float]:
         return {k: float(self.metrics[k]) for k in names if k in self.metrics}
 
+    def fetch(self, next_batch: Callable[[], Any]) -> Any:
+        """The next batch, the time waited for it counted in time/data_wait_sec."""
+        began = clock()
+        batch = next_batch()
+        self.data_wait += clock() - began
+        return batch
+
+    def dispatch(self, step_fn, batch, logging: bool) -> tuple[Any, dict]:
+        """`step_fn(state, batch, logging)` dispatched (it returns before the device is done); a call
+        that traced and compiled a variant made the host wait, counted in time/compile_sec."""
+        compiled, began = step_fn.compiled(), clock()
+        out = step_fn(self.state, batch, logging)
+        if step_fn.compiled() > compiled:
+            self.compile_sec += clock() - began
+        return out
+
     def restart_clock(self) -> None:
         """Time spent from here on until the next step is not training (an evaluation, a save)."""
         self.clock_mark = (clock(), self.step)
