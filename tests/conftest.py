@@ -1,6 +1,7 @@
 """Shared fixtures: an offline, sandboxed environment and tiny validated run configs."""
 
 import os
+import threading
 
 # NumPy references in tests call BLAS; on a 2-core machine its threads fight XLA's for cores.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -23,6 +24,7 @@ TINY_OVERRIDES = (
     "train.max_steps=20",
     "train.sample_tokens=0",
     "logging.sample_prompts=[]",
+    "logging.log_callback_data=false",  # diagnostics double the compile time; their tests switch them on
     "logging.progress_bar=false",
 )
 
@@ -34,6 +36,7 @@ CLI_TINY = (
     "model.context_length=32",
     "dataset.batch_size=8",
     "train.max_val_steps=2",
+    "logging.log_callback_data=false",  # compiled once, not twice; train_lm.sh's smoke run keeps them on
 )
 
 
@@ -67,6 +70,97 @@ def _offline_env(monkeypatch, _cache_dir):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     monkeypatch.setenv("WANDB_MODE", "disabled")
+
+
+class BackgroundContext:
+    """What a module's `start_background(ctx)` gets: the session's selected tests of that module,
+    the session's tmp_path_factory and tokenized-corpus cache, and (in os.environ) the session's
+    compilation cache."""
+
+    def __init__(self, module, items, tmp_path_factory, cache_dir):
+        self.module, self.items = module, items
+        self.tmp_path_factory, self.cache_dir = tmp_path_factory, cache_dir
+
+    def wanted(self, *test_names: str) -> bool:
+        """Whether the session runs any of these tests of the module."""
+        return any(item.originalname in test_names for item in self.items)
+
+    def params(self, test_name: str, param: str) -> list:
+        """The values of `param` among the session's parametrized cases of `test_name`."""
+        return [item.callspec.params[param] for item in self.items
+                if item.originalname == test_name and hasattr(item, "callspec") and param in item.callspec.params]
+
+
+class Background:
+    """Tests that mostly wait on subprocesses (test_cli, test_multiprocess, test_preemption) leave a
+    core idle, and so do the in-process tests (XLA compiles on one). So a module that defines
+    `start_background(ctx) -> handle` (handle: `wait()` until its processes are done, `close()`
+    kills them and starts nothing more) has its runs started by one thread from the beginning of the
+    session, one module after another in test order, while the tests before it run in this process;
+    its tests then only inspect what the runs left (`handle(module)`)."""
+
+    def __init__(self, items, tmp_path_factory, cache_dir):
+        self.modules: list = []
+        by_module: dict = {}
+        for item in items:
+            if hasattr(item.module, "start_background"):
+                if item.module not in by_module:
+                    self.modules.append(item.module)
+                by_module.setdefault(item.module, []).append(item)
+        self._contexts = {m: BackgroundContext(m, by_module[m], tmp_path_factory, cache_dir) for m in self.modules}
+        self._ready = {m: threading.Event() for m in self.modules}
+        self._handles: dict = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="background runs", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for module in self.modules:
+            with self._lock:
+                if self._closed:
+                    break
+                try:
+                    self._handles[module] = module.start_background(self._contexts[module])
+                except BaseException as e:  # noqa: BLE001 - handle() reports it to the module's tests
+                    self._handles[module] = f"start_background failed: {type(e).__name__}: {e}"
+            self._ready[module].set()
+            if self._handles[module] is not None and not isinstance(self._handles[module], str):
+                self._handles[module].wait()
+        for event in self._ready.values():
+            event.set()
+
+    def handle(self, module, timeout_s: float = 3600):
+        """The module's handle, once its runs have started (after the modules before it are done)."""
+        if not self._ready[module].wait(timeout_s):
+            pytest.fail(f"{module.__name__}'s background runs did not start within {timeout_s} s")
+        found = self._handles.get(module)
+        if found is None or isinstance(found, str):
+            pytest.fail(f"{module.__name__}: {found or 'background runs not started (session closing)'}")
+        return found
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        for found in list(self._handles.values()):
+            if found is not None and not isinstance(found, str):
+                found.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background(request, tmp_path_factory, _cache_dir, _compilation_cache):
+    """The session's Background (see the class); at the end, every run it started is killed."""
+    runner = Background(request.session.items, tmp_path_factory, _cache_dir)
+    yield runner
+    runner.close()
+
+
+def offline_env(cache_dir) -> dict[str, str]:
+    """os.environ for a subprocess run of train_jax.py: offline, W&B off, the session's caches
+    (what _offline_env gives a test; a background run starts outside any test)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "HYDRA_FULL_ERROR", "SMOKE")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", EQTRAIN_CACHE=str(cache_dir))
+    return env
 
 
 def compose_config(*overrides: str):

@@ -147,7 +147,7 @@ def assemble(tiny_run, *overrides):
 def test_the_train_step_carries_the_aux_state_and_matches_numpy(tiny_run):
     """Three steps of the tiny GPT with every flag: g(n-1)' and f(x(n-1), z(n)) recomputed here
     directly from saved copies of the weights."""
-    flags = [f"logging.{f}=true" for f in FLAGS]
+    flags = ["logging.log_callback_data=true", *(f"logging.{f}=true" for f in FLAGS)]
     run, _, state, step, mesh = assemble(tiny_run, "optimizer=sgdm", "optimizer/lr_config=constant",
                                          "optimizer.lr_config.lr=0.5", "optimizer.lr_config.warmup=0",
                                          "train.gradient_clip_val=null", *flags)
@@ -186,7 +186,7 @@ def test_a_nonfinite_gradient_is_counted_and_skipped(tiny_run):
     """A batch whose first token is 63 makes the loss (so the gradient) NaN. With skip_nonfinite the
     weights and optimizer state stay as they were, the step is counted, and the next finite step
     trains on with buffers the NaN did not reach."""
-    run = tiny_run("train.skip_nonfinite=true")
+    run = tiny_run("train.skip_nonfinite=true", "logging.log_callback_data=true")
     mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
     _, tx, state, _ = T.init_training(run, mesh)
 
@@ -218,3 +218,20 @@ def test_a_nonfinite_gradient_is_counted_and_skipped(tiny_run):
     assert all(math.isfinite(float(v)) for k, v in m.items() if k != "train/loss")
     assert float(m["train/skipped_steps"]) == 1 and float(m["grads/inf_grads"]) == 1
     assert np.isfinite(flat(state.aux.last_grads)).all() and np.isfinite(flat(state.aux.past_grads)).all()
+
+
+@pytest.mark.parametrize("overrides", [
+    ("logging.wandb_project=PROJECT_NAME",),
+    ("logging.store_last_grads=false", "logging.store_past_grads=false", "logging.store_last_params=false",
+     "logging.compute_last_loss=false", "logging.compute_last_grads=false"),
+    ("logging.log_callback_data=false",),
+], ids=["wandb", "all-flags-off", "no-diagnostics"])
+def test_the_seeds_logging_commands_compose_and_validate(tiny_run, overrides):
+    """trainit's README commands, as written (its `python train_jax.py ...` lines' overrides)."""
+    run = tiny_run("logging.log_callback_data=true", *overrides)
+    if "logging.wandb_project=PROJECT_NAME" in overrides:
+        assert {type(s).__name__: s for s in run.logging.sinks}["Wandb"].wandb_project == "PROJECT_NAME"
+    elif "logging.log_callback_data=false" in overrides:
+        assert not run.logging.aux.on
+    else:
+        assert run.logging.aux.on and run.logging.aux.buffer_copies() == 0 and not run.logging.aux.needs_last_point

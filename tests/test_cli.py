@@ -5,6 +5,13 @@ Runs of the real entry point are subprocesses (marked slow: ~5-15 s each, mostly
 Most bad inputs are checked in-process instead, by composing the config with Hydra's compose
 API and calling the same `validate` / `init_*` functions `main` calls; a few go through the
 subprocess to prove the exit code, the single `error:` line and that nothing was compiled.
+
+Time (2 cores): every subprocess the session's tests of this file need starts side by side, in
+the background from the start of the session (conftest's Background), and a test waits for its
+own. The three training smoke tests share one process: a Hydra multirun of two jobs, AdamW +
+cosine and SGD-momentum + linear, each set by an option of a config group written for it to a tmp
+dir on hydra.searchpath (the single-run entry point is exercised by the train_lm.sh, divergence
+and bad-input runs).
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -24,7 +33,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from conftest import CLI_TINY
+from conftest import CLI_TINY, offline_env
 from utils.config import validate
 from utils.errors import ConfigError, DataError
 
@@ -63,27 +72,40 @@ def assert_one_line_error(text: str, knob: str) -> None:
     assert knob in text, f"error does not name {knob}: {text!r}"
 
 
-@pytest.fixture
-def cli(tmp_path_factory):
-    """cli(*args, env={...}, argv=None) -> CompletedProcess of `python train_jax.py *args` run from
-    the repo root, offline, with W&B off and the tokenized-corpus cache in a tmp dir (shared by the
-    session: conftest's autouse fixture sets EQTRAIN_CACHE; the fallback is for running this file alone)."""
+def cli_env(cache_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Offline, W&B off, the session's tokenized-corpus cache (and, inherited, its compilation cache)."""
+    env = offline_env(cache_dir)
+    # scripts/train_lm.sh calls plain `python`: make it this interpreter.
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return {**env, **(extra or {})}
 
-    def run(*args: str, env: dict[str, str] | None = None, argv: list[str] | None = None, background: bool = False):
-        full_env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "HYDRA_FULL_ERROR", "SMOKE")}
-        full_env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled")
-        full_env.setdefault("EQTRAIN_CACHE", str(tmp_path_factory.getbasetemp() / "eqtrain_cache_cli"))
-        # scripts/train_lm.sh calls plain `python`: make it this interpreter.
-        full_env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + full_env.get("PATH", "")
-        full_env.update(env or {})
-        cmd = (argv or [sys.executable, TRAIN]) + list(args)
-        if background:  # the caller signals it and collects it with communicate()
-            return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True)
-        return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
-                              timeout=SUBPROCESS_TIMEOUT_S)
 
-    return run
+class Started:
+    """`python train_jax.py *args` (or `argv + args`) started in the background from the repo root,
+    its output going to files; result() waits and gives a CompletedProcess."""
+
+    def __init__(self, where: Path, name: str, args, env: dict[str, str], argv: list[str] | None = None):
+        self._out, self._err = where / f"{name}.stdout", where / f"{name}.stderr"
+        self.cmd = (argv or [sys.executable, TRAIN]) + list(args)
+        with open(self._out, "w") as out, open(self._err, "w") as err:
+            self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+
+    def output(self) -> tuple[str, str]:
+        return self._out.read_text(), self._err.read_text()
+
+    def result(self, timeout_s: float = SUBPROCESS_TIMEOUT_S) -> subprocess.CompletedProcess:
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            out, err = self.output()
+            pytest.fail(f"{self.cmd} did not exit within {timeout_s} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+        return subprocess.CompletedProcess(self.cmd, code, *self.output())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
@@ -91,19 +113,184 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert "Traceback" not in proc.stderr
 
 
+# The two jobs of the shared multirun: config group `cli_case`, one option per job, each a Hydra
+# "experiment" config (global package, overriding the optimizer and its schedule).
+ADAMW_LR, ADAMW_WARMUP = 3e-3, 15
+SGDM_LR, SGDM_WARMUP, SGDM_DECAY_END = 0.5, 5, 30
+CASES = {
+    "adamw_cosine": f"""# @package _global_
+defaults:
+  - override /optimizer: adamw
+  - override /optimizer/lr_config: cosine
+optimizer:
+  lr_config: {{lr: {ADAMW_LR}, warmup: {ADAMW_WARMUP}, min_lr: 3.0e-4}}
+train: {{max_steps: 40, val_freq: 20}}
+""",
+    "sgdm_linear": f"""# @package _global_
+defaults:
+  - override /optimizer: sgdm
+  - override /optimizer/lr_config: linear
+optimizer:
+  lr_config: {{lr: {SGDM_LR}, warmup: {SGDM_WARMUP}, max_steps: {SGDM_DECAY_END}}}
+train: {{max_steps: 30}}
+""",
+}
+SWEEP_TESTS = ("test_train_40_steps_val_loss_falls", "test_sgdm_linear_schedule_decays_and_loss_falls",
+               "test_multirun_two_optimizers")
+
+# Bad inputs through the real CLI: (overrides, extra env, knob named in the error), by test id.
+USER_ERRORS = {
+    "negative-lr": (["optimizer.lr_config.lr=-1"], {}, "optimizer.lr_config.lr"),
+    "glob-matches-nothing": (["dataset=text_files", "dataset.paths=[/nonexistent-eqtrain-dir/*.txt]"], {},
+                             "dataset.paths"),
+    "batch-not-divisible-over-2-devices": (["dataset.batch_size=3"], {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}, "dataset.batch_size"),
+    # conf/ exists and holds no checkpoint: both refusals come before anything is built or written.
+    "save-path-exists": (["checkpoint.save=true", "checkpoint.save_path=conf"], {}, "checkpoint.resume=auto"),
+    "load-path-without-checkpoints": (["checkpoint.load=true", "checkpoint.load_path=conf"], {}, "checkpoint.load_path"),
+}
+DIVERGED = ("train.max_steps=20", "optimizer=sgdm", "optimizer/lr_config=constant", "optimizer.lr_config.lr=1e30",
+            "train.gradient_clip_val=null")
+
+
+@dataclass
+class Smoke:
+    """scripts/train_lm.sh twice: stopped by SIGUSR1 after its first logged step, then again."""
+    first_dir: Path
+    second_dir: Path
+    first: subprocess.CompletedProcess | None = None
+    second: subprocess.CompletedProcess | None = None
+    error: str | None = None
+    started: list[Started] = field(default_factory=list)
+    closed: bool = False  # the module is over: start nothing more
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self, *args, **kwargs) -> Started:
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the module's tests are over")
+            self.started.append(Started(*args, **kwargs))
+            return self.started[-1]
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            for started in self.started:
+                started.stop()
+
+
+def smoke_chain(where: Path, env: dict[str, str], smoke: Smoke) -> None:
+    try:
+        _smoke_runs(where, env, smoke)
+    except BaseException as e:  # noqa: BLE001 - pytest.fail's exception included: the test reports it
+        smoke.error = f"{type(e).__name__}: {e}"
+
+
+def _smoke_runs(where: Path, env: dict[str, str], smoke: Smoke) -> None:
+    args = [*TINY, "train.max_steps=400", "logging.log_every=1", "train.val_freq=1000", "checkpoint.save=true",
+            f"checkpoint.save_path={where / 'ck'}", "checkpoint.resume=auto", "checkpoint.save_steps=1000"]
+    script, env = ["bash", str(REPO / "scripts" / "train_lm.sh")], {**env, "SMOKE": "1"}
+    shell = smoke.start(where, "first", [f"hydra.run.dir={smoke.first_dir}", *args], env, argv=script)
+    metrics = smoke.first_dir / "metrics.jsonl"
+    deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
+    while not metrics.exists() or "train/loss" not in metrics.read_text():
+        if shell.proc.poll() is not None or time.monotonic() > deadline:
+            shell.stop()
+            out, err = shell.output()
+            smoke.error = f"no train/loss before exit {shell.proc.poll()}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+            return
+        time.sleep(0.005)
+    shell.proc.send_signal(signal.SIGUSR1)
+    smoke.first = shell.result()
+    if smoke.first.returncode == 3:
+        smoke.second = smoke.start(where, "second", [f"hydra.run.dir={smoke.second_dir}", *args], env,
+                                   argv=script).result()
+
+
+@dataclass
+class Runs:
+    """This module's subprocess runs, for the tests the session runs; conftest's Background starts
+    them all side by side (start_background) while earlier tests run in the pytest process."""
+    sweep_dir: Path | None = None
+    sweep: Started | None = None
+    smoke: Smoke | None = None
+    smoke_thread: threading.Thread | None = None
+    user_errors: dict[str, tuple[Path, Started]] = field(default_factory=dict)
+    unknown_group: tuple[Path, Started] | None = None
+    diverged: tuple[Path, Started] | None = None
+
+    def processes(self) -> list[Started]:
+        return [*([self.sweep] if self.sweep else []), *(s for _, s in self.user_errors.values()),
+                *(pair[1] for pair in (self.unknown_group, self.diverged) if pair)]
+
+    def wait(self) -> None:
+        if self.smoke_thread is not None:
+            self.smoke_thread.join()
+        for started in self.processes():
+            started.proc.wait()
+
+    def close(self) -> None:
+        if self.smoke is not None:
+            self.smoke.close()
+        for started in self.processes():
+            started.stop()
+
+
+def start_background(ctx) -> Runs:
+    where = ctx.tmp_path_factory.mktemp("cli")
+    env, out = cli_env(ctx.cache_dir), Runs()
+    if ctx.wanted(*SWEEP_TESTS):
+        cases = where / "cases"
+        (cases / "cli_case").mkdir(parents=True)
+        for name, text in CASES.items():
+            (cases / "cli_case" / f"{name}.yaml").write_text(text)
+        out.sweep_dir = where / "sweep"
+        out.sweep = Started(where, "sweep", ["-m", f"hydra.sweep.dir={out.sweep_dir}", f"hydra.searchpath=[file://{cases}]",
+                                             *TINY, f"+cli_case={','.join(CASES)}"], env)
+    if ctx.wanted("test_train_lm_script_smoke_forwards_the_slurm_signal_and_resumes"):
+        (where / "smoke").mkdir()
+        out.smoke = Smoke(where / "smoke_first", where / "smoke_second")
+        out.smoke_thread = threading.Thread(target=smoke_chain, args=(where / "smoke", env, out.smoke), daemon=True)
+        out.smoke_thread.start()
+    if ctx.wanted("test_diverged_run_exits_2_with_the_loss_and_the_fix"):
+        run_dir = where / "diverged"
+        out.diverged = run_dir, Started(where, "diverged", [f"hydra.run.dir={run_dir}", *TINY, *DIVERGED], env)
+    for case in ctx.params("test_cli_user_error_exits_2_with_one_line", "case"):
+        overrides, extra, _ = USER_ERRORS[case]
+        run_dir = where / f"error_{case}"
+        out.user_errors[case] = run_dir, Started(where, f"error_{case}", [f"hydra.run.dir={run_dir}", *TINY, *overrides],
+                                                 cli_env(ctx.cache_dir, extra))
+    if ctx.wanted("test_cli_unknown_group_option_exits_1"):
+        run_dir = where / "unknown_group"
+        out.unknown_group = run_dir, Started(where, "unknown_group", [f"hydra.run.dir={run_dir}", *TINY, "optimizer=nope"],
+                                             env)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(background, request) -> Runs:
+    return background.handle(request.module)
+
+
+@pytest.fixture(scope="module")
+def sweep(runs) -> tuple[subprocess.CompletedProcess, Path]:
+    """The shared multirun: job 0 AdamW + cosine (40 steps, val every 20), job 1 SGD-momentum + linear (30 steps)."""
+    proc = runs.sweep.result()
+    assert_ok(proc)
+    return proc, runs.sweep_dir
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
 @pytest.mark.slow
-def test_train_40_steps_val_loss_falls(cli, tmp_path):
-    run_dir = tmp_path / "run"
-    lr, warmup = 3e-3, 15
-    proc = cli(f"hydra.run.dir={run_dir}", *TINY, "train.max_steps=40", "train.val_freq=20",
-               "optimizer/lr_config=cosine", f"optimizer.lr_config.lr={lr}", f"optimizer.lr_config.warmup={warmup}",
-               "optimizer.lr_config.min_lr=3e-4")
-    assert_ok(proc)
+def test_train_40_steps_val_loss_falls(sweep):
+    proc, sweep_dir = sweep
+    run_dir = sweep_dir / "0"
+    lr, warmup = ADAMW_LR, ADAMW_WARMUP
     run_log = (run_dir / "train_jax.log").read_text()  # the run's log: what it printed, time-stamped
     assert "eqtrain: " in run_log and "step     40 | loss" in run_log and "---- sample ----" in run_log
+    assert "adamw + cosine" in run_log and "sgdm" not in run_log  # this job's log only
     records = read_metrics(run_dir / "metrics.jsonl")
 
     assert [r["step"] for r in records] == list(range(0, 41, 5))  # step 0 (val_at_start) + every log_every
@@ -140,14 +327,11 @@ def test_train_40_steps_val_loss_falls(cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_sgdm_linear_schedule_decays_and_loss_falls(cli, tmp_path):
-    run_dir = tmp_path / "run"
-    lr, warmup, decay_end = 0.5, 5, 30
-    proc = cli(f"hydra.run.dir={run_dir}", *TINY, "train.max_steps=30", "optimizer=sgdm",
-               "optimizer/lr_config=linear", f"optimizer.lr_config.lr={lr}", f"optimizer.lr_config.warmup={warmup}",
-               f"optimizer.lr_config.max_steps={decay_end}")
-    assert_ok(proc)
-    assert "sgdm + linear" in proc.stdout
+def test_sgdm_linear_schedule_decays_and_loss_falls(sweep):
+    proc, sweep_dir = sweep
+    run_dir = sweep_dir / "1"
+    lr, warmup, decay_end = SGDM_LR, SGDM_WARMUP, SGDM_DECAY_END
+    assert "sgdm + linear" in proc.stdout and "sgdm + linear" in (run_dir / "train_jax.log").read_text()
     records = read_metrics(run_dir / "metrics.jsonl")
 
     first_val, last_val = only(records, 0)["val/loss"], only(records, 30)["val/loss"]
@@ -164,54 +348,48 @@ def test_sgdm_linear_schedule_decays_and_loss_falls(cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_multirun_two_optimizers(cli, tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = cli("-m", f"hydra.sweep.dir={sweep}", *TINY, "train.max_steps=10", "train.skip_validation=true",
-               "train.sample_tokens=0", "optimizer=adamw,sgdm")
-    assert_ok(proc)
+def test_multirun_two_optimizers(sweep):
+    """`-m` with a swept config group: one job per option, in the sweep dir's 0/ and 1/, each with its
+    own composed config, command-line overrides (here logging.log_every=5) reaching every job, and
+    both jobs training to their end in the one process Hydra's default launcher runs them in."""
+    proc, sweep_dir = sweep
     final_losses = []
-    for job, name in (("0", "adamw"), ("1", "sgdm")):
-        job_dir = sweep / job
+    for job, name, steps in (("0", "adamw", 40), ("1", "sgdm", 30)):
+        job_dir = sweep_dir / job
         config = yaml.safe_load((job_dir / ".hydra" / "config.yaml").read_text())
-        assert config["optimizer"]["name"] == name
+        assert config["optimizer"]["name"] == name and config["train"]["max_steps"] == steps
+        assert config["logging"]["log_every"] == 5
         records = read_metrics(job_dir / "metrics.jsonl")
         last = records[-1]
-        assert last["step"] == 10 and math.isfinite(last["train/loss"])  # the job ran to the end
-        assert not any("val/loss" in r for r in records)  # train.skip_validation reached the job
+        assert last["step"] == steps and math.isfinite(last["train/loss"])  # the job ran to the end
+        assert [r["step"] for r in records] == list(range(0, steps + 1, 5))  # logging.log_every reached the job
         final_losses.append(last["train/loss"])
-    assert "adamw + cosine" in proc.stdout and "sgdm + cosine" in proc.stdout
+    assert "adamw + cosine" in proc.stdout and "sgdm + linear" in proc.stdout
     assert final_losses[0] != final_losses[1]  # the two jobs really trained differently
 
 
 @pytest.mark.slow
-def test_train_lm_script_smoke_forwards_the_slurm_signal_and_resumes(cli, tmp_path):
+def test_train_lm_script_smoke_forwards_the_slurm_signal_and_resumes(runs):
     """SMOKE=1 bash scripts/train_lm.sh, with checkpoints: SIGUSR1 sent to the script's shell (what
     `#SBATCH --signal=B:USR1@120` does) must reach the trainer, which saves and exits 3; the same
     command again resumes and finishes."""
-    args = [*TINY, "train.max_steps=400", "logging.log_every=1", "train.val_freq=1000", "checkpoint.save=true",
-            f"checkpoint.save_path={tmp_path / 'ck'}", "checkpoint.resume=auto", "checkpoint.save_steps=1000"]
-    script = ["bash", str(REPO / "scripts" / "train_lm.sh")]
-    first = tmp_path / "first"
-    shell = cli(f"hydra.run.dir={first}", *args, argv=script, env={"SMOKE": "1"}, background=True)
-    deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
-    while not (first / "metrics.jsonl").exists() or "train/loss" not in (first / "metrics.jsonl").read_text():
-        assert shell.poll() is None and time.monotonic() < deadline, shell.communicate()
-        time.sleep(0.005)
-    shell.send_signal(signal.SIGUSR1)
-    out, err = shell.communicate(timeout=SUBPROCESS_TIMEOUT_S)
-    assert shell.returncode == 3, f"exit {shell.returncode}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    runs.smoke_thread.join(3 * SUBPROCESS_TIMEOUT_S)
+    smoke = runs.smoke
+    assert smoke.error is None, smoke.error
+    first = smoke.first
+    out, err = first.stdout, first.stderr
+    assert first.returncode == 3, f"exit {first.returncode}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
     assert "stopped by SIGUSR1" in err
     # SMOKE's recipe reached the run: batch 8 x accumulation 2 (total 16) x context 32 tokens per step.
     assert "adamw + cosine | 512 tokens/step" in out
-    config = yaml.safe_load((first / ".hydra" / "config.yaml").read_text())
+    config = yaml.safe_load((smoke.first_dir / ".hydra" / "config.yaml").read_text())
     assert config["dataset"]["total_batch_size"] == 16 and config["train"]["compute_dtype"] == "float32"
-    stopped_at = read_metrics(first / "metrics.jsonl")[-1]["step"]
+    stopped_at = read_metrics(smoke.first_dir / "metrics.jsonl")[-1]["step"]
 
-    second = tmp_path / "second"
-    proc = cli(f"hydra.run.dir={second}", *args, argv=script, env={"SMOKE": "1"})
+    proc = smoke.second
     assert_ok(proc)
     assert f"at step {stopped_at}" in proc.stdout
-    records = read_metrics(second / "metrics.jsonl")
+    records = [r for r in read_metrics(smoke.second_dir / "metrics.jsonl") if "train/loss" in r]  # not optim/state_bytes
     assert records[0]["step"] == stopped_at + 1 and records[-1]["step"] == 400
     assert math.isfinite(records[-1]["train/loss"])
 
@@ -292,23 +470,11 @@ def assert_failed_before_compiling(proc: subprocess.CompletedProcess, run_dir: P
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "overrides, env, knob",
-    [
-        (["optimizer.lr_config.lr=-1"], {}, "optimizer.lr_config.lr"),
-        (["dataset=text_files", "dataset.paths=[/nonexistent-eqtrain-dir/*.txt]"], {}, "dataset.paths"),
-        (["dataset.batch_size=3"],
-         {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}, "dataset.batch_size"),
-        # conf/ exists and holds no checkpoint: both refusals come before anything is built or written.
-        (["checkpoint.save=true", "checkpoint.save_path=conf"], {}, "checkpoint.resume=auto"),
-        (["checkpoint.load=true", "checkpoint.load_path=conf"], {}, "checkpoint.load_path"),
-    ],
-    ids=["negative-lr", "glob-matches-nothing", "batch-not-divisible-over-2-devices", "save-path-exists",
-         "load-path-without-checkpoints"],
-)
-def test_cli_user_error_exits_2_with_one_line(cli, tmp_path, overrides, env, knob):
-    run_dir = tmp_path / "run"
-    proc = cli(f"hydra.run.dir={run_dir}", *TINY, *overrides, env=env)
+@pytest.mark.parametrize("case", list(USER_ERRORS))
+def test_cli_user_error_exits_2_with_one_line(runs, case):
+    knob = USER_ERRORS[case][2]
+    run_dir, started = runs.user_errors[case]
+    proc = started.result()
     assert proc.returncode == 2, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
@@ -317,9 +483,9 @@ def test_cli_user_error_exits_2_with_one_line(cli, tmp_path, overrides, env, kno
 
 
 @pytest.mark.slow
-def test_cli_unknown_group_option_exits_1(cli, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = cli(f"hydra.run.dir={run_dir}", *TINY, "optimizer=nope")
+def test_cli_unknown_group_option_exits_1(runs):
+    run_dir, started = runs.unknown_group
+    proc = started.result()
     assert proc.returncode == 1
     assert "Could not find 'optimizer/nope'" in proc.stderr
     assert "adamw" in proc.stderr and "sgdm" in proc.stderr  # Hydra lists the available options
@@ -327,10 +493,9 @@ def test_cli_unknown_group_option_exits_1(cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_diverged_run_exits_2_with_the_loss_and_the_fix(cli, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = cli(f"hydra.run.dir={run_dir}", *TINY, "train.max_steps=20", "optimizer=sgdm",
-               "optimizer/lr_config=constant", "optimizer.lr_config.lr=1e30", "train.gradient_clip_val=null")
+def test_diverged_run_exits_2_with_the_loss_and_the_fix(runs):
+    run_dir, started = runs.diverged
+    proc = started.result()
     assert proc.returncode == 2, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: train/loss is nan"), proc.stderr

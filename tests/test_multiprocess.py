@@ -2,22 +2,29 @@
 a multi-host job does with checkpoints. A SIGTERM that reaches only one of the processes still
 stops both at the same step with one checkpoint (the stop flag is agreed at a logging step; a
 save is collective), and checkpoint.resume=auto then continues bit-identically.
+
+Time (2 cores): each process of a job compiles what the other compiles, ~10 s of CPU each. So only
+the stopped job compiles; the resume and the uninterrupted reference start once it has exited
+(both processes' executables in the session's compilation cache) and run side by side. The jobs
+run in the background from the start of the session (conftest's Background), while earlier tests
+run in the pytest process; the test inspects what they left.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from conftest import CLI_TINY
+from conftest import CLI_TINY, offline_env
 from utils.checkpoint import complete_steps, open_checkpoint
 from utils.signals import EXIT_PREEMPTED
 
@@ -33,22 +40,102 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp_path: Path, name: str, *overrides: str) -> list[subprocess.Popen]:
-    """Both processes of one job; process i logs to {name}{i}/ and {name}{i}.log."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "HYDRA_FULL_ERROR")}
-    env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
-               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2")
-    procs = []
-    for i in range(2):
-        log = open(tmp_path / f"{name}{i}.log", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(REPO / "train_jax.py"), f"hydra.run.dir={tmp_path / f'{name}{i}'}", *RUN, *overrides],
-            cwd=REPO, env={**env, "JAX_PROCESS_ID": str(i)}, stdout=log, stderr=subprocess.STDOUT))
-    return procs
+@dataclass
+class Jobs:
+    """The stopped job, then its resume and the uninterrupted reference, driven by a thread; what the
+    test checks is recorded (exit codes None: the job was not started, an earlier step went wrong)."""
+    where: Path
+    env: dict[str, str]
+    stopped: list[int] | None = None
+    saved: list[int] | None = None  # the complete checkpoints once the stopped job had exited
+    resumed: list[int] | None = None
+    reference: list[int] | None = None
+    error: str | None = None
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self):
+        self._thread = threading.Thread(target=self._run, name="two-process jobs", daemon=True)
+        self._thread.start()
+
+    def launch(self, name: str, *overrides: str) -> list[subprocess.Popen]:
+        """Both processes of one job; process i logs to {name}{i}/ and {name}{i}.log."""
+        env = {**self.env, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
+               "JAX_NUM_PROCESSES": "2"}
+        procs = []
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the session is over")
+            for i in range(2):
+                with open(self.where / f"{name}{i}.log", "w") as log:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, str(REPO / "train_jax.py"), f"hydra.run.dir={self.where / f'{name}{i}'}", *RUN,
+                         *overrides], cwd=REPO, env={**env, "JAX_PROCESS_ID": str(i)}, stdout=log,
+                        stderr=subprocess.STDOUT))
+            self.procs += procs
+        return procs
+
+    def _run(self) -> None:
+        try:
+            self._jobs()
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            self.error = f"{type(e).__name__}: {e}"
+
+    def _jobs(self) -> None:
+        ck = self.where / "ck"
+        stopped = self.launch("long", "train.max_steps=100000", "checkpoint.save=true", f"checkpoint.save_path={ck}",
+                              "checkpoint.save_steps=100000")
+        metrics = self.where / "long0" / "metrics.jsonl"
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (metrics.exists() and sum('"train/loss"' in line for line in metrics.read_text().splitlines()) >= 3):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in stopped):
+                self.error = f"no 3 logged steps before exit or {TIMEOUT_S} s\n{output(self.where, 'long')}"
+                return
+            time.sleep(0.05)
+        stopped[1].send_signal(signal.SIGTERM)  # process 0, which logs, never sees a signal
+        self.stopped = finish(stopped)
+        self.saved = complete_steps(str(ck))
+        if self.stopped != [EXIT_PREEMPTED, EXIT_PREEMPTED] or len(self.saved) != 1:
+            return
+        n = self.saved[0]
+        # The same command, resumed: it trains with the saved config, and a 2-step segment stops it.
+        resumed = self.launch("resumed", "train.max_steps=100000", "checkpoint.save=true",
+                              f"checkpoint.save_path={ck}", "checkpoint.resume=auto", "checkpoint.num_steps=2")
+        # Constant lr: the loss at step k does not depend on max_steps, so an (n + 2)-step run is the reference.
+        reference = self.launch("full", f"train.max_steps={n + 2}")
+        self.resumed, self.reference = finish(resumed), finish(reference)
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+
+def start_background(ctx) -> Jobs | None:
+    if ctx.wanted("test_sigterm_to_one_process_stops_both_and_the_resume_is_bit_identical"):
+        return Jobs(ctx.tmp_path_factory.mktemp("two_processes"), offline_env(ctx.cache_dir))
+    return None
+
+
+@pytest.fixture(scope="module")
+def jobs(background, request) -> Jobs:
+    return background.handle(request.module)
 
 
 def finish(procs: list[subprocess.Popen]) -> list[int]:
-    return [p.wait(timeout=TIMEOUT_S) for p in procs]
+    try:
+        return [p.wait(timeout=TIMEOUT_S) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        return [p.wait() for p in procs]
 
 
 def output(tmp_path: Path, name: str, i: int = 0) -> str:
@@ -62,35 +149,24 @@ def losses(tmp_path: Path, name: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_process_stops_both_and_the_resume_is_bit_identical(tmp_path):
+def test_sigterm_to_one_process_stops_both_and_the_resume_is_bit_identical(jobs):
     """SIGTERM reaches process 1 only: both stop at the same step N with one checkpoint (exit 3),
     and resume=auto for 2 more steps logs the same losses as an uninterrupted two-process run."""
-    ck = tmp_path / "ck"
-    # Constant lr: the loss at step k does not depend on max_steps, so a 40-step run is the reference.
-    reference = launch(tmp_path, "full", "train.max_steps=40")
-    stopped = launch(tmp_path, "long", "train.max_steps=100000", "checkpoint.save=true", f"checkpoint.save_path={ck}",
-                     "checkpoint.save_steps=100000")
-    metrics = tmp_path / "long0" / "metrics.jsonl"
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (metrics.exists() and sum('"train/loss"' in line for line in metrics.read_text().splitlines()) >= 3):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in stopped), output(tmp_path, "long")
-        time.sleep(0.05)
-    stopped[1].send_signal(signal.SIGTERM)  # process 0, which logs, never sees a signal
-    assert finish(stopped) == [EXIT_PREEMPTED, EXIT_PREEMPTED], output(tmp_path, "long")
-    steps = complete_steps(str(ck))
+    jobs.wait()
+    where, ck = jobs.where, jobs.where / "ck"
+    assert jobs.error is None, jobs.error
+    assert jobs.stopped == [EXIT_PREEMPTED, EXIT_PREEMPTED], output(where, "long")
+    steps = jobs.saved
     assert len(steps) == 1
     n = steps[0]
-    assert n == max(losses(tmp_path, "long")) and n <= 38  # the last logged step is the saved one
-    src = open_checkpoint(str(ck), "latest", True)
+    assert n == max(losses(where, "long"))  # the last logged step is the saved one
+    src = open_checkpoint(str(ck), f"iter_{n}", True)  # the latest until the resume saved iter_{n + 2}
     assert src.manifest["reason"] == "SIGTERM" and src.manifest["devices"] == 2
 
-    # The same command, resumed: it trains with the saved config, and a 2-step segment stops it.
-    resumed = launch(tmp_path, "resumed", "train.max_steps=100000", "checkpoint.save=true",
-                     f"checkpoint.save_path={ck}", "checkpoint.resume=auto", "checkpoint.num_steps=2")
-    assert finish(resumed) == [0, 0], output(tmp_path, "resumed") + output(tmp_path, "resumed", 1)
-    assert finish(reference) == [0, 0], output(tmp_path, "full")
-    assert f"resumed from {ck}/iter_{n} at step {n}" in output(tmp_path, "resumed")
-    after = losses(tmp_path, "resumed")
+    assert jobs.resumed == [0, 0], output(where, "resumed") + output(where, "resumed", 1)
+    assert jobs.reference == [0, 0], output(where, "full")
+    assert f"resumed from {ck}/iter_{n} at step {n}" in output(where, "resumed")
+    after = losses(where, "resumed")
     assert sorted(after) == [n + 1, n + 2]
-    full = losses(tmp_path, "full")
-    assert {**losses(tmp_path, "long"), **after} == {k: full[k] for k in range(1, n + 3)}  # exact
+    full = losses(where, "full")
+    assert {**losses(where, "long"), **after} == {k: full[k] for k in range(1, n + 3)}  # exact

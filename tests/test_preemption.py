@@ -1,8 +1,8 @@
 """Preemption through real processes of `python train_jax.py`: SIGTERM / SIGUSR1 / SIGINT finish
-the step, save it and exit with the documented code; `kill -9` between saves or in the middle of
-a save loses only the steps since the newest complete checkpoint; and every resume
-(checkpoint.resume=auto) continues bit-identically, on one device and on an 8-device
-(4 data x 2 fsdp) mesh, with and without gradient accumulation.
+the step, save it and exit with the documented code (a SIGTERM repeated every 2 ms included);
+`kill -9` between saves and in the middle of a save loses only the steps since the newest complete
+checkpoint; and every resume (checkpoint.resume=auto) continues bit-identically, on one device and
+on an 8-device (4 data x 2 fsdp) mesh, with and without gradient accumulation.
 
 Runs are subprocesses whose stdout/stderr go to files (a pipe nobody reads would fill and stall a
 long run). Waits poll metrics.jsonl or the checkpoint directory against a deadline; nothing sleeps
@@ -12,27 +12,34 @@ dropout is on, so the restored RNG key matters as much as the weights and the da
 
 Time (2 cores): a process costs ~3 s of CPU once its executables are in the JAX compilation cache
 this file shares between its runs, ~12 s (8 devices: ~17 s) when it compiles them. So each
-configuration is compiled by as few runs as possible and independent runs go side by side: the
-signal cases share one module fixture, the 8-device cases another, and the runs that compile
-start together before the first test (~50-60 s for the file on 2 idle cores).
+configuration is compiled by one run, every scenario is a chain of runs that a thread drives in the
+background from the start of the session (conftest's Background, while earlier tests run in the
+pytest process; the runs that compile start at once, the others once the reference has filled the
+cache), and the tests only inspect what the chains left behind. Runs are shared where one run can
+show several things: the SIGTERM run is sent SIGTERM every 2 ms (the
+repeated-signal case), one `kill -9` lands in a save with training steps after the newest complete
+checkpoint (both kill cases), and the 8-device straight run also writes the checkpoint the
+segmented run resumes from. 13 processes in all.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
 
-from conftest import CLI_TINY
+from conftest import CLI_TINY, offline_env
 from utils.checkpoint import TMP_MARKER, complete_steps, open_checkpoint
 from utils.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
@@ -52,6 +59,8 @@ TIMEOUT_S = 240  # per wait; a healthy run needs a small fraction of it
 EXIT_TIMEOUT_S = 60  # from a signal to the exit: one step and one save
 REFERENCE_STEPS = 30  # the shared uninterrupted run; a longer one is made if a test needs more
 SIGNALS = {"SIGTERM": EXIT_PREEMPTED, "SIGUSR1": EXIT_PREEMPTED, "SIGINT": EXIT_INTERRUPTED}
+STORM = "SIGTERM"  # this signal is sent again every 2 ms until the process exits
+KILL_SAVE_STEPS = 5  # the kill -9 run saves every 5 steps: steps between saves, and a save to cut
 EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 VARIANTS = {"plain": (), "accumulation": ("dataset.total_batch_size=16",)}  # batch 8 x 2 micro-batches
 
@@ -59,21 +68,21 @@ VARIANTS = {"plain": (), "accumulation": ("dataset.total_batch_size=16",)}  # ba
 # ----------------------------------------------------------------------------- processes
 
 
-@pytest.fixture(scope="session")
-def base_env(_cache_dir, tmp_path_factory) -> dict[str, str]:
-    """Offline, W&B off, the session's tokenized-corpus cache, and a JAX compilation cache shared
-    by the runs of this file (the session's, if conftest set one): a resumed run loads the
-    executables its interrupted run compiled (the same executables: the numbers compared are
-    unaffected; a resumed program that differed would have another cache key)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "HYDRA_FULL_ERROR", "SMOKE")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", JAX_PLATFORMS="cpu",
-               EQTRAIN_CACHE=str(_cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    if "JAX_COMPILATION_CACHE_DIR" not in env:  # conftest may already give the session one
-        env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_compilation_cache"))
-    return env
+def base_env(cache_dir) -> dict[str, str]:
+    """Offline, W&B off, the session's tokenized-corpus cache, and the session's JAX compilation cache
+    (conftest's): a resumed run loads the executables its interrupted run compiled (the same
+    executables: the numbers compared are unaffected; a resumed program that differed would have
+    another cache key)."""
+    return {**offline_env(cache_dir), "JAX_PLATFORMS": "cpu", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+class ChainFailed(Exception):
+    """A chain could not go on (a run exited early, a deadline passed); the tests report it."""
 
 
 _STARTED: list["Run"] = []  # every run of this module, killed at its end if still going
+_LOCK = threading.Lock()  # guards _STARTED and _CLOSED: no chain starts a run once the module is over
+_CLOSED = threading.Event()
 
 
 class Run:
@@ -82,10 +91,13 @@ class Run:
     def __init__(self, where: Path, name: str, args: tuple[str, ...], env: dict[str, str]):
         self.name, self.dir = name, where / name
         self._out, self._err = where / f"{name}.stdout", where / f"{name}.stderr"
-        with open(self._out, "w") as out, open(self._err, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, TRAIN, f"hydra.run.dir={self.dir}", *args],
-                                         cwd=REPO, env=env, stdout=out, stderr=err)
-        _STARTED.append(self)
+        with _LOCK:
+            if _CLOSED.is_set():
+                raise ChainFailed(f"{name}: not started, the module's tests are over")
+            with open(self._out, "w") as out, open(self._err, "w") as err:
+                self.proc = subprocess.Popen([sys.executable, TRAIN, f"hydra.run.dir={self.dir}", *args],
+                                             cwd=REPO, env=env, stdout=out, stderr=err)
+            _STARTED.append(self)
 
     @property
     def stdout(self) -> str:
@@ -128,23 +140,9 @@ class Run:
         assert "Traceback" not in self.stderr, self.tail()
 
 
-@pytest.fixture
-def launch(tmp_path, base_env):
-    """launch(name, *overrides) -> Run in tmp_path; still running at teardown: killed."""
-    runs: list[Run] = []
-
-    def start(name: str, *args: str) -> Run:
-        runs.append(Run(tmp_path, name, args, base_env))
-        return runs[-1]
-
-    yield start
-    for run in runs:
-        run.stop()
-
-
-def poll(ready, runs: list[Run], what: str, every_s: float = 0.005) -> None:
-    """Until ready(); fails (killing `runs`, which ready() may change) if one of them exits first
-    or the deadline passes."""
+def wait_for(ready: Callable[[], object], runs: list[Run], what: str, every_s: float = 0.005) -> None:
+    """Until ready(); raises ChainFailed (killing `runs`) if one of them exits first or the
+    deadline passes. Used in the chains' threads, where pytest.fail would be lost."""
     deadline = time.monotonic() + TIMEOUT_S
     while not ready():
         dead = [r for r in runs if r.proc.poll() is not None]
@@ -152,8 +150,16 @@ def poll(ready, runs: list[Run], what: str, every_s: float = 0.005) -> None:
             for r in runs:
                 r.stop()
             why = f"{dead[0].name} exited" if dead else f"{TIMEOUT_S} s passed"
-            pytest.fail(f"{why} before {what}\n" + "\n".join(r.tail() for r in runs))
+            raise ChainFailed(f"{why} before {what}\n" + "\n".join(r.tail() for r in runs))
         time.sleep(every_s)
+
+
+def exit_code(run: Run, timeout_s: float = TIMEOUT_S) -> int:
+    try:
+        return run.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        run.stop()
+        raise ChainFailed(f"{run.name} did not exit within {timeout_s} s\n{run.tail()}") from None
 
 
 def save_args(ck: Path, *more: str) -> tuple[str, ...]:
@@ -168,35 +174,34 @@ def resumed_line(ck: Path, step: int) -> str:
     return f"resumed from {ck}/iter_{step} at step {step}"
 
 
-def selected(request, param: str, choices) -> list[str]:
-    """The values of `param` among this module's tests that the session runs (the module's
-    fixtures start runs for those only)."""
-    chosen = {item.callspec.params[param] for item in request.session.items
-              if item.module is request.module and hasattr(item, "callspec") and param in item.callspec.params}
-    return [c for c in choices if c in chosen]
+class Chain:
+    """A function run in a background thread from the start of the module; result() waits for it
+    and turns its failure into the test's."""
+
+    def __init__(self, name: str, body: Callable[[], object]):
+        self.name, self._body = name, body
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._body()
+        except ChainFailed as e:
+            self._error = str(e)
+        except Exception as e:  # noqa: BLE001 - reported by result()
+            self._error = f"{type(e).__name__}: {e}"
+
+    def result(self):
+        self._thread.join(4 * TIMEOUT_S)
+        if self._thread.is_alive():
+            pytest.fail(f"{self.name} still going after {4 * TIMEOUT_S} s")
+        if self._error is not None:
+            pytest.fail(f"{self.name}: {self._error}")
+        return self._value
 
 
-@dataclass
-class Early:
-    reference: "Reference | None"
-    eight_devices: "EightDevices | None"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def early(request, tmp_path_factory, base_env):
-    """Before this module's first test, start side by side the runs that compile: the reference
-    (the tiny model; the signal and kill runs then load its executables from the cache) and the
-    8-device first segments, for the tests the session runs. At the end, kill any run still going."""
-    items = [item for item in request.session.items if item.module is request.module]
-    wants_reference = any("reference" in item.fixturenames for item in items)
-    variants = selected(request, "variant", VARIANTS)
-    started = Early(Reference(tmp_path_factory.mktemp("reference"), base_env) if wants_reference else None,
-                    EightDevices(tmp_path_factory.mktemp("eight_devices"), base_env, variants) if variants else None)
-    yield started
-    if started.eight_devices is not None:
-        started.eight_devices.close()
-    for run in _STARTED:
-        run.stop()
+# ----------------------------------------------------------------------------- the chains
 
 
 class Reference:
@@ -205,90 +210,205 @@ class Reference:
     def __init__(self, where: Path, env: dict[str, str]):
         self.where, self.env = where, env
         self.runs: dict[int, Run] = {}
+        self._lock = threading.Lock()
         self._start(REFERENCE_STEPS)
 
     def _start(self, steps: int) -> None:
         self.runs[steps] = Run(self.where, f"reference_{steps}", (*TINY, *EXACT, f"train.max_steps={steps}",
                                *save_args(self.where / f"ck_{steps}", f"checkpoint.save_steps={LONG}")), self.env)
 
+    def wait_warm(self) -> None:
+        """Until the first reference run has exited: its executables are in the cache."""
+        exit_code(self.runs[REFERENCE_STEPS])
+
     def losses(self, steps: int) -> dict[int, float]:
         """train/loss at steps 1..`steps` of an uninterrupted run."""
-        if max(self.runs) < steps:
-            self._start(steps)
-        length = min(s for s in self.runs if s >= steps)
-        run = self.runs[length]
+        with self._lock:
+            if max(self.runs) < steps:
+                self._start(steps)
+            length = min(s for s in self.runs if s >= steps)
+            run = self.runs[length]
         run.assert_ok()
         out = run.losses()
         assert sorted(out) == list(range(1, length + 1)), run.tail()
         return {s: out[s] for s in range(1, steps + 1)}
 
 
-@pytest.fixture(scope="module")
-def reference(early) -> Reference:
-    return early.reference
-
-
-# ----------------------------------------------------------------------------- signals
-
-
 @dataclass
 class Stopped:
     ck: Path
     stopped: Run  # trained "forever" until the signal
+    code: int  # its exit code
     n: int  # its last step in metrics.jsonl
     on_disk: list[str]  # save_path's entries once it had exited
     resumed: Run | None  # resume=auto to n + 3 (None when the stop already went wrong)
 
 
-@pytest.fixture(scope="module")
-def signalled(request, tmp_path_factory, base_env, reference) -> dict[str, Stopped]:
-    """For each signal: a run that is sent it after >= 3 logged steps, then its resume to n + 3.
-    The runs start once the reference is done (cache warm); each is signalled as soon as it has 3
-    steps (a run left training while another waits would take a core from it); the resumes run
-    side by side."""
-    where = tmp_path_factory.mktemp("signals")
-    names = selected(request, "signame", SIGNALS)
-    cks = {sig: where / f"ck_{sig}" for sig in names}
+def signal_chain(where: Path, env: dict[str, str], reference: Reference, sig: str) -> Stopped:
+    """Once the reference is done (cache warm): a run sent `sig` after >= 3 logged steps (STORM: again
+    every 2 ms until it exits), then its resume to n + 3."""
+    ck = where / f"ck_{sig}"
 
-    def start(sig: str, name: str, *more: str) -> Run:
-        return Run(where, f"{name}_{sig}", (*TINY, *EXACT, *save_args(cks[sig], f"checkpoint.save_steps={LONG}"),
-                                            *more), base_env)
+    def start(name: str, *more: str) -> Run:
+        return Run(where, f"{name}_{sig}", (*TINY, *EXACT, *save_args(ck, f"checkpoint.save_steps={LONG}"), *more), env)
 
-    later, stopped = list(names), {}
-    waiting: list[Run] = []  # started, not yet signalled
+    reference.wait_warm()
+    run = start("stopped", f"train.max_steps={LONG}")
+    wait_for(lambda: run.last_step() >= 3, [run], "3 training steps")
+    run.proc.send_signal(getattr(signal, sig))
+    if sig == STORM:  # a launcher that re-sends it, or the scheduler signalling again
+        deadline = time.monotonic() + EXIT_TIMEOUT_S
+        while run.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+            try:
+                run.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:  # exited in between
+                break
+    code = exit_code(run, EXIT_TIMEOUT_S)
+    n = run.last_step()  # after the exit: the steps it finished after the signal count
+    on_disk = sorted(os.listdir(ck)) if ck.is_dir() else []
+    resumed = start("resumed", "checkpoint.num_steps=3", "checkpoint.resume=auto") if code == SIGNALS[sig] and n else None
+    if resumed is not None:
+        exit_code(resumed)
+    return Stopped(ck, run, code, n, on_disk, resumed)
 
-    def step() -> bool:
-        if later and reference.runs[REFERENCE_STEPS].proc.poll() is not None:
-            for sig in later:
-                stopped[sig] = start(sig, "stopped", f"train.max_steps={LONG}")
-                waiting.append(stopped[sig])
-            later.clear()
-        for sig, run in stopped.items():
-            if run in waiting and run.last_step() >= 3:
-                run.proc.send_signal(getattr(signal, sig))
-                waiting.remove(run)
-        return not waiting and not later
 
-    poll(step, waiting, "3 training steps in every run")
-    out = {}
-    for sig in names:
-        ok = stopped[sig].finish(EXIT_TIMEOUT_S) == SIGNALS[sig]
-        n = stopped[sig].last_step()  # after the exit: the steps it finished after the signal count
-        on_disk = sorted(os.listdir(cks[sig])) if cks[sig].is_dir() else []
-        resumed = start(sig, "resumed", "checkpoint.num_steps=3", "checkpoint.resume=auto") if ok and n else None
-        out[sig] = Stopped(cks[sig], stopped[sig], n, on_disk, resumed)
-    for s in out.values():
-        if s.resumed is not None:
-            s.resumed.finish()
+@dataclass
+class Killed:
+    ck: Path
+    killed: dict[int, float]  # the killed run's losses
+    left: list[str]  # the tmp dirs it left
+    newest: int  # its newest complete checkpoint
+    resumed: Run
+
+
+def kill_chain(where: Path, env: dict[str, str], reference: Reference) -> Killed:
+    """Once the reference is done: a run saving every KILL_SAVE_STEPS steps is sent SIGKILL while a save
+    is in flight and a complete checkpoint exists, so it dies with steps trained after its newest
+    checkpoint and a save cut off (the directory is polled every 1 ms; an orbax save of this model
+    keeps its tmp dir ~200 ms; if that save finished anyway, another run tries again), then
+    resume=auto for 3 steps."""
+    reference.wait_warm()
+    save = f"checkpoint.save_steps={KILL_SAVE_STEPS}"
+    for attempt in range(3):
+        ck = where / f"ck{attempt}"
+        run = Run(where, f"killed{attempt}", (*TINY, *EXACT, *save_args(ck, save), f"train.max_steps={LONG}"), env)
+        # A save in flight, and a complete checkpoint to go back to.
+        wait_for(lambda: tmp_dirs(ck) and complete_steps(str(ck)), [run], "a save in flight", every_s=0.001)
+        run.proc.kill()
+        if (code := exit_code(run)) != -signal.SIGKILL:
+            raise ChainFailed(f"exit {code} after SIGKILL\n{run.tail()}")
+        left = tmp_dirs(ck)
+        if left:
+            break
+    else:
+        raise ChainFailed("three saves finished between being seen and SIGKILL")
+    killed, newest = run.losses(), complete_steps(str(ck))[-1]
+    # A resume trains with the saved config (max_steps LONG): a 3-step segment stops it.
+    resumed = Run(where, "resumed", (*TINY, *EXACT, *save_args(ck, save, "checkpoint.resume=auto", "checkpoint.num_steps=3"),
+                                     f"train.max_steps={LONG}"), env)
+    exit_code(resumed)
+    return Killed(ck, killed, left, newest, resumed)
+
+
+@dataclass
+class Segmented:
+    full_ck: Path
+    seg_ck: Path
+    full: Run  # 8 straight steps, saving iter_4 and iter_8
+    second: Run | None = None  # resume=auto from a save_path holding only the full run's iter_4: steps 5-8
+
+
+def eight_device_chain(where: Path, env: dict[str, str], variant: str) -> Segmented:
+    """At once (it compiles): 8 straight steps saving at 4 and 8; then its iter_4 alone in a new
+    save_path, which resume=auto continues to step 8."""
+    env = {**env, **EIGHT_DEVICES}
+
+    def start(name: str, ck: Path, *more: str) -> Run:
+        return Run(where, f"{name}_{variant}", (*TINY, *EXACT, *VARIANTS[variant], "parallel.fsdp=2",
+                                                "train.max_steps=8", *save_args(ck, *more)), env)
+
+    full_ck = where / f"ck_full_{variant}"
+    s = Segmented(full_ck, where / f"ck_seg_{variant}", start("full", full_ck, "checkpoint.save_steps=4"))
+    if exit_code(s.full) == 0 and (s.full_ck / "iter_4").is_dir():
+        shutil.copytree(s.full_ck / "iter_4", s.seg_ck / "iter_4")
+        s.second = start("second", s.seg_ck, "checkpoint.resume=auto")
+        exit_code(s.second)
+    return s
+
+
+@dataclass
+class Chains:
+    """This module's background runs (conftest's Background starts them): the reference and the
+    8-device straight runs at once (they compile), the signal and kill runs once the reference has
+    exited (cache warm); for the tests the session runs."""
+    reference: Reference | None = None
+    signals: dict[str, Chain] = field(default_factory=dict)
+    kill: Chain | None = None
+    eight_devices: dict[str, Chain] = field(default_factory=dict)
+
+    def all(self) -> list[Chain]:
+        return [*self.eight_devices.values(), *self.signals.values(), *([self.kill] if self.kill else [])]
+
+    def wait(self) -> None:
+        for chain in self.all():
+            chain._thread.join()
+        if self.reference is not None:
+            for run in list(self.reference.runs.values()):
+                run.proc.wait()
+
+    def close(self) -> None:
+        """Kill any run still going; a chain still going fails at its next wait or start."""
+        with _LOCK:
+            _CLOSED.set()
+            for run in _STARTED:
+                run.stop()
+
+
+KILL_TESTS = ("test_kill_9_between_saves_resumes_from_the_newest_complete_checkpoint",
+              "test_kill_9_during_a_save_leaves_a_tmp_dir_that_resume_removes")
+
+
+def start_background(ctx) -> Chains:
+    env, mktemp = base_env(ctx.cache_dir), ctx.tmp_path_factory.mktemp
+    signals = [s for s in SIGNALS if s in ctx.params("test_signal_saves_the_last_step_exits_and_resumes_exactly",
+                                                     "signame")]
+    if ctx.wanted("test_repeated_sigterm_does_not_kill_the_save_it_started") and STORM not in signals:
+        signals.append(STORM)
+    kills = ctx.wanted(*KILL_TESTS)
+    variants = [v for v in VARIANTS if v in ctx.params("test_8_devices_segmented_run_is_bit_identical", "variant")]
+    out = Chains()
+    if signals or kills:
+        out.reference = Reference(mktemp("reference"), env)
+    for variant in variants:
+        out.eight_devices[variant] = Chain(f"8 devices, {variant}",
+                                           lambda w=mktemp(f"eight_devices_{variant}"), v=variant: eight_device_chain(w, env, v))
+    for sig in signals:
+        out.signals[sig] = Chain(sig, lambda w=mktemp(f"signal_{sig}"), s=sig: signal_chain(w, env, out.reference, s))
+    if kills:
+        out.kill = Chain("kill -9", lambda w=mktemp("kill_9"): kill_chain(w, env, out.reference))
     return out
+
+
+@pytest.fixture(scope="module")
+def chains(background, request) -> Chains:
+    return background.handle(request.module)
+
+
+@pytest.fixture(scope="module")
+def reference(chains) -> Reference:
+    return chains.reference
+
+
+# ----------------------------------------------------------------------------- signals
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signame", list(SIGNALS))
-def test_signal_saves_the_last_step_exits_and_resumes_exactly(signalled, reference, signame):
-    s = signalled[signame]
+def test_signal_saves_the_last_step_exits_and_resumes_exactly(chains, reference, signame):
+    s = chains.signals[signame].result()
     run, ck, n = s.stopped, s.ck, s.n
-    assert run.finish() == SIGNALS[signame], run.tail()
+    assert s.code == SIGNALS[signame], run.tail()
 
     before = run.losses()
     assert sorted(before) == list(range(1, n + 1)) and n >= 3
@@ -309,151 +429,53 @@ def test_signal_saves_the_last_step_exits_and_resumes_exactly(signalled, referen
 
 
 @pytest.mark.slow
-def test_repeated_sigterm_does_not_kill_the_save_it_started(launch, tmp_path):
+def test_repeated_sigterm_does_not_kill_the_save_it_started(chains):
     """SIGTERM every 2 ms until the process exits (a launcher that re-sends it, or the scheduler
-    signalling again): the save the first one started must still complete, and the exit code stay 3."""
-    ck = tmp_path / "ck"
-    run = launch("stopped", *TINY, *EXACT, *save_args(ck, f"checkpoint.save_steps={LONG}"), f"train.max_steps={LONG}")
-    poll(lambda: run.last_step() >= 3, [run], "3 training steps")
-    deadline = time.monotonic() + EXIT_TIMEOUT_S
-    while run.proc.poll() is None and time.monotonic() < deadline:
-        run.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.002)
-    code = run.finish(EXIT_TIMEOUT_S)
-    n = run.last_step()
-    on_disk = sorted(os.listdir(ck)) if ck.is_dir() else []
-    assert on_disk == [f"iter_{n}"], f"exit {code}; {ck} holds {on_disk}"
-    assert code == EXIT_PREEMPTED, run.tail()
+    signalling again): the save the first one started must still complete, and the exit code stay 3.
+    The STORM run of the signal test: that test also checks its single stderr line, its manifest and
+    its exact resume; SIGUSR1, handled by the same code, is the case of a single signal."""
+    s = chains.signals[STORM].result()
+    assert s.on_disk == [f"iter_{s.n}"], f"exit {s.code}; {s.ck} holds {s.on_disk}"
+    assert s.code == EXIT_PREEMPTED, s.stopped.tail()
 
 
 # ----------------------------------------------------------------------------- kill -9
 
 
 @pytest.mark.slow
-def test_kill_9_between_saves_resumes_from_the_newest_complete_checkpoint(launch, reference, tmp_path):
-    ck = tmp_path / "ck"
-    run = launch("killed", *TINY, *EXACT, *save_args(ck, "checkpoint.save_steps=5"), f"train.max_steps={LONG}")
-
-    def saved_and_moved_on() -> bool:
-        steps = complete_steps(str(ck))
-        return bool(steps) and run.last_step() >= steps[-1] + 3
-
-    poll(saved_and_moved_on, [run], "a complete checkpoint and 3 more steps")
-    run.proc.kill()
-    assert run.finish() == -signal.SIGKILL
-    killed = run.losses()
-    newest = complete_steps(str(ck))[-1]
-    assert newest % 5 == 0 and max(killed) >= newest
-
-    # A resume trains with the saved config (max_steps LONG): a 3-step segment stops it.
-    resumed = launch("resumed", *TINY, *EXACT, *save_args(ck, "checkpoint.save_steps=5", "checkpoint.resume=auto",
-                                                          "checkpoint.num_steps=3"), f"train.max_steps={LONG}")
-    resumed.assert_ok()
-    assert resumed_line(ck, newest) in resumed.stdout, resumed.tail()
-    after = resumed.losses()
+def test_kill_9_between_saves_resumes_from_the_newest_complete_checkpoint(chains, reference):
+    k = chains.kill.result()
+    ck, killed, newest = k.ck, k.killed, k.newest
+    assert newest % KILL_SAVE_STEPS == 0 and max(killed) >= newest + 3  # steps trained after the newest save
+    k.resumed.assert_ok()
+    assert resumed_line(ck, newest) in k.resumed.stdout, k.resumed.tail()
+    after = k.resumed.losses()
     assert sorted(after) == [newest + 1, newest + 2, newest + 3]
-    for step in set(after) & set(killed):  # steps trained again after the kill: the same losses
-        assert after[step] == killed[step], step
+    for step in after:  # steps trained again after the kill: the same losses
+        assert step in killed and after[step] == killed[step], step
     assert {**{s: killed[s] for s in range(1, newest + 1)}, **after} == reference.losses(newest + 3)
     assert not tmp_dirs(ck) and complete_steps(str(ck))[-1] == newest + 3
 
 
 @pytest.mark.slow
-def test_kill_9_during_a_save_leaves_a_tmp_dir_that_resume_removes(launch, reference, tmp_path):
-    """A save every step. Even this tiny model's save keeps its iter_N.orbax-checkpoint-tmp-* dir
-    for ~200 ms (measured; dim 256 x 4 blocks: ~800 ms, but a 4x slower start), and the directory
-    is polled every 1 ms, so SIGKILL lands mid-save; if that save finished anyway, try again."""
-    for attempt in range(3):
-        ck = tmp_path / f"ck{attempt}"
-        run = launch(f"killed{attempt}", *TINY, *EXACT, *save_args(ck, "checkpoint.save_steps=1"),
-                     f"train.max_steps={LONG}")
-        # A save in flight, and a complete checkpoint to go back to.
-        poll(lambda: tmp_dirs(ck) and complete_steps(str(ck)), [run], "a save in flight", every_s=0.001)
-        run.proc.kill()
-        assert run.finish() == -signal.SIGKILL
-        left = tmp_dirs(ck)
-        if left:
-            break
-    else:
-        pytest.fail("three saves finished between being seen and SIGKILL")
-    killed = run.losses()
-    newest = complete_steps(str(ck))[-1]
-    assert max(killed) > newest  # the step whose save was cut off was trained and logged
-
-    resumed = launch("resumed", *TINY, *EXACT, *save_args(ck, "checkpoint.save_steps=1", "checkpoint.resume=auto",
-                                                          "checkpoint.num_steps=2"), f"train.max_steps={LONG}")
-    resumed.assert_ok()
-    out = resumed.stdout
-    for name in left:
-        assert f"removing the incomplete checkpoint {ck}/{name}" in out, resumed.tail()
-    assert resumed_line(ck, newest) in out, resumed.tail()
-    after = resumed.losses()
-    assert sorted(after) == [newest + 1, newest + 2]
-    assert {**{s: killed[s] for s in range(1, newest + 1)}, **after} == reference.losses(newest + 2)
-    assert not tmp_dirs(ck) and complete_steps(str(ck))[-1] == newest + 2
+def test_kill_9_during_a_save_leaves_a_tmp_dir_that_resume_removes(chains, reference):
+    """The same run: SIGKILL landed while a save was being written (the directory is polled every
+    1 ms; even this tiny model's save keeps its tmp dir for ~200 ms)."""
+    k = chains.kill.result()
+    ck, killed, newest = k.ck, k.killed, k.newest
+    assert k.left and max(killed) > newest  # the step whose save was cut off was trained and logged
+    k.resumed.assert_ok()
+    out = k.resumed.stdout
+    for name in k.left:
+        assert f"removing the incomplete checkpoint {ck}/{name}" in out, k.resumed.tail()
+    assert resumed_line(ck, newest) in out, k.resumed.tail()
+    after = k.resumed.losses()
+    assert sorted(after) == [newest + 1, newest + 2, newest + 3]
+    assert {**{s: killed[s] for s in range(1, newest + 1)}, **after} == reference.losses(newest + 3)
+    assert not tmp_dirs(ck) and complete_steps(str(ck))[-1] == newest + 3
 
 
 # ----------------------------------------------------------------------------- 8 devices
-
-
-@dataclass
-class Segmented:
-    full_ck: Path
-    seg_ck: Path
-    first: Run  # steps 1-4 (checkpoint.num_steps=4)
-    full: Run | None = None  # 8 straight steps
-    second: Run | None = None  # resume=auto, steps 5-8 (both None when `first` failed)
-
-
-class EightDevices:
-    """Per variant, the 4-step first segment starts at once (it compiles); when it is done (cache
-    warm, its save included) a thread starts the 8-step full run and the resume side by side."""
-
-    def __init__(self, where: Path, env: dict[str, str], variants: list[str]):
-        self.where, self.env = where, {**env, **EIGHT_DEVICES}
-        self.closed = False
-        self.runs = {v: Segmented(where / f"ck_full_{v}", where / f"ck_seg_{v}",
-                                  self._start(v, "first", where / f"ck_seg_{v}", "checkpoint.num_steps=4"))
-                     for v in variants}
-        self._threads = [threading.Thread(target=self._follow_up, args=(v,), daemon=True) for v in variants]
-        for thread in self._threads:
-            thread.start()
-
-    def _start(self, variant: str, name: str, ck: Path, *more: str) -> Run:
-        return Run(self.where, f"{name}_{variant}", (*TINY, *EXACT, *VARIANTS[variant], "parallel.fsdp=2",
-                                                     "train.max_steps=8", *save_args(ck, *more)), self.env)
-
-    def _follow_up(self, variant: str) -> None:
-        s = self.runs[variant]
-        try:
-            code = s.first.proc.wait(TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            return  # results() reports it
-        if code == 0 and not self.closed:
-            s.full = self._start(variant, "full", s.full_ck)
-            s.second = self._start(variant, "second", s.seg_ck, "checkpoint.resume=auto")
-
-    def results(self) -> dict[str, Segmented]:
-        for thread in self._threads:
-            thread.join(TIMEOUT_S)
-        for s in self.runs.values():
-            for run in (s.first, s.full, s.second):
-                if run is not None:
-                    run.finish()
-        return self.runs
-
-    def close(self) -> None:
-        """No follow-up starts any more (e.g. the session stopped before the 8-device tests)."""
-        self.closed = True
-        for s in self.runs.values():
-            s.first.stop()
-        for thread in self._threads:
-            thread.join(TIMEOUT_S)
-
-
-@pytest.fixture(scope="module")
-def eight_devices(early) -> dict[str, Segmented]:
-    return early.eight_devices.results()
 
 
 def arrays(ckpt_dir: Path, item: str) -> list[np.ndarray]:
@@ -472,19 +494,20 @@ def arrays(ckpt_dir: Path, item: str) -> list[np.ndarray]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_8_devices_segmented_run_is_bit_identical(eight_devices, variant):
-    """4 data x 2 fsdp on 8 forced host devices: 4 steps + resume=auto to 8 equals 8 straight
-    steps, losses and final arrays alike (model, optimizer state, step and RNG key)."""
-    s = eight_devices[variant]
-    s.first.assert_ok()
-    s.second.assert_ok()
+def test_8_devices_segmented_run_is_bit_identical(chains, variant):
+    """4 data x 2 fsdp on 8 forced host devices: resume=auto from the iter_4 of a straight 8-step run
+    (in a save_path of its own) to 8 equals the straight steps 5-8, losses and final arrays alike
+    (model, optimizer state, step and RNG key)."""
+    s = chains.eight_devices[variant].result()
     s.full.assert_ok()
-    assert "8 cpu device(s)" in s.full.stdout
+    assert s.second is not None, f"no iter_4 in {s.full_ck}: {sorted(os.listdir(s.full_ck))}"
+    s.second.assert_ok()
+    assert "8 cpu device(s)" in s.full.stdout and "8 cpu device(s)" in s.second.stdout
     assert resumed_line(s.seg_ck, 4) in s.second.stdout, s.second.tail()
-    first, second, full = s.first.losses(), s.second.losses(), s.full.losses()
-    assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [5, 6, 7, 8]
-    assert {**first, **second} == full  # exact, step by step
-    assert complete_steps(str(s.full_ck)) == [8] and complete_steps(str(s.seg_ck)) == [4, 8]
+    full, second = s.full.losses(), s.second.losses()
+    assert sorted(full) == list(range(1, 9)) and sorted(second) == [5, 6, 7, 8]
+    assert {**{k: full[k] for k in range(1, 5)}, **second} == full  # exact, step by step
+    assert complete_steps(str(s.full_ck)) == [4, 8] and complete_steps(str(s.seg_ck)) == [4, 8]
     assert open_checkpoint(str(s.seg_ck), "iter_8", True).manifest["devices"] == 8
     for item in ("model", "opt_state", "progress"):
         xs, ys = arrays(s.full_ck / "iter_8", item), arrays(s.seg_ck / "iter_8", item)

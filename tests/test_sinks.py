@@ -29,7 +29,7 @@ def _scalars(acc, tag):
 
 
 def test_tensorboard_events_read_back(tmp_path):
-    cfg = sinks.logging_config({"progress_bar": False, "metrics_file": None, "tensorboard": True})
+    cfg = sinks.logging_config({"progress_bar": False, "metrics_file": None, "samples_file": None, "tensorboard": True})
     opened = sinks.open_sinks(cfg, str(tmp_path), 100, 0, CONFIG)
     assert list(opened.named) == ["console", "tensorboard"]
     logged = {10: {"train/loss": 4.5, "train/lr": 1e-4}, 20: {"train/loss": 3.25, "train/lr": 2e-4, "val/loss": 3.5},
@@ -61,7 +61,7 @@ def test_tensorboard_events_read_back(tmp_path):
     assert len([f for f in os.listdir(tmp_path / "tensorboard") if f.startswith("events.out.tfevents.")]) == 2
     assert _scalars(_accumulator(tmp_path / "tensorboard"), "train/loss") == [(10, 4.5), (20, 3.25), (30, 2.5), (40, 2.0)]
 
-    off = sinks.logging_config({"progress_bar": False, "metrics_file": None})
+    off = sinks.logging_config({"progress_bar": False, "metrics_file": None, "samples_file": None})
     assert list(sinks.open_sinks(off, str(tmp_path / "off"), 100, 0, CONFIG).named) == ["console"]
     assert not (tmp_path / "off").exists()
 
@@ -75,7 +75,7 @@ def test_wandb_knobs():
 def test_wandb_off_builds_no_sink_and_keeps_saved_state(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")  # what wandb_mode=null follows
     for knobs in ({}, {"wandb_project": "p", "wandb_mode": "disabled"}, {"wandb_project": "p", "wandb_mode": None}):
-        cfg = sinks.logging_config({"progress_bar": False, "metrics_file": None, **knobs})
+        cfg = sinks.logging_config({"progress_bar": False, "metrics_file": None, "samples_file": None, **knobs})
         opened = sinks.open_sinks(cfg, str(tmp_path), 10, 5, CONFIG, saved={"wandb": {"id": "abc123"}})
         assert list(opened.named) == ["console"]
         # wandb off for one segment: its run id still goes into this segment's checkpoints.
@@ -106,7 +106,7 @@ def test_wandb_offline_run_resumes_with_its_saved_id(tmp_path, wandb_offline):
     """One test for every wandb assertion: each wandb.init starts its service (about a second)."""
     tmp_path = tmp_path / "run"
     tmp_path.mkdir()
-    cfg = sinks.logging_config({"progress_bar": False, "metrics_file": None, "wandb_project": "eqtrain-test",
+    cfg = sinks.logging_config({"progress_bar": False, "metrics_file": None, "samples_file": None, "wandb_project": "eqtrain-test",
                                 "wandb_name": "tiny", "wandb_mode": "offline"})
     first = sinks.open_sinks(cfg, str(tmp_path), 100, 0, CONFIG, saved=None)
     run = first.named["wandb"].run
