@@ -41,7 +41,7 @@ def flags(on: tuple[str, ...], log: bool = True, per_layer: bool = False) -> lis
 
 CONFIGS = {
     "off": flags((), log=False),  # log_callback_data=false: no hook at all
-    "hook, no flags": flags(()),
+    "hook only": flags(()),  # log_callback_data=true, every flag off
     "store_last_params": flags(("store_last_params",)),
     "store_last_grads": flags(("store_last_grads",)),
     "store_past_grads": flags(("store_past_grads",)),
