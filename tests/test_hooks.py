@@ -73,7 +73,7 @@ def test_divergence_hook_stops_on_a_logged_nan():
         ctx = H.LoopContext(0, 5, state=None, data=None)
         runner = H.Hooks([H.Divergence()])
         for step in range(1, 6):
-            ctx.advance(step, state, {})
+            ctx.advance(step, None, {})
             ctx.add({"train/loss": float("nan") if step == 3 else 1.0})
             runner.run(ctx)
 
@@ -159,7 +159,7 @@ def test_a_registered_sink_receives_every_logged_step(tmp_path, monkeypatch):
     assert got == [(3, {"train/loss": 1.5}), "closed"]
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
         {"step": 3, "train/loss": 1.5}]
-    off = sinks.logging_config({"progress_bar": False, "memory": False, "metrics_file": None})
+    off = sinks.logging_config({"progress_bar": False, "memory": False, "metrics_file": None, "samples_file": None})
     assert all(type(s).__name__ == "ConsoleSink" for s in sinks.open_sinks(off, str(tmp_path), 10, 0, {}).sinks)
 
 
