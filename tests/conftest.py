@@ -178,3 +178,17 @@ def tiny_run():
         return validate(compose_config(*overrides))
 
     return make
+
+
+def load_script(name: str):
+    """scripts/<name>.py imported as a module, to call its functions and main(argv) in-process.
+    Registered in sys.modules before it runs: its dataclasses look their module up while built."""
+    import importlib.util
+    import sys
+
+    path = os.path.join(os.path.dirname(CONF_DIR), "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

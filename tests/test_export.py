@@ -9,7 +9,6 @@ process boundary (exit code, stderr, stdout) is checked by two subprocesses.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import stat
@@ -26,7 +25,7 @@ from safetensors.numpy import load_file
 import train_jax
 from models import export
 from models.gpt import GPT, GPTConfig
-from conftest import compose_config
+from conftest import load_script, compose_config
 from utils.checkpoint import open_checkpoint, restore_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,15 +37,7 @@ RUN = ("model.vocab_size=null", "train.sample_tokens=0", f"train.max_steps={STEP
        "optimizer/lr_config=constant", "checkpoint.save=true", "dataset=text_files", "dataset.val_fraction=0.2")
 
 
-def _script(name: str):
-    """scripts/<name>.py imported as a module, to call its main(argv) in-process."""
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-export_script, sample_script = _script("export_model"), _script("sample")
+export_script, sample_script = load_script("export_model"), load_script("sample")
 
 
 def run_script(name: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -11,21 +11,17 @@ test here that compiles anything.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_script
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("_script_lr_find", ROOT / "scripts" / "lr_find.py")
-lr_find = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = lr_find  # registered first: its dataclasses look their module up while being built
-_spec.loader.exec_module(lr_find)
+lr_find = load_script("lr_find")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -8,20 +8,17 @@ the command exactly as a user types it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("_script_plot_runs", ROOT / "scripts" / "plot_runs.py")
-plot_runs = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = plot_runs  # registered first: its dataclasses look their module up while being built
-_spec.loader.exec_module(plot_runs)
+plot_runs = load_script("plot_runs")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 COMMON = ["model.dim=32", "dataset.batch_size=8", "train.max_steps=30"]
