@@ -26,7 +26,7 @@ VAL_SEED = 0
 
 
 # The knobs every data source shares, in `conf/dataset/*.yaml` beside the source's own.
-BATCH_KNOBS = ("batch_size", "total_batch_size", "context_length", "shuffle")
+BATCH_KNOBS = ("batch_size", "total_batch_size", "context_length", "shuffle", "document_mask", "prefetch")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,8 @@ class DatasetConfig:
     total_batch_size: int | None = None  # sequences per optimizer step; null = batch_size
     context_length: int | None = None  # null = model.context_length
     shuffle: bool = True  # a fresh permutation of training windows every epoch
+    document_mask: bool = False  # attention and loss stay inside each document of a packed window
+    prefetch: int = 2  # batches a background thread keeps ready; 0 = read in the loop
 
     def check(self, prefix: str) -> None:
         if self.batch_size <= 0:
@@ -49,6 +51,8 @@ class DatasetConfig:
                 f"{prefix}.total_batch_size={total} must be a positive multiple of "
                 f"{prefix}.batch_size={self.batch_size} (gradient accumulation = total / batch)"
             )
+        if self.prefetch < 0:
+            raise ConfigError(f"{prefix}.prefetch={self.prefetch} must be >= 0 (0 reads batches in the loop)")
         if self.context_length is not None and self.context_length <= 0:
             raise ConfigError(f"{prefix}.context_length={self.context_length} must be positive or null")
 
@@ -96,47 +100,126 @@ def tokenize_documents(
     return tokens
 
 
-class WindowDataset:
-    """Non-overlapping windows of `window` = context_length+1 tokens cut from the 1-D token stream.
+@dataclass(frozen=True)
+class DataRequest:
+    """What a source that builds its own windows (`windows(req)`) is given: see loaders/sources/__init__.py."""
 
-    The last partial window is dropped. Windows may start mid-document and span document ends:
-    the eot between documents is what tells the model a new one began.
+    tokenizer: Tokenizer
+    cache_dir: str
+    window: int  # context_length + 1 tokens per row
+    document_mask: bool = False  # rows carry segment ids; attention and loss stay inside each document
+
+
+def segment_ids(inputs_NxT: np.ndarray, eot_id: int) -> np.ndarray:
+    """Document index of every input position, counted from the row's start: a document's eot
+    belongs to it, the token after the eot starts the next one."""
+    is_eot = (inputs_NxT == eot_id).astype(np.int32)
+    return np.cumsum(is_eot, axis=-1) - is_eot
+
+
+class WindowDataset:
+    """Windows of `window` = context_length+1 tokens cut from a 1-D token stream (an array or a memmap).
+
+    Window i at `offset` is stream[offset + i*window : offset + (i+1)*window]; `len()` counts the
+    windows at offset 0 and `max_offset` is how far they can shift (the stream's leftover tokens, at
+    most window-1), so a trainer can move the window boundaries every epoch. `aligned=True` pins
+    them (a stream laid out in window-sized bins, e.g. packed chat conversations).
+
+    A row is the int32 token window, or a dict when the stream has a loss mask or documents are
+    masked (`document_mask`): `tokens` (window), `loss_mask` (window-1, float32: 1 where the target
+    token is trained on) and, with `document_mask`, `segment_ids` (window-1: attention stays inside
+    each document, and the loss skips the target after each eot, which lies in the next document).
+    Windows may start mid-document and span document ends: without document masks, the eot between
+    documents is what tells the model a new one began.
     """
 
-    def __init__(self, tokens: np.ndarray, window: int):
-        tokens = np.asarray(tokens)  # keeps a memmap's buffer; drops only the subclass
+    def __init__(self, tokens: np.ndarray, window: int, *, loss_mask: np.ndarray | None = None,
+                 eot_id: int | None = None, document_mask: bool = False, aligned: bool = False):
+        tokens = np.asarray(tokens) if not isinstance(tokens, np.memmap) else tokens
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
         if window < 2:
             raise ValueError(f"window must be context_length+1 >= 2, got {window}")
+        if loss_mask is not None and np.shape(loss_mask) != tokens.shape:
+            raise ValueError(f"loss_mask has shape {np.shape(loss_mask)}, the tokens {tokens.shape}")
+        if document_mask and eot_id is None:
+            raise ValueError("document_mask needs the tokenizer's eot_id")
         num_windows = len(tokens) // window
         if num_windows == 0:
             raise DataError(
                 f"the dataset has {len(tokens)} tokens, fewer than one window of model.context_length+1={window}: "
-                "give dataset.paths more text (or raise dataset.val_fraction if this is the validation split), "
+                "give the dataset more text (or raise dataset.val_fraction if this is the validation split), "
                 "or lower model.context_length"
             )
         self.window = window
+        self.tokens = tokens
+        self.loss_mask = loss_mask
+        self.eot_id = eot_id
+        self.document_mask = bool(document_mask)
+        self.num_windows = num_windows
+        self.max_offset = 0 if aligned else min(window - 1, len(tokens) - num_windows * window)
         # A reshape of a contiguous prefix is a view: no copy of the stream, even when it is a memmap.
         self.windows_NxW = tokens[: num_windows * window].reshape(num_windows, window)
 
     def __len__(self) -> int:
-        return self.windows_NxW.shape[0]
+        return self.num_windows
 
-    def get(self, idx: np.ndarray) -> np.ndarray:
-        """(len(idx), window) int32: the model's embedding lookup wants signed ids, the stream stores uint16."""
-        idx_N = np.asarray(idx).reshape(-1)
-        return np.asarray(self.windows_NxW[idx_N], dtype=np.int32)
+    @property
+    def masked(self) -> bool:
+        """Whether rows are dicts (a loss mask or segment ids) rather than bare token arrays."""
+        return self.loss_mask is not None or self.document_mask
+
+    def _rows(self, stream: np.ndarray, idx_N: np.ndarray, offset: int) -> np.ndarray:
+        if offset == 0:
+            return stream[: self.num_windows * self.window].reshape(self.num_windows, self.window)[idx_N]
+        return stream[(idx_N * self.window + offset)[:, None] + np.arange(self.window)]
+
+    def get(self, idx, offset: int = 0):
+        """Rows for window indices `idx` (any shape) at `offset`: leaves of shape idx.shape + (...).
+        int32 tokens: the embedding lookup wants signed ids, the stream stores uint16."""
+        idx = np.asarray(idx)
+        idx_N = idx.reshape(-1)
+        if not 0 <= offset < self.window or (len(idx_N) and (idx_N.max() + 1) * self.window + offset > len(self.tokens)):
+            raise ValueError(f"windows {idx_N.max()} at offset {offset} run past the stream's {len(self.tokens)} tokens")
+        tokens_NxW = np.asarray(self._rows(self.tokens, idx_N, offset), dtype=np.int32)
+        if not self.masked:
+            return tokens_NxW.reshape(idx.shape + (self.window,))
+        W = self.window
+        weights_NxT = (np.ones((len(idx_N), W - 1), np.float32) if self.loss_mask is None
+                       else np.asarray(self._rows(self.loss_mask, idx_N, offset)[:, 1:], np.float32))
+        row = {"tokens": tokens_NxW}
+        if self.document_mask:
+            inputs_NxT = tokens_NxW[:, :-1]
+            row["segment_ids"] = segment_ids(inputs_NxT, self.eot_id)
+            weights_NxT = weights_NxT * (inputs_NxT != self.eot_id)
+        row["loss_mask"] = weights_NxT
+        return {k: v.reshape(idx.shape + v.shape[1:]) for k, v in row.items()}
+
+
+def concat_rows(rows: list):
+    """Rows from several `get` calls (arrays or dicts alike) joined along the first axis."""
+    if isinstance(rows[0], dict):
+        return {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+    return np.concatenate(rows)
+
+
+def batch_tokens(batch) -> np.ndarray:
+    """The token array of a batch, whichever form it has."""
+    return batch["tokens"] if isinstance(batch, dict) else batch
 
 
 class BatchIterator:
-    """Infinite iterator of int32 arrays of shape batch_shape + (window,), e.g. (accum_steps, batch_size, T+1).
+    """Infinite iterator of batches of shape batch_shape + (window,), e.g. (accum_steps, batch_size, T+1):
+    int32 arrays, or dicts of arrays (see WindowDataset) when the dataset is masked.
 
     Order: windows are consumed from an endless stream that is epoch 0's order, then epoch 1's, ...
-    With shuffle=True each epoch's order is a fresh permutation from np.random.default_rng([seed, epoch]);
-    with shuffle=False it is 0, 1, 2, ... (validation). A batch that reaches an epoch's end simply takes
-    its remaining windows from the start of the next epoch's order, so every window is seen exactly once
-    per epoch and no window is dropped or repeated at the boundary.
+    With shuffle=True each epoch's order is a fresh permutation from np.random.default_rng([seed, epoch]),
+    and from epoch 1 on (with `random_offset`) the window boundaries move by a random offset drawn from
+    the same generator, so every pair of adjacent tokens is a training pair in some epoch; epoch 0
+    keeps offset 0. An epoch whose offset leaves no room for the last window has one window fewer.
+    With shuffle=False the order is 0, 1, 2, ... at offset 0 (validation). A batch that reaches an
+    epoch's end takes its remaining windows from the start of the next epoch, so every window is
+    seen exactly once per epoch and none is dropped or repeated at the boundary.
 
     Multi-host: every process walks the same global stream and returns only its rows
     [process_index*B/process_count, (process_index+1)*B/process_count) of the batch axis (axis -2 of
@@ -152,6 +235,7 @@ class BatchIterator:
         shuffle: bool,
         process_index: int = 0,
         process_count: int = 1,
+        random_offset: bool = True,
     ):
         batch_shape = tuple(int(b) for b in batch_shape)
         if not batch_shape or min(batch_shape) < 1:
@@ -165,24 +249,33 @@ class BatchIterator:
                 f"set it to a multiple of {process_count}"
             )
         if int(seed) < 0:
-            raise ConfigError(f"random_seed={seed} must be a non-negative integer")
+            raise ConfigError(f"data_seed={seed} must be a non-negative integer")
         self.dataset = dataset
         self.batch_shape = batch_shape
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
+        self.random_offset = bool(random_offset) and self.shuffle
         self._rows = slice(process_index * rows // process_count, (process_index + 1) * rows // process_count)
         self._windows_per_batch = math.prod(batch_shape)
         self._epoch = 0
         self._position = 0  # index into the current epoch's order of the next window to hand out
         self._order_epoch = -1
         self._order_N = np.zeros(0, np.int64)
+        self._offset = 0
 
     def _order(self, epoch: int) -> np.ndarray:
-        """The epoch's window order, cached: a permutation costs O(num_windows) once per epoch, not per step."""
+        """The epoch's window order (and `_offset`), cached: a permutation costs O(num_windows) once
+        per epoch, not per step."""
         if epoch != self._order_epoch:
             n = len(self.dataset)
             if self.shuffle:
-                self._order_N = np.random.default_rng([self.seed, epoch]).permutation(n)
+                rng = np.random.default_rng([self.seed, epoch])
+                self._order_N = rng.permutation(n)
+                self._offset = 0
+                if self.random_offset and epoch > 0:
+                    self._offset = int(rng.integers(0, self.dataset.window))
+                    if self._offset > self.dataset.max_offset:  # the last window would run off the stream
+                        self._order_N = self._order_N[self._order_N != n - 1]
             elif len(self._order_N) != n:
                 self._order_N = np.arange(n)
             self._order_epoch = epoch
@@ -191,19 +284,30 @@ class BatchIterator:
     def __iter__(self):
         return self
 
-    def __next__(self) -> np.ndarray:
-        num_windows = len(self.dataset)
+    def __next__(self):
         pieces, need = [], self._windows_per_batch
         while need:  # one pass per epoch touched: once, twice at a boundary, more only if batch > dataset
-            take = min(need, num_windows - self._position)
-            pieces.append(self._order(self._epoch)[self._position : self._position + take])
+            order_N = self._order(self._epoch)
+            take = min(need, len(order_N) - self._position)
+            pieces.append((order_N[self._position : self._position + take], self._offset))
             need -= take
             self._position += take
-            if self._position == num_windows:
+            if self._position == len(order_N):
                 self._epoch, self._position = self._epoch + 1, 0
-        idx_global = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-        idx_local = idx_global.reshape(self.batch_shape)[..., self._rows]
-        return self.dataset.get(idx_local).reshape(idx_local.shape + (self.dataset.window,))
+        # Which global slots each piece fills; only this process's rows are read.
+        slot_of = np.arange(self._windows_per_batch).reshape(self.batch_shape)[..., self._rows]
+        local_slots = slot_of.reshape(-1)
+        parts, begin = [], 0
+        for idx, offset in pieces:
+            mine = local_slots[(local_slots >= begin) & (local_slots < begin + len(idx))]
+            if len(mine):
+                parts.append(self.dataset.get(idx[mine - begin], offset))
+            begin += len(idx)
+        rows = parts[0] if len(parts) == 1 else concat_rows(parts)
+        shape = slot_of.shape
+        if isinstance(rows, dict):
+            return {k: v.reshape(shape + v.shape[1:]) for k, v in rows.items()}
+        return rows.reshape(shape + rows.shape[1:])
 
     def state_dict(self) -> dict:
         """JSON-able; num_windows lets a resume notice that the dataset changed underneath it."""
@@ -218,7 +322,7 @@ class BatchIterator:
                 "resume with the same dataset, tokenizer and model.context_length, or start a fresh run"
             )
         epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position < num_windows:
+        if epoch < 0 or not 0 <= position < len(self._order(epoch)):
             raise CheckpointError(
                 f"data iterator state epoch={epoch} position={position} is invalid for {num_windows} windows: "
                 "the checkpoint is corrupt; resume from another one or start a fresh run"

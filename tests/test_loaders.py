@@ -253,24 +253,73 @@ def test_batch_iterator_shape_dtype_and_contents():
 
 def test_shuffled_epoch_visits_every_window_once_and_depends_on_seed():
     ds = _dataset(12)
-    it = BatchIterator(ds, (4,), seed=0, shuffle=True)
+    it = BatchIterator(ds, (4,), seed=0, shuffle=True, random_offset=False)
     epoch0 = sum((_window_ids(next(it), 5) for _ in range(3)), [])
     assert sorted(epoch0) == list(range(12)) and epoch0 != list(range(12))
     assert it.state_dict()["epoch"] == 1
     epoch1 = sum((_window_ids(next(it), 5) for _ in range(3)), [])
     assert sorted(epoch1) == list(range(12)) and epoch1 != epoch0
-    other_seed = BatchIterator(ds, (4,), seed=1, shuffle=True)
+    other_seed = BatchIterator(ds, (4,), seed=1, shuffle=True, random_offset=False)
     assert sum((_window_ids(next(other_seed), 5) for _ in range(3)), []) != epoch0
 
 
 def test_batch_spanning_an_epoch_boundary_takes_the_rest_from_the_next_epoch():
     ds = _dataset(10)
-    it = BatchIterator(ds, (4,), seed=3, shuffle=True)
+    it = BatchIterator(ds, (4,), seed=3, shuffle=True, random_offset=False)
     stream = sum((_window_ids(next(it), 5) for _ in range(5)), [])  # 20 windows = exactly 2 epochs
     assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:]) == list(range(10))
     assert stream[:10] == np.random.default_rng([3, 0]).permutation(10).tolist()
     assert stream[10:] == np.random.default_rng([3, 1]).permutation(10).tolist()
     assert it.state_dict() == {"epoch": 2, "position": 0, "num_windows": 10}
+
+
+def test_later_epochs_move_the_window_boundaries_so_every_token_pair_is_trained():
+    """Epoch 0 cuts at multiples of the window; later epochs at a random offset, so the pair
+    (last token of a window, first of the next) becomes a training pair in some epoch."""
+    window, n = 5, 6
+    ds = WindowDataset(np.arange(n * window + 3, dtype=np.uint32), window)  # 3 leftover tokens
+    assert ds.max_offset == 3
+    it = BatchIterator(ds, (2,), seed=0, shuffle=True)
+    pairs, offsets = set(), set()
+    for _ in range(60):
+        batch = next(it)
+        assert (np.diff(batch, axis=-1) == 1).all() and batch.max() < n * window + 3  # whole, in-bounds rows
+        offsets.update((batch[:, 0] % window).tolist())
+        pairs.update((int(a), int(b)) for row in batch for a, b in zip(row[:-1], row[1:]))
+    assert 0 in offsets and len(offsets) > 2
+    assert pairs == {(t, t + 1) for t in range(n * window + 2)}
+    first_epoch = sum((_window_ids(b, window) for b in [next(BatchIterator(ds, (6,), seed=0, shuffle=True))]), [])
+    assert sorted(first_epoch) == list(range(n))  # epoch 0 is offset 0 and whole
+
+
+@pytest.mark.parametrize("steps_before_save", [0, 5, 13])
+def test_resume_across_offset_epochs_gives_identical_next_batches(steps_before_save):
+    ds = WindowDataset(np.arange(7 * 5, dtype=np.uint32), 5)  # no leftover: offset epochs lose a window
+    original = BatchIterator(ds, (3,), seed=1, shuffle=True)
+    for _ in range(steps_before_save):
+        next(original)
+    resumed = BatchIterator(ds, (3,), seed=1, shuffle=True)
+    resumed.load_state_dict(json.loads(json.dumps(original.state_dict())))
+    for _ in range(8):
+        np.testing.assert_array_equal(next(resumed), next(original))
+
+
+def test_masked_rows_carry_the_loss_mask_and_document_segments():
+    eot = 0
+    tokens = np.array([5, 6, eot, 7, 8, 9, eot, 3, 4, eot, 1, 2], np.uint16)
+    mask = np.array([0, 1, 1, 0, 1, 1, 1, 0, 0, 1, 1, 1], np.uint8)
+    ds = WindowDataset(tokens, 6, loss_mask=mask, eot_id=eot, document_mask=True)
+    row = ds.get(np.array([0, 1]))
+    np.testing.assert_array_equal(row["tokens"], tokens.reshape(2, 6))
+    # inputs [5 6 eot 7 8] -> segments 0 0 0 1 1; [eot 3 4 eot 1] -> 0 1 1 1 2
+    np.testing.assert_array_equal(row["segment_ids"], [[0, 0, 0, 1, 1], [0, 1, 1, 1, 2]])
+    # the targets' mask, zeroed where the input is an eot (its target starts the next document)
+    np.testing.assert_array_equal(row["loss_mask"], [[1, 1, 0, 1, 1], [0, 0, 1, 0, 1]])
+    plain = WindowDataset(tokens, 6, eot_id=eot, document_mask=True).get(np.array([[1]]))
+    assert plain["tokens"].shape == (1, 1, 6) and plain["loss_mask"].tolist() == [[[0, 1, 1, 0, 1]]]
+    batches = BatchIterator(ds, (2, 1), seed=0, shuffle=True)
+    assert {k: v.shape for k, v in next(batches).items()} == {"tokens": (2, 1, 6), "segment_ids": (2, 1, 5),
+                                                              "loss_mask": (2, 1, 5)}
 
 
 def test_unshuffled_iterator_walks_in_order_and_wraps():
