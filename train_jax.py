@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import optax
 from omegaconf import DictConfig
 
-from loaders.batching import BatchIterator, Data, WindowDataset, cached_windows, eval_batches
+from loaders.batching import DataRequest, WindowDataset, eval_batches
+from loaders.pipeline import Data, build_data, source_documents
 from loaders.tokenizers import Tokenizer
 from models.gpt import GPT, count_params, cross_entropy, eval_sums, flops_per_token, param_labels
 from models.sample import sample_text
@@ -44,17 +45,15 @@ from utils.sinks.console import say, warn
 from utils.train_step import TrainState, build_train_step
 
 
-def init_tokenizer(run: RunConfig, train_docs: Sequence[str]) -> Tokenizer:
+def init_tokenizer(run: RunConfig, train_docs: Sequence[str] | None) -> Tokenizer:
     return run.tokenizer.build(train_docs, run.cache_dir)
 
 
-def init_data(run: RunConfig, tokenizer: Tokenizer, docs: tuple[Sequence[str], Sequence[str]]) -> Data:
+def init_data(run: RunConfig, tokenizer: Tokenizer, docs=None, state: dict | None = None) -> Data:
+    """Batches in data_seed's order (prefetched, this process's rows), resumed at `state`."""
     d = run.dataset
-    train, val = (cached_windows(split_docs, tokenizer, run.cache_dir, d.name, split, run.context_length + 1)
-                  for split_docs, split in zip(docs, ("train", "val")))
-    batches = BatchIterator(train, (d.accum_steps, d.batch_size), run.random_seed, d.shuffle, jax.process_index(),
-                            jax.process_count())
-    return Data(batches, val, d.accum_steps * d.batch_size * run.context_length)
+    req = DataRequest(tokenizer, run.cache_dir, run.context_length + 1, d.document_mask)
+    return build_data(d, req, run.data_seed, jax.process_index(), jax.process_count(), docs, state)
 
 
 def init_model(run: RunConfig, key: jax.Array) -> GPT:
@@ -99,9 +98,9 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, source: S
     return TrainState(model, opt_state, progress["step"], progress["key"], aux), shardings
 
 
-def loss_fn(model: GPT, tokens_BxT1: jax.Array, key: jax.Array | None, compute_dtype) -> tuple[jax.Array, dict]:
+def loss_fn(model: GPT, batch_BxT1, key: jax.Array | None, compute_dtype) -> tuple[jax.Array, dict]:
     """(mean loss, aux): aux holds what step metrics may read, per micro-batch."""
-    loss, correct = cross_entropy(model, tokens_BxT1, key, compute_dtype)
+    loss, correct = cross_entropy(model, batch_BxT1, key, compute_dtype)
     return loss, {"loss": loss, "correct": correct}
 
 
@@ -115,12 +114,12 @@ def make_evaluate(run: RunConfig, val: WindowDataset, mesh, eval_step: Callable 
     weights_sharding = meshlib.row_sharding(tokens_sharding)
 
     def batches():
-        for tokens_BxT1, weights_B in eval_batches(val, run.dataset.batch_size, run.train.max_val_steps,
+        for batch_BxT1, weights_B in eval_batches(val, run.dataset.batch_size, run.train.max_val_steps,
                                                    process_index=jax.process_index(),
                                                    process_count=jax.process_count()):
-            yield meshlib.put_batch(tokens_BxT1, tokens_sharding), meshlib.put_batch(weights_B, weights_sharding)
+            yield meshlib.put_batch(batch_BxT1, tokens_sharding), meshlib.put_batch(weights_B, weights_sharding)
 
-    return lambda model: H.evaluate(eval_step, model, batches(), val.window - 1)
+    return lambda model: H.evaluate(eval_step, model, batches())
 
 
 
@@ -140,12 +139,10 @@ class Trainer:  # everything a run builds before its first step; benchmarks and 
 def build_trainer(run: RunConfig, source: Source | None = None, schedule: optax.Schedule | None = None) -> Trainer:
     meshlib.init_distributed()
     mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size)
-    docs = run.dataset.source.documents()  # listed and fingerprinted; read only if a cache misses
-    tokenizer = init_tokenizer(run, docs[0])
+    docs = source_documents(run.dataset.source, run.tokenizer.needs_documents, run.config_dict["tokenizer"]["name"])
+    tokenizer = init_tokenizer(run, docs[0] if docs else None)
     run = resolve_vocab(run, tokenizer.vocab_size)
-    data = init_data(run, tokenizer, docs)
-    if source is not None:
-        data.train.load_state_dict(source.manifest["data"])
+    data = init_data(run, tokenizer, docs, source.manifest["data"] if source is not None else None)
     schedule, tx, state, train_step = init_training(run, mesh, source, schedule=schedule)
     return Trainer(run, mesh, tokenizer, data, schedule, tx, state, train_step, make_evaluate(run, data.val, mesh))
 
@@ -228,7 +225,7 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
     end = min(run.train.max_steps, start + (ck.num_steps or run.train.max_steps))
     say(f"eqtrain: {count_params(trainer.state.model) / 1e6:.2f}M params | {run.optimizer.name} + "
         f"{run.optimizer.schedule_name} | {trainer.data.tokens_per_step:,} tokens/step | {len(jax.devices())} "
-        f"{jax.devices()[0].platform} device(s) | run dir {run_dir}")
+        f"{jax.devices()[0].platform} device(s) | data {trainer.data.fingerprint} | run dir {run_dir}")
     for warning in run.warnings:
         warn(warning)
     if source is not None:
@@ -238,13 +235,17 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
         say(f"nothing to train: the run is at step {start} = train.max_steps")
         return dict(source.manifest.get("metrics", {})) if source else {}
     ctx = H.LoopContext(start, end, trainer.state, trainer.data.train)
-    ctx.add(state_bytes_metric(trainer.state.opt_state))  # logged once, with the first record
+    # Logged once, with the first record: the data stream's fingerprint and what the source counted.
+    ctx.add({**state_bytes_metric(trainer.state.opt_state), "data/fingerprint": trainer.data.fingerprint,
+             **trainer.data.info})
     with StopSignals(catch_interrupt=ck.save_on_interrupt) if ck.save else contextlib.nullcontext() as stop_signals:
         hooks = make_hooks(run, trainer, run_dir, stop_signals, source)
         try:
             train_loop(trainer, hooks, ctx)
         finally:  # inside the handlers: a second SIGTERM cannot kill a save that is still being written
             hooks.close()
+            if hasattr(trainer.data.train, "close"):
+                trainer.data.train.close()  # the prefetch thread
         if ctx.stop:
             raise Preempted(ctx.stop, ctx.step, step_path(ck.save_path, ctx.step))
     return ctx.last

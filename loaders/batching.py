@@ -208,55 +208,26 @@ def batch_tokens(batch) -> np.ndarray:
     return batch["tokens"] if isinstance(batch, dict) else batch
 
 
-class BatchIterator:
-    """Infinite iterator of batches of shape batch_shape + (window,), e.g. (accum_steps, batch_size, T+1):
-    int32 arrays, or dicts of arrays (see WindowDataset) when the dataset is masked.
-
-    Order: windows are consumed from an endless stream that is epoch 0's order, then epoch 1's, ...
-    With shuffle=True each epoch's order is a fresh permutation from np.random.default_rng([seed, epoch]),
-    and from epoch 1 on (with `random_offset`) the window boundaries move by a random offset drawn from
-    the same generator, so every pair of adjacent tokens is a training pair in some epoch; epoch 0
-    keeps offset 0. An epoch whose offset leaves no room for the last window has one window fewer.
-    With shuffle=False the order is 0, 1, 2, ... at offset 0 (validation). A batch that reaches an
-    epoch's end takes its remaining windows from the start of the next epoch, so every window is
-    seen exactly once per epoch and none is dropped or repeated at the boundary.
-
-    Multi-host: every process walks the same global stream and returns only its rows
-    [process_index*B/process_count, (process_index+1)*B/process_count) of the batch axis (axis -2 of
-    the output), so the processes' slices concatenate to the single-process batch. The state counts
-    global windows, so it resumes correctly on a different number of processes too.
+class WindowOrder:
+    """The endless, resumable order in which a dataset's windows are handed out: epoch 0's order,
+    then epoch 1's, ... With shuffle=True each epoch's order is a fresh permutation from
+    np.random.default_rng([seed, epoch]), and from epoch 1 on (with `random_offset`) the window
+    boundaries move by a random offset drawn from the same generator, so every pair of adjacent
+    tokens is a training pair in some epoch; epoch 0 keeps offset 0. An epoch whose offset leaves
+    no room for the last window has one window fewer. With shuffle=False the order is 0, 1, 2, ...
+    at offset 0 (validation). A request that reaches an epoch's end takes the rest from the start
+    of the next epoch, so every window is handed out exactly once per epoch, none dropped or
+    repeated at the boundary. The state counts windows, not batches or processes.
     """
 
-    def __init__(
-        self,
-        dataset: WindowDataset,
-        batch_shape: tuple[int, ...],
-        seed: int,
-        shuffle: bool,
-        process_index: int = 0,
-        process_count: int = 1,
-        random_offset: bool = True,
-    ):
-        batch_shape = tuple(int(b) for b in batch_shape)
-        if not batch_shape or min(batch_shape) < 1:
-            raise ValueError(f"batch_shape must be non-empty and positive, got {batch_shape}")
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
-        rows = batch_shape[-1]
-        if rows % process_count:
-            raise ConfigError(
-                f"dataset.batch_size={rows} does not split over {process_count} processes: "
-                f"set it to a multiple of {process_count}"
-            )
-        if int(seed) < 0:
-            raise ConfigError(f"data_seed={seed} must be a non-negative integer")
+    def __init__(self, dataset: WindowDataset, seed: int | tuple[int, ...], shuffle: bool, random_offset: bool = True):
+        seed = tuple(int(s) for s in seed) if isinstance(seed, (tuple, list)) else (int(seed),)
+        if min(seed) < 0:
+            raise ConfigError(f"data_seed={seed[0]} must be a non-negative integer")
         self.dataset = dataset
-        self.batch_shape = batch_shape
-        self.seed = int(seed)
+        self.seed = seed  # parts of the generator's seed, the epoch appended
         self.shuffle = bool(shuffle)
         self.random_offset = bool(random_offset) and self.shuffle
-        self._rows = slice(process_index * rows // process_count, (process_index + 1) * rows // process_count)
-        self._windows_per_batch = math.prod(batch_shape)
         self._epoch = 0
         self._position = 0  # index into the current epoch's order of the next window to hand out
         self._order_epoch = -1
@@ -269,7 +240,7 @@ class BatchIterator:
         if epoch != self._order_epoch:
             n = len(self.dataset)
             if self.shuffle:
-                rng = np.random.default_rng([self.seed, epoch])
+                rng = np.random.default_rng([*self.seed, epoch])
                 self._order_N = rng.permutation(n)
                 self._offset = 0
                 if self.random_offset and epoch > 0:
@@ -281,33 +252,18 @@ class BatchIterator:
             self._order_epoch = epoch
         return self._order_N
 
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        pieces, need = [], self._windows_per_batch
-        while need:  # one pass per epoch touched: once, twice at a boundary, more only if batch > dataset
+    def take(self, n: int) -> list[tuple[np.ndarray, int]]:
+        """The next `n` windows as (window indices, offset) pieces: one per epoch touched."""
+        pieces = []
+        while n:  # once, twice at a boundary, more only if n > dataset
             order_N = self._order(self._epoch)
-            take = min(need, len(order_N) - self._position)
+            take = min(n, len(order_N) - self._position)
             pieces.append((order_N[self._position : self._position + take], self._offset))
-            need -= take
+            n -= take
             self._position += take
             if self._position == len(order_N):
                 self._epoch, self._position = self._epoch + 1, 0
-        # Which global slots each piece fills; only this process's rows are read.
-        slot_of = np.arange(self._windows_per_batch).reshape(self.batch_shape)[..., self._rows]
-        local_slots = slot_of.reshape(-1)
-        parts, begin = [], 0
-        for idx, offset in pieces:
-            mine = local_slots[(local_slots >= begin) & (local_slots < begin + len(idx))]
-            if len(mine):
-                parts.append(self.dataset.get(idx[mine - begin], offset))
-            begin += len(idx)
-        rows = parts[0] if len(parts) == 1 else concat_rows(parts)
-        shape = slot_of.shape
-        if isinstance(rows, dict):
-            return {k: v.reshape(shape + v.shape[1:]) for k, v in rows.items()}
-        return rows.reshape(shape + rows.shape[1:])
+        return pieces
 
     def state_dict(self) -> dict:
         """JSON-able; num_windows lets a resume notice that the dataset changed underneath it."""
@@ -328,6 +284,87 @@ class BatchIterator:
                 "the checkpoint is corrupt; resume from another one or start a fresh run"
             )
         self._epoch, self._position = epoch, position
+
+
+def local_slots(batch_shape: tuple[int, ...], process_index: int, process_count: int) -> np.ndarray:
+    """Flat positions, in the global batch, of this process's rows [i*B/n, (i+1)*B/n) of axis -2
+    (shaped like the local batch): every process walks the same global order and reads only these."""
+    rows = batch_shape[-1]
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
+    if rows % process_count:
+        raise ConfigError(
+            f"dataset.batch_size={rows} does not split over {process_count} processes: "
+            f"set it to a multiple of {process_count}"
+        )
+    mine = slice(process_index * rows // process_count, (process_index + 1) * rows // process_count)
+    return np.arange(math.prod(batch_shape)).reshape(batch_shape)[..., mine]
+
+
+def read_slots(pieces: list[tuple[WindowDataset, np.ndarray, np.ndarray, int]], slots: np.ndarray):
+    """Rows for `slots` (flat global positions, any shape) from pieces (dataset, global positions
+    they fill, window indices, offset): only the requested positions are read."""
+    parts, order = [], []
+    flat = slots.reshape(-1)
+    for dataset, positions, idx, offset in pieces:
+        hit = np.isin(positions, flat)
+        if hit.any():
+            parts.append(dataset.get(idx[hit], offset))
+            order.append(positions[hit])
+    rows = parts[0] if len(parts) == 1 else concat_rows(parts)
+    where = np.concatenate(order)
+    if len(parts) > 1 or not np.array_equal(where, flat):  # pieces in position order -> slot order
+        pick = np.argsort(where)[np.searchsorted(np.sort(where), flat)]
+        rows = {k: v[pick] for k, v in rows.items()} if isinstance(rows, dict) else rows[pick]
+    if isinstance(rows, dict):
+        return {k: v.reshape(slots.shape + v.shape[1:]) for k, v in rows.items()}
+    return rows.reshape(slots.shape + rows.shape[1:])
+
+
+class BatchIterator:
+    """Infinite iterator of batches of shape batch_shape + (window,), e.g. (accum_steps, batch_size, T+1):
+    int32 arrays, or dicts of arrays (see WindowDataset) when the dataset is masked. The order of
+    windows is a `WindowOrder` (shuffled per epoch, moving boundaries, exactly resumable).
+
+    Multi-host: every process walks the same global stream and returns only its rows
+    [process_index*B/process_count, (process_index+1)*B/process_count) of the batch axis (axis -2 of
+    the output), so the processes' slices concatenate to the single-process batch. The state counts
+    global windows, so it resumes correctly on a different number of processes too.
+    """
+
+    def __init__(
+        self,
+        dataset: WindowDataset,
+        batch_shape: tuple[int, ...],
+        seed: int,
+        shuffle: bool,
+        process_index: int = 0,
+        process_count: int = 1,
+        random_offset: bool = True,
+    ):
+        batch_shape = tuple(int(b) for b in batch_shape)
+        if not batch_shape or min(batch_shape) < 1:
+            raise ValueError(f"batch_shape must be non-empty and positive, got {batch_shape}")
+        self.dataset = dataset
+        self.batch_shape = batch_shape
+        self.order = WindowOrder(dataset, seed, shuffle, random_offset)
+        self._slots = local_slots(batch_shape, process_index, process_count)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        pieces, begin = [], 0
+        for idx, offset in self.order.take(math.prod(self.batch_shape)):
+            pieces.append((self.dataset, np.arange(begin, begin + len(idx)), idx, offset))
+            begin += len(idx)
+        return read_slots(pieces, self._slots)
+
+    def state_dict(self) -> dict:
+        return self.order.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.load_state_dict(state)
 
 
 def eval_indices(num_windows: int, max_windows: int, seed: int = VAL_SEED) -> np.ndarray:
@@ -369,18 +406,13 @@ def eval_batches(
         yield dataset.get(idx_B[rows]), weights_B[rows]
 
 
-def cached_windows(docs, tokenizer: Tokenizer, cache_dir: str, source: str, split: str, window: int) -> WindowDataset:
+def cached_windows(docs, tokenizer: Tokenizer, cache_dir: str, source: str, split: str, window: int,
+                   document_mask: bool = False) -> WindowDataset:
     """`docs` tokenized (or read from `cache_dir/tokens/`) and cut into windows of `window` tokens.
     The cache is keyed by the tokenizer's fingerprint (not its name: two BPEs share one) and the
     split's stat fingerprint, so a hit reads no corpus text and a retrained tokenizer never reuses ids."""
     docs = in_memory_documents(docs)  # a lazy corpus.Documents passes through unread
     readable = tokenizer.name.replace("/", "_").replace(":", "_")
     name = f"{source}-{split}-{readable}-{tokenizer.fingerprint}-{docs.fingerprint}.npy"
-    return WindowDataset(tokenize_documents(docs, tokenizer, os.path.join(cache_dir, "tokens", name)), window)
-
-
-@dataclass
-class Data:
-    train: BatchIterator  # yields this process's rows of (accum_steps, batch_size, T+1)
-    val: WindowDataset  # evaluate() scores a fixed seeded subset of it (loaders.batching.eval_indices)
-    tokens_per_step: int
+    tokens = tokenize_documents(docs, tokenizer, os.path.join(cache_dir, "tokens", name))
+    return WindowDataset(tokens, window, eot_id=tokenizer.eot_id, document_mask=document_mask)

@@ -134,7 +134,8 @@ class Block(eqx.Module):
             mlp_out=_linear(k_mlp_out, f, d, resid_std, cfg.bias),
         )
 
-    def __call__(self, x_BxTxD: jax.Array, key: jax.Array | None, cfg: GPTConfig, compute_dtype) -> jax.Array:
+    def __call__(self, x_BxTxD: jax.Array, key: jax.Array | None, cfg: GPTConfig, compute_dtype,
+                 segment_ids_BxT: jax.Array | None = None) -> jax.Array:
         """`x_BxTxD` is the float32 residual stream: the matmuls run in `compute_dtype`, but the
         sums of the stream stay float32 (in bfloat16 a block's small update would round away)."""
         B, T, D = x_BxTxD.shape
@@ -148,7 +149,7 @@ class Block(eqx.Module):
         qkv_3xBxHxTxK = jnp.einsum("btd,dshk->sbhtk", h_BxTxD, w_Dx3xHxK)
         if self.attn_qkv.bias_O is not None:
             qkv_3xBxHxTxK = qkv_3xBxHxTxK + self.attn_qkv.bias_O.astype(h_BxTxD.dtype).reshape(3, 1, H, 1, K)
-        a_BxHxTxK = causal_attention(*qkv_3xBxHxTxK, block_size=cfg.attn_block_size)
+        a_BxHxTxK = causal_attention(*qkv_3xBxHxTxK, block_size=cfg.attn_block_size, segment_ids_BxT=segment_ids_BxT)
         a_BxTxD = a_BxHxTxK.transpose(0, 2, 1, 3).reshape(B, T, D)
         x_BxTxD = x_BxTxD + _dropout(self.attn_out(a_BxTxD), cfg.dropout, k_attn).astype(x_BxTxD.dtype)
 
@@ -157,8 +158,9 @@ class Block(eqx.Module):
 
 
 def causal_attention(q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.Array,
-                     block_size: int | None = None) -> jax.Array:
+                     block_size: int | None = None, segment_ids_BxT: jax.Array | None = None) -> jax.Array:
     """Softmax attention where position t sees positions <= t; scores and softmax in float32.
+    With `segment_ids_BxT` (packed documents), t sees only earlier positions of its own document.
 
     With `block_size`, queries go in blocks and block i only multiplies against keys
     [0, (i+1)·block_size): the masked-out upper triangle is mostly never computed (at two
@@ -174,6 +176,9 @@ def causal_attention(q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.
         scores_BxHxCxS = jnp.matmul(q_BxHxCxK, jnp.swapaxes(k_BxHxTxK[..., :keys, :], -1, -2),
                                     preferred_element_type=jnp.float32)
         visible_CxS = jnp.arange(keys)[None, :] <= (start + jnp.arange(block_size))[:, None]
+        if segment_ids_BxT is not None:
+            same_BxCxS = segment_ids_BxT[:, start : start + block_size, None] == segment_ids_BxT[:, None, :keys]
+            visible_CxS = (visible_CxS & same_BxCxS)[:, None]  # B x 1 x C x S, broadcast over heads
         scores_BxHxCxS = jnp.where(visible_CxS, scores_BxHxCxS * (1.0 / math.sqrt(K)), -1e30)
         probs_BxHxCxS = jax.nn.softmax(scores_BxHxCxS, axis=-1).astype(v_BxHxTxK.dtype)
         outs.append(jnp.matmul(probs_BxHxCxS, v_BxHxTxK[..., :keys, :]))
@@ -216,8 +221,10 @@ class GPT(eqx.Module):
         *,
         key: jax.Array | None = None,
         compute_dtype: jnp.dtype = jnp.float32,
+        segment_ids_BxT: jax.Array | None = None,
     ) -> jax.Array:
-        """Logits (float32) for every position. `key=None` disables dropout (evaluation)."""
+        """Logits (float32) for every position. `key=None` disables dropout (evaluation);
+        `segment_ids_BxT` keeps attention inside each packed document."""
         cfg = self.cfg
         T = tokens_BxT.shape[1]
         # The residual stream stays float32 whatever compute_dtype is (see Block.__call__).
@@ -226,7 +233,7 @@ class GPT(eqx.Module):
 
         def apply(x_BxTxD, block_and_key):
             block, k = block_and_key
-            return block(x_BxTxD, k, cfg, compute_dtype), None
+            return block(x_BxTxD, k, cfg, compute_dtype, segment_ids_BxT), None
 
         if cfg.remat != "none":
             apply = jax.checkpoint(apply, policy=REMAT_POLICIES[cfg.remat])
@@ -282,23 +289,44 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     return 6.0 * n_matmul + 12.0 * L * d * seq_len
 
 
-def cross_entropy(
-    model: GPT, tokens_BxT1: jax.Array, key: jax.Array | None, compute_dtype: jnp.dtype
-) -> tuple[jax.Array, jax.Array]:
-    """Mean next-token loss and the number of correct top-1 predictions over the window."""
+def unpack_batch(batch) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
+    """(tokens_BxT1, loss_mask_BxT or None, segment_ids_BxT or None, loss_norm or None) of a batch:
+    a bare token array, or the loaders' dict (`tokens`, optional `loss_mask` and `segment_ids`, and
+    `loss_norm`, the train step's denominator for an exact masked mean over micro-batches)."""
+    if not isinstance(batch, dict):
+        return batch, None, None, None
+    return batch["tokens"], batch.get("loss_mask"), batch.get("segment_ids"), batch.get("loss_norm")
+
+
+def token_losses(model: GPT, batch, key: jax.Array | None, compute_dtype: jnp.dtype
+                 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(next-token loss per position, top-1 hit per position, loss mask or None), all BxT."""
+    tokens_BxT1, mask_BxT, segment_ids_BxT, _ = unpack_batch(batch)
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-    logits_BxTxV = model(inputs_BxT, key=key, compute_dtype=compute_dtype)
+    logits_BxTxV = model(inputs_BxT, key=key, compute_dtype=compute_dtype, segment_ids_BxT=segment_ids_BxT)
     logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
     target_logit_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
-    loss = jnp.mean(logz_BxT - target_logit_BxT)
-    correct = jnp.sum(jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT)
-    return loss, correct
+    return logz_BxT - target_logit_BxT, jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT, mask_BxT
 
 
-def eval_sums(model: GPT, tokens_BxT1: jax.Array, weights_B: jax.Array, compute_dtype: jnp.dtype
+def cross_entropy(model: GPT, batch, key: jax.Array | None, compute_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """Mean next-token loss and the number of correct top-1 predictions over the window; with a
+    loss mask, over the masked-in targets only (chat: the assistant's tokens)."""
+    nll_BxT, hit_BxT, mask_BxT = token_losses(model, batch, key, compute_dtype)
+    if mask_BxT is None:
+        return jnp.mean(nll_BxT), jnp.sum(hit_BxT)
+    norm = unpack_batch(batch)[3]
+    norm = jnp.maximum(mask_BxT.sum(), 1.0) if norm is None else norm
+    return jnp.sum(nll_BxT * mask_BxT) / norm, jnp.sum(hit_BxT * mask_BxT)
+
+
+def eval_sums(model: GPT, batch, weights_B: jax.Array, compute_dtype: jnp.dtype
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(sum of weighted per-window losses, of weighted correct predictions, of weights). Sums, not
-    means: padding rows weigh 0 and batches add up, so an evaluation averages over real windows only."""
-    # Per window: cross_entropy averages over its batch, so map it over single rows.
-    loss_B, correct_B = jax.vmap(lambda t_T1: cross_entropy(model, t_T1[None], None, compute_dtype))(tokens_BxT1)
-    return (weights_B * loss_B).sum(), (weights_B * correct_B).sum(), weights_B.sum()
+    """(sum of counted targets' losses, of their correct predictions, count of counted targets).
+    Sums, not means: padding rows weigh 0 and batches add up, so an evaluation averages over real
+    (and, with a loss mask, masked-in) targets only."""
+    nll_BxT, hit_BxT, mask_BxT = token_losses(model, batch, None, compute_dtype)
+    weights_BxT = jnp.broadcast_to(weights_B[:, None], nll_BxT.shape)
+    if mask_BxT is not None:
+        weights_BxT = weights_BxT * mask_BxT
+    return (weights_BxT * nll_BxT).sum(), (weights_BxT * hit_BxT).sum(), weights_BxT.sum()

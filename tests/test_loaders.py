@@ -435,7 +435,8 @@ def _build_data(run):
 
 
 def _streams(data) -> dict[str, np.ndarray]:
-    return {"train": np.asarray(data.train.dataset.windows_NxW).reshape(-1),
+    train = getattr(data.train, "inner", data.train)  # behind the prefetch thread
+    return {"train": np.asarray(train.dataset.windows_NxW).reshape(-1),
             "val": np.asarray(data.val.windows_NxW).reshape(-1)}
 
 

@@ -87,6 +87,7 @@ class RunConfig:
     logging: LoggingConfig
     parallel: ParallelConfig
     random_seed: int
+    data_seed: int  # data order; the yaml's null resolves to random_seed
     cache_dir: str  # trained tokenizers, tokenized corpora, the measured CPU peak
     checkpoint: CheckpointConfig = CheckpointConfig()
     warnings: tuple[str, ...] = ()  # legal but probably unintended settings, printed at start
@@ -148,7 +149,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
     """The whole composed config -> RunConfig, or a ConfigError naming the first bad knob."""
     raw = to_dict(cfg)
 
-    expected = {"model", "tokenizer", "dataset", "optimizer", "train", "logging", "parallel", "random_seed",
+    expected = {"model", "tokenizer", "dataset", "optimizer", "train", "logging", "parallel", "random_seed", "data_seed",
                 "cache_dir"}
     unknown = sorted(set(raw) - expected - {"checkpoint"})
     if unknown:
@@ -182,6 +183,9 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
     seed = raw["random_seed"]
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(f"random_seed={seed!r} must be a non-negative integer")
+    data_seed = seed if raw["data_seed"] is None else raw["data_seed"]
+    if not isinstance(data_seed, int) or isinstance(data_seed, bool) or data_seed < 0:
+        raise ConfigError(f"data_seed={data_seed!r} must be a non-negative integer, or null to follow random_seed")
 
     run = RunConfig(
         model=build_section(GPTConfig, raw["model"], "model"),
@@ -192,6 +196,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         logging=logging_config(raw["logging"], "logging"),
         parallel=build_section(ParallelConfig, raw["parallel"], "parallel"),
         random_seed=seed,
+        data_seed=data_seed,
         cache_dir=user_path(str(raw["cache_dir"])),
         checkpoint=build_section(CheckpointConfig, raw.get("checkpoint") or {}, "checkpoint").resolved(),
         warnings=(warning,) if warning else (),

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from utils import signals
 from utils.checkpoint import step_path
-from utils.errors import TrainingError
+from utils.errors import DataError, TrainingError
 from utils.sinks import Sinks
 from utils.sinks.console import say
 
@@ -181,14 +181,17 @@ class Throughput(Hook):
         ctx.clock_mark, ctx.data_wait = (now, ctx.step), 0.0
 
 
-def evaluate(eval_step: Callable, model: Any, batches: Iterable[tuple], tokens_per_window: int) -> dict[str, float]:
-    """Mean loss, perplexity and accuracy over `batches`, from `eval_step(model, *batch)`'s weighted
-    sums (loss, correct predictions, weight): padding rows weigh 0, so each real window counts once."""
+def evaluate(eval_step: Callable, model: Any, batches: Iterable[tuple]) -> dict[str, float]:
+    """Mean loss, perplexity and accuracy per target token over `batches`, from `eval_step(model,
+    *batch)`'s weighted sums (loss, correct predictions, counted targets): padding rows weigh 0, so
+    each real window counts once, and masked-out targets (chat prompts) not at all."""
     sums = [eval_step(model, *batch) for batch in batches]  # all dispatched before the first value is pulled
-    loss_sum, correct_sum, windows = (sum(float(s[i]) for s in sums) for i in range(3))
-    loss = loss_sum / windows
-    return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0)),
-            "val/accuracy": correct_sum / (windows * tokens_per_window)}
+    loss_sum, correct_sum, targets = (sum(float(s[i]) for s in sums) for i in range(3))
+    if targets == 0:
+        raise DataError("the validation windows hold no target the loss counts (every loss-mask entry is 0): "
+                        "check the dataset's loss mask or raise train.max_val_steps")
+    loss = loss_sum / targets
+    return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0)), "val/accuracy": correct_sum / targets}
 
 
 class Evaluation(Hook):

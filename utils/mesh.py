@@ -86,9 +86,10 @@ def tree_shardings(mesh: Mesh, abstract_tree):
     return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, fsdp_size)), abstract_tree)
 
 
-def put_batch(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """Host batch (this process's rows) -> one global array on the mesh, without a gather."""
-    return jax.make_array_from_process_local_data(sharding, batch)
+def put_batch(batch, sharding: NamedSharding):
+    """Host batch (this process's rows; an array or a dict of arrays with the same leading axes)
+    -> global arrays on the mesh, without a gather."""
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
 
 
 _distributed_ready = False

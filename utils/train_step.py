@@ -26,20 +26,37 @@ class TrainState(eqx.Module):
     aux: aux_state.AuxState | None = None  # diagnostics' buffers; None when logging.log_callback_data=false
 
 
-def over_micro_batches(fn: Callable, batch_AxBxT1: jax.Array, keys_A: jax.Array):
+def num_micro_batches(batch) -> int:
+    return jax.tree.leaves(batch)[0].shape[0]
+
+
+def with_loss_norm(batch):
+    """A masked batch gains `loss_norm` (one per micro-batch): its masked-in target count over the
+    number of micro-batches, so each micro-batch's masked loss sum divided by it, averaged over
+    micro-batches, is the exact mean over every masked-in target of the step (not a mean of
+    per-micro-batch means, which would weigh a short chat reply like a long one)."""
+    if not isinstance(batch, dict) or "loss_mask" not in batch:
+        return batch
+    accum = num_micro_batches(batch)
+    norm = jnp.maximum(batch["loss_mask"].sum(), 1.0) / accum
+    return {**batch, "loss_norm": jnp.full((accum,), norm, jnp.float32)}
+
+
+def over_micro_batches(fn: Callable, batch_AxBxT1, keys_A: jax.Array):
     """(mean over micro-batches of fn's first output, fn's second output stacked): gradient
-    accumulation as a scan. With one micro-batch there is no loop and no zero-filled accumulator,
-    so XLA fuses the step end to end."""
-    accum = batch_AxBxT1.shape[0]
+    accumulation as a scan over the batch's leading axis (the batch: a token array or a dict of
+    arrays). With one micro-batch there is no loop and no zero-filled accumulator, so XLA fuses
+    the step end to end."""
+    accum = num_micro_batches(batch_AxBxT1)
     if accum == 1:
-        out, aux = fn(batch_AxBxT1[0], keys_A[0])
+        out, aux = fn(jax.tree.map(lambda x: x[0], batch_AxBxT1), keys_A[0])
         return out, jax.tree.map(lambda x: x[None], aux)
 
     def micro(total, xs):
         out, aux = fn(*xs)
         return jax.tree.map(jnp.add, total, out), aux
 
-    shapes = jax.eval_shape(fn, batch_AxBxT1[0], keys_A[0])[0]
+    shapes = jax.eval_shape(fn, jax.tree.map(lambda x: x[0], batch_AxBxT1), keys_A[0])[0]
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     total, aux = jax.lax.scan(micro, zeros, (batch_AxBxT1, keys_A))
     return jax.tree.map(lambda t: t / accum, total), aux
@@ -51,13 +68,15 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
                      ) -> step_metrics.TrainStep:
     """One jitted update: gradient accumulation as a scan over micro-batches, clipping and the
     optimizer inside `tx`, the aux state updated, metrics returned as device arrays (pulled only
-    on logging steps). `loss_fn(model, tokens_BxT1, key or None, compute_dtype) -> (loss, aux)`."""
+    on logging steps). `loss_fn(model, batch_BxT1, key or None, compute_dtype) -> (loss, aux)`, where
+    a batch is a token array or a dict of arrays (see `with_loss_norm`)."""
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     compute_dtype = jnp.dtype(compute_dtype)
 
     def train_step(state: TrainState, batch_AxBxT1: jax.Array, logging: bool):
         key, step_key = jax.random.split(state.key)
-        micro_keys = jax.random.split(step_key, batch_AxBxT1.shape[0])
+        batch_AxBxT1 = with_loss_norm(batch_AxBxT1)
+        micro_keys = jax.random.split(step_key, num_micro_batches(batch_AxBxT1))
 
         def grads_at(model):
             def fn(tokens_BxT1, k):

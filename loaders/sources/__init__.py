@@ -21,10 +21,20 @@ ConfigError raised while building, before any compilation.
 
 from __future__ import annotations
 
+from loaders.sources.chat import Chat
+from loaders.sources.hf import HF
+from loaders.sources.jsonl import Jsonl
+from loaders.sources.memmap import Memmap
+from loaders.sources.mixture import Mixture
 from loaders.sources.stdlib import Stdlib
 from loaders.sources.text_files import TextFiles
 
 SOURCES = {
+    "chat": Chat,
+    "hf": HF,
+    "jsonl": Jsonl,
+    "memmap": Memmap,
+    "mixture": Mixture,
     "stdlib": Stdlib,
     "text_files": TextFiles,
 }

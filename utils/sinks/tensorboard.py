@@ -67,7 +67,8 @@ class TensorBoardSink:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         # One event per logged step holding every metric (plain floats, as metrics.jsonl gets
         # them); a NaN loss is written as is: TensorBoard shows it, and it is what happened.
-        values = [self._summary_pb2.Summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()]
+        values = [self._summary_pb2.Summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()
+                  if not isinstance(v, str)]  # data/fingerprint: in metrics.jsonl and the console header
         self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=int(step),
                                                      summary=self._summary_pb2.Summary(value=values)))
         self._writer.flush()
