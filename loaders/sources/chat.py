@@ -291,6 +291,9 @@ class Chat:
     def _report(self, stats: dict, req: DataRequest) -> None:
         """Warnings that must reach the user on every run, cache hit or not."""
         if stats["train"]["masked"] == 0:
+            if stats["train"]["truncated"]:
+                raise DataError(f"dataset=chat: truncating conversations to context_length+1={req.window} tokens cut "
+                                "every assistant turn of the train split: raise model.context_length")
             raise DataError("dataset=chat: no conversation of the train split has an assistant turn to train on: "
                             "roles must be 'assistant' (ShareGPT: 'gpt'); check the records' roles")
         if stats["skipped"]:

@@ -30,8 +30,20 @@ import numpy as np
 
 from loaders import corpus
 from loaders.batching import DataRequest, WindowDataset, cached_windows, local_slots, tokenize_documents
-from loaders.records import FILE_BUILDERS, LOCAL_BUILDERS, BadRecord, BadRecords, RecordSpec, as_tuple
-from loaders.records import iter_records, load_records, local_files, record_text, shown_keys, text_fields
+from loaders.records import (
+    FILE_BUILDERS,
+    LOCAL_BUILDERS,
+    BadRecord,
+    BadRecords,
+    RecordSpec,
+    as_tuple,
+    iter_records,
+    load_records,
+    local_files,
+    record_text,
+    shown_keys,
+    text_fields,
+)
 from utils.errors import CheckpointError, ConfigError, DataError
 
 # Bumped whenever which records land in which split changes: it keys the token caches.
@@ -67,7 +79,7 @@ def read_rows(records, columns: list[str] | None, start: int = 0) -> Iterator[tu
 class HF:
     name: ClassVar[str] = "hf"
 
-    path: str = ""  # a hub dataset (org/name), a builder (json, csv, parquet, text) with data_files, or a local directory
+    path: str = ""  # a hub dataset (org/name), a builder (json, csv, parquet, text) with data_files, or a directory
     subset: str | None = None  # the hub dataset's configuration (load_dataset's `name`)
     split: str = "train"  # the split trained on
     data_files: Any = None  # globs (one or a list) of local files for path=json/csv/parquet/text
