@@ -77,7 +77,6 @@ import numpy as np
 
 from utils.errors import ConfigError, EqtrainError, TrainingError
 
-CONF_DIR = os.path.join(REPO, "conf")
 PREFIX = "lr_find."
 RULE = "min/10: the lr at the minimum of the smoothed loss, divided by 10"
 
@@ -158,25 +157,11 @@ def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
 def compose_run(overrides: list[str]):
     """conf/ composed with the overrides and validated, as train_jax.py does it; the aux-state
     diagnostics off unless the command line sets them."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
     from omegaconf import open_dict
-    from omegaconf.errors import OmegaConfBaseException
 
-    from utils.config import validate
+    from utils.config import compose_overrides, validate
 
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="lr_find"):
-            cfg = compose("config", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-        options = []
-        if len(lines) > 1 and lines[1].startswith("Available options"):  # an unknown group option
-            for line in lines[2:]:
-                if line.endswith(":"):  # "Config search path:" follows the options
-                    break
-                options.append(line)
-        raise ConfigError(lines[0] + (f": choose one of {', '.join(options)}" if options else "")) from None
+    cfg = compose_overrides(overrides, "lr_find")
     if "log_callback_data" in cfg.logging and not any(o.lstrip("+~").startswith("logging.log_callback_data")
                                                       for o in overrides):
         with open_dict(cfg):

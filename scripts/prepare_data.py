@@ -39,7 +39,6 @@ from dataclasses import dataclass
 
 from utils.errors import ConfigError, EqtrainError
 
-CONF_DIR = os.path.join(REPO, "conf")
 KNOBS = ("out", "workers", "force")
 
 
@@ -76,24 +75,10 @@ def split_argv(argv: list[str]) -> tuple[PrepareConfig, list[str]]:
 
 def compose_run(overrides: list[str]):
     """conf/ composed with the overrides and validated, as train_jax.py does it."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
-    from utils.config import validate
+    from utils.config import compose_overrides, validate
 
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="prepare_data"):
-            cfg = compose("config", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-        options = []
-        if len(lines) > 1 and lines[1].startswith("Available options"):  # an unknown group option
-            for line in lines[2:]:
-                if line.endswith(":"):  # "Config search path:" follows the options
-                    break
-                options.append(line)
-        raise ConfigError(lines[0] + (f": choose one of {', '.join(options)}" if options else "")) from None
+    cfg = compose_overrides(overrides, "prepare_data")
     return validate(cfg)
 
 

@@ -11,6 +11,7 @@ what is left here are the rules that span sections.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -143,6 +144,29 @@ def to_dict(cfg: DictConfig | dict) -> dict:
     except OmegaConfBaseException as e:
         raise ConfigError(f"config cannot be resolved: {str(e).splitlines()[0]}") from None
     return {k: v for k, v in raw.items() if k != "hydra"}
+
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose_overrides(overrides: list[str], job_name: str) -> DictConfig:
+    """conf/ composed with command-line overrides outside `@hydra.main` (the scripts), Hydra's
+    composition errors turned into one ConfigError line (an unknown group option lists the choices)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name=job_name):
+            return compose("config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        options = []
+        if len(lines) > 1 and lines[1].startswith("Available options"):  # an unknown group option
+            for line in lines[2:]:
+                if line.endswith(":"):  # "Config search path:" follows the options
+                    break
+                options.append(line)
+        raise ConfigError(lines[0] + (f": choose one of {', '.join(options)}" if options else "")) from None
 
 
 def validate(cfg: DictConfig | dict) -> RunConfig:
