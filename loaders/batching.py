@@ -128,13 +128,15 @@ class WindowDataset:
     A row is the int32 token window, or a dict when the stream has a loss mask or documents are
     masked (`document_mask`): `tokens` (window), `loss_mask` (window-1, float32: 1 where the target
     token is trained on) and, with `document_mask`, `segment_ids` (window-1: attention stays inside
-    each document, and the loss skips the target after each eot, which lies in the next document).
+    each document, and the loss skips a target that starts the next document). Documents start
+    after each eot, or where `doc_starts` (a uint8 stream beside the tokens) holds 1.
     Windows may start mid-document and span document ends: without document masks, the eot between
     documents is what tells the model a new one began.
     """
 
     def __init__(self, tokens: np.ndarray, window: int, *, loss_mask: np.ndarray | None = None,
-                 eot_id: int | None = None, document_mask: bool = False, aligned: bool = False):
+                 eot_id: int | None = None, document_mask: bool = False, aligned: bool = False,
+                 doc_starts: np.ndarray | None = None):
         tokens = np.asarray(tokens) if not isinstance(tokens, np.memmap) else tokens
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
@@ -142,8 +144,10 @@ class WindowDataset:
             raise ValueError(f"window must be context_length+1 >= 2, got {window}")
         if loss_mask is not None and np.shape(loss_mask) != tokens.shape:
             raise ValueError(f"loss_mask has shape {np.shape(loss_mask)}, the tokens {tokens.shape}")
-        if document_mask and eot_id is None:
-            raise ValueError("document_mask needs the tokenizer's eot_id")
+        if document_mask and eot_id is None and doc_starts is None:
+            raise ValueError("document_mask needs the tokenizer's eot_id or the documents' starts")
+        if doc_starts is not None and np.shape(doc_starts) != tokens.shape:
+            raise ValueError(f"doc_starts has shape {np.shape(doc_starts)}, the tokens {tokens.shape}")
         num_windows = len(tokens) // window
         if num_windows == 0:
             raise DataError(
@@ -156,6 +160,7 @@ class WindowDataset:
         self.loss_mask = loss_mask
         self.eot_id = eot_id
         self.document_mask = bool(document_mask)
+        self.doc_starts = doc_starts
         self.num_windows = num_windows
         self.max_offset = 0 if aligned else min(window - 1, len(tokens) - num_windows * window)
         # A reshape of a contiguous prefix is a view: no copy of the stream, even when it is a memmap.
@@ -189,9 +194,14 @@ class WindowDataset:
                        else np.asarray(self._rows(self.loss_mask, idx_N, offset)[:, 1:], np.float32))
         row = {"tokens": tokens_NxW}
         if self.document_mask:
-            inputs_NxT = tokens_NxW[:, :-1]
-            row["segment_ids"] = segment_ids(inputs_NxT, self.eot_id)
-            weights_NxT = weights_NxT * (inputs_NxT != self.eot_id)
+            if self.doc_starts is None:  # a document starts after each eot
+                starts_NxW = np.zeros(tokens_NxW.shape, np.int32)
+                starts_NxW[:, 1:] = tokens_NxW[:, :-1] == self.eot_id
+            else:  # given (chat templates may close every turn with the eot)
+                starts_NxW = np.asarray(self._rows(self.doc_starts, idx_N, offset), np.int32)
+            # segment of input t = starts in (0, t]; no loss on a target that starts the next document
+            row["segment_ids"] = np.cumsum(starts_NxW[:, :-1], axis=-1) - starts_NxW[:, :1]
+            weights_NxT = weights_NxT * (1 - starts_NxW[:, 1:])
         row["loss_mask"] = weights_NxT
         return {k: v.reshape(idx.shape + v.shape[1:]) for k, v in row.items()}
 

@@ -186,8 +186,12 @@ def test_pack_keeps_every_conversation_inside_one_window_and_pads_with_unmasked_
     rng = np.random.default_rng(0)
     window, eot = 16, 99
     convs = [(np.full(n, i, np.int32), np.ones(n, np.uint8)) for i, n in enumerate(rng.integers(1, window + 1, 40))]
-    tokens, mask = pack(convs, window, eot, np.dtype(np.uint16))
-    assert tokens.dtype == np.uint16 and len(tokens) % window == 0 and mask.shape == tokens.shape
+    tokens, mask, starts = pack(convs, window, eot, np.dtype(np.uint16))
+    assert tokens.dtype == np.uint16 and len(tokens) % window == 0 and mask.shape == tokens.shape == starts.shape
+    # a start at each conversation's first token and at each bin's padding, nowhere else
+    is_pad = tokens == eot
+    first_of_run = np.r_[True, tokens[1:] != tokens[:-1]] | (np.arange(len(tokens)) % window == 0)
+    np.testing.assert_array_equal(starts.astype(bool), first_of_run & ~(is_pad & (np.arange(len(tokens)) % window == 0)))
     bins_NxW = tokens.reshape(-1, window)
     seen = []
     for b, row in enumerate(bins_NxW):
@@ -214,7 +218,11 @@ def test_window_rows_carry_the_mask_and_one_segment_per_conversation(tmp_path):
     tokens_W, loss_T, seg_T = row["tokens"][0], row["loss_mask"][0], row["segment_ids"][0]
     text = tok.decode(tokens_W)
     assert text.startswith("<|user|>\nq") and "<|assistant|>\na" in text
-    assert np.array_equal(seg_T, segment_ids(tokens_W[None, :-1], tok.eot_id)[0])
+    # With the plain template the eots are exactly the conversation ends: before the padding, the
+    # packing's starts and the eots give the same segments (the padding is one segment, not one per eot).
+    real = int(np.flatnonzero(loss_T)[-1]) + 1
+    assert np.array_equal(seg_T[:real], segment_ids(tokens_W[None, :-1], tok.eot_id)[0][:real])
+    assert len(set(seg_T[real + 1:].tolist())) <= 1
     n_conv = text.count("<|user|>")
     starts = [i for i in range(len(tokens_W) - 1) if tok.decode(tokens_W[i : i + 8]) == "<|user|>"]
     assert n_conv >= 2 and [int(seg_T[i]) for i in starts] == list(range(n_conv))  # one segment per conversation
@@ -293,13 +301,21 @@ def test_cache_hit_reads_no_records_and_still_reports(tmp_path, monkeypatch, war
             changed()
 
 
-def test_interior_eot_from_the_template_warns_under_document_mask(tmp_path, hf_backend, warnings_seen):
+def test_turns_closed_by_the_eot_stay_one_document_under_document_mask(tmp_path, hf_backend):
+    """A template that ends every turn with the eot: the conversation is still one segment (its
+    turns attend to each other), found from the packing's starts, not from the eots."""
     template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
     tok = hf_tok(tmp_path, hf_backend, template)
     records = [{"prompt": f"q{i}", "response": "r"} for i in range(10)]
     src = Chat(path="json", data_files=(write_jsonl(tmp_path / "c.jsonl", records),), val_fraction=0.3)
-    src.windows(req(tok, tmp_path / "cache", window=64, document_mask=True))
-    assert any("document_mask" in w and "10 of 10 conversations" in w for w in warnings_seen)
+    train, _ = src.windows(req(tok, tmp_path / "cache", window=64, document_mask=True))
+    row = train.get(np.array([0]))
+    tokens_W, seg_T, loss_T = row["tokens"][0], row["segment_ids"][0], row["loss_mask"][0]
+    eots = np.flatnonzero(tokens_W[:-1] == tok.eot_id)
+    assert len(eots) >= 4  # two per conversation
+    # The first conversation's two eots (user turn, assistant turn) share one segment.
+    assert seg_T[eots[0]] == seg_T[eots[1]] == seg_T[0] == 0 and seg_T[eots[2]] == 1
+    assert loss_T[eots[0]] == 1 or train.loss_mask is not None  # the assistant's reply after the user's eot trains
 
 
 # --- bad input ------------------------------------------------------------------------------------

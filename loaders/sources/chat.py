@@ -35,6 +35,7 @@ from utils.sinks.console import warn
 # Bumped whenever which records land in which split, or how they are packed, changes: it keys the caches.
 _CHAT_RECIPE = "chat-source-v1"
 SPLITS = ("train", "val")
+PARTS = ("tokens", "mask", "starts")  # the cached arrays of each split, see `pack`
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,12 @@ class ChatStats:
 
 
 def pack(convs: list[tuple[np.ndarray, np.ndarray]], window: int, eot_id: int,
-         dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Conversations (each at most `window` tokens) -> (tokens, mask) of n_bins*window, next-fit
-    in order: a conversation that does not fit the current bin's rest starts the next bin, the rest
-    padded with eot tokens of mask 0. The pads are also document boundaries for `document_mask`."""
+         dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Conversations (each at most `window` tokens) -> (tokens, mask, starts) of n_bins*window,
+    next-fit in order: a conversation that does not fit the current bin's rest starts the next bin,
+    the rest padded with eot tokens of mask 0. `starts` is 1 at each conversation's first token
+    and at the padding's: the document boundaries for `document_mask`, which cannot be read off
+    the eots when a chat template closes every turn with the eot."""
     starts, fill, n_bins = [], window, 0  # fill = tokens used in the current bin; full at first: opens bin 0
     for ids_N, _ in convs:
         if fill + len(ids_N) > window:
@@ -68,10 +71,15 @@ def pack(convs: list[tuple[np.ndarray, np.ndarray]], window: int, eot_id: int,
         fill += len(ids_N)
     tokens = np.full(n_bins * window, eot_id, dtype)
     mask = np.zeros(n_bins * window, np.uint8)
+    doc_starts = np.zeros(n_bins * window, np.uint8)
     for start, (ids_N, mask_N) in zip(starts, convs):
         tokens[start : start + len(ids_N)] = ids_N
         mask[start : start + len(ids_N)] = mask_N
-    return tokens, mask
+        doc_starts[start] = 1
+        end = start + len(ids_N)
+        if end % window:  # the padding after it, if the bin has any, is a document of its own
+            doc_starts[end] = 1
+    return tokens, mask, doc_starts
 
 
 @dataclass(frozen=True)
@@ -234,8 +242,8 @@ class Chat:
         packed, stats = {}, {k: counts[k] for k in ("records", "skipped", "first_skip")}
         for split in SPLITS:
             lengths_N = np.asarray(lengths[split], np.int64)
-            tokens, mask = pack(convs.pop(split), window, tok.eot_id, dtype)
-            packed[split] = (tokens, mask)
+            tokens, mask, doc_starts = pack(convs.pop(split), window, tok.eot_id, dtype)
+            packed[split] = (tokens, mask, doc_starts)
             stats[split] = {"conversations": len(lengths_N), "truncated": int((lengths_N > window).sum()),
                             "tokens": int(np.minimum(lengths_N, window).sum()), "windows": len(tokens) // window,
                             "interior_eot": interior[split], "masked": int(mask.sum())}
@@ -260,18 +268,18 @@ class Chat:
             try:
                 with open(meta_path, encoding="utf-8") as f:
                     stats = json.load(f)["stats"]
-                arrays = {s: tuple(np.load(f"{base}-{s}-{part}.npy", mmap_mode="r") for part in ("tokens", "mask"))
+                arrays = {s: tuple(np.load(f"{base}-{s}-{part}.npy", mmap_mode="r") for part in PARTS)
                           for s in SPLITS}
                 dtype = token_dtype(tok.vocab_size)
-                if any(t.dtype != dtype or m.shape != t.shape or t.ndim != 1 or len(t) % req.window
-                       for t, m in arrays.values()):
+                if any(t.dtype != dtype or m.shape != t.shape or d.shape != t.shape or t.ndim != 1
+                       or len(t) % req.window for t, m, d in arrays.values()):
                     arrays = None  # not this recipe's output: rebuild and overwrite it
             except (OSError, ValueError, KeyError, TypeError):  # a damaged cache: rebuild and overwrite it
                 arrays = None
         if arrays is None:
             arrays, stats = self._render(tok, req.window, loaded)
             for s in SPLITS:
-                for part, array in zip(("tokens", "mask"), arrays[s]):
+                for part, array in zip(PARTS, arrays[s]):
                     with atomic_write(f"{base}-{s}-{part}.npy") as tmp, open(tmp, "wb") as f:
                         np.save(f, array)
             with atomic_write(meta_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
@@ -279,8 +287,8 @@ class Chat:
         self._report(stats, req)
         out = []
         for s in SPLITS:
-            tokens, mask = arrays[s]
-            ds = WindowDataset(tokens, req.window, loss_mask=mask, eot_id=tok.eot_id,
+            tokens, mask, doc_starts = arrays[s]
+            ds = WindowDataset(tokens, req.window, loss_mask=mask, eot_id=tok.eot_id, doc_starts=doc_starts,
                                document_mask=req.document_mask, aligned=True)
             ds.stats = ChatStats(stats[s]["conversations"], stats[s]["truncated"], stats["skipped"],
                                  stats[s]["tokens"], stats[s]["windows"], req.window)
@@ -306,8 +314,3 @@ class Chat:
             warn(f"dataset=chat: {cut:,} of {n:,} conversations ({cut / n:.1%}) are longer than "
                  f"context_length+1={req.window} tokens and were truncated; raise model.context_length "
                  "(or dataset.context_length) to keep them whole")
-        inner = sum(stats[s]["interior_eot"] for s in SPLITS)
-        if inner and req.document_mask:
-            warn(f"dataset=chat: {inner:,} of {n:,} conversations contain the tokenizer's eot id {req.tokenizer.eot_id} "
-                 "before their end (the chat template closes turns with it): with dataset.document_mask=true their "
-                 "turns cannot attend to each other; set dataset.document_mask=false or dataset.template=plain")

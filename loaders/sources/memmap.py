@@ -175,6 +175,20 @@ class Memmap:
 _worker_tokenizer: Tokenizer | None = None
 
 
+def _fork_is_safe() -> bool:
+    """fork lets the workers inherit the tokenizer as built (no pickling, no re-download), but
+    forking a process whose JAX backend has started its threads can deadlock (a test session, a
+    notebook): spawn then, and where fork does not exist."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return False
+    try:
+        from jax._src import xla_bridge  # private, hence the fallback: assume started
+
+        return not xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):
+        return "jax" not in sys.modules
+
+
 def _init_worker(tok: Tokenizer) -> None:
     global _worker_tokenizer
     _worker_tokenizer = tok
@@ -290,9 +304,7 @@ def write_dataset(out: str, splits: dict[str, Sequence[str]], tok: Tokenizer, wo
     pool = None
     try:
         if workers > 1:
-            # fork: the workers inherit the tokenizer as built (no pickling, no re-download); spawn
-            # where fork does not exist.
-            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            method = "fork" if _fork_is_safe() else "spawn"
             pool = multiprocessing.get_context(method).Pool(workers, _init_worker, (tok,))
         for split, docs in splits.items():
             n_docs, n_tokens = write_split(os.path.join(tmp, split_file(split)), docs, tok, workers, pool, split,
