@@ -46,16 +46,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
+import numpy as np
 
-import train_jax as T  # noqa: E402
-from loaders.pipeline import source_documents  # noqa: E402
-from loaders.sources.memmap import write_dataset  # noqa: E402
-from models.gpt import flops_per_token  # noqa: E402
-from utils.config import validate  # noqa: E402
+import train_jax as T
+from loaders.pipeline import source_documents
+from loaders.sources.memmap import write_dataset
+from models.gpt import flops_per_token
+from utils.config import compose_overrides, validate
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 LOADERS = ("memmap", "jsonl", "hf", "hf_streaming", "text_files", "chat", "mixture")
 GPT2_VOCAB = 50304  # 50257 padded to a multiple of 64, as model.vocab_multiple does
 TARGET_MARGIN = 10.0
@@ -110,6 +108,9 @@ def make_corpus(root: str, mb: float, seed: int = 0) -> dict:
 
 def loader_overrides(name: str, data: str, memmap_dir: str) -> list[str]:
     txt, jsonl, chats = f"{data}/txt/*.txt", f"{data}/corpus.jsonl", f"{data}/chats.jsonl"
+    mixed = (f"{{files: {{name: text_files, paths: ['{txt}'], weight: 0.5}}, "
+             f"tokens: {{name: memmap, path: '{memmap_dir}', weight: 0.3}}, "
+             f"chat: {{name: chat, path: json, data_files: ['{chats}'], weight: 0.2}}}}")
     return {
         "memmap": ["dataset=memmap", f"dataset.path={memmap_dir}"],
         "jsonl": ["dataset=jsonl", f"dataset.paths=[{jsonl}]"],
@@ -117,16 +118,12 @@ def loader_overrides(name: str, data: str, memmap_dir: str) -> list[str]:
         "hf_streaming": ["dataset=hf", "dataset.path=json", f"dataset.data_files=[{jsonl}]", "dataset.streaming=true"],
         "text_files": ["dataset=text_files", f"dataset.paths=[{txt}]"],
         "chat": ["dataset=chat", "dataset.path=json", f"dataset.data_files=[{chats}]"],
-        "mixture": ["dataset=mixture", "~dataset.components",
-                    f"+dataset.components={{files: {{name: text_files, paths: ['{txt}'], weight: 0.5}}, "
-                    f"tokens: {{name: memmap, path: '{memmap_dir}', weight: 0.3}}, "
-                    f"chat: {{name: chat, path: json, data_files: ['{chats}'], weight: 0.2}}}}"],
+        "mixture": ["dataset=mixture", "~dataset.components", f"+dataset.components={mixed}"],
     }[name]
 
 
 def compose_run(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return validate(compose("config", overrides=overrides))
+    return validate(compose_overrides(overrides, "loader_speed"))
 
 
 def build(run):
@@ -141,6 +138,15 @@ def prepare_memmap(run, out: str) -> None:
     tok = run.tokenizer.build(train_docs, run.cache_dir)
     write_dataset(out, {"train": train_docs, "val": val_docs}, tok, os.cpu_count() or 1, progress_stream=io.StringIO(),
                   extra_meta={"tokenizer_config": run.config_dict.get("tokenizer")})
+
+
+def secs(x: float) -> str:
+    return f"{x:.2f} s" if x >= 0.1 else f"{x * 1e3:.1f} ms"
+
+
+def ensure_memmap(base: list[str], data_dir: str, out: str, cache: str) -> None:
+    if not os.path.exists(out):
+        prepare_memmap(compose_run([*base, *loader_overrides("text_files", data_dir, out), cache]), out)
 
 
 def close(data) -> None:
@@ -218,7 +224,8 @@ def main() -> None:
     os.environ["HF_DATASETS_CACHE"] = os.path.join(scratch.name, "hf_datasets")  # before `datasets` is imported
     data_dir = os.path.abspath(os.path.expanduser(args.data_dir or os.path.join(scratch.name, "corpus")))
     memmap_dir = os.path.join(scratch.name, "memmap")
-    tok = ["tokenizer=byte"] if args.tokenizer == "byte" else ["tokenizer=hf", f"tokenizer.name_or_path={args.tokenizer}"]
+    tok = (["tokenizer=byte"] if args.tokenizer == "byte"
+           else ["tokenizer=hf", f"tokenizer.name_or_path={args.tokenizer}"])
     base = ["model=gpt2_124m", f"dataset.batch_size={args.batch_size}", *tok]
     load0, started = os.getloadavg(), time.perf_counter()
 
@@ -245,9 +252,8 @@ def main() -> None:
         cache = [f"cache_dir={scratch.name}/cache-{name}"]
         run = compose_run([*base, *loader_overrides(name, data_dir, memmap_dir), *cache, "dataset.prefetch=0"])
         t0 = time.perf_counter()
-        if name in ("memmap", "mixture") and not os.path.exists(memmap_dir):
-            files = compose_run([*base, *loader_overrides("text_files", data_dir, memmap_dir), *cache])
-            prepare_memmap(files, memmap_dir)
+        if name in ("memmap", "mixture"):
+            ensure_memmap(base, data_dir, memmap_dir, cache[0])
             if name == "mixture":  # prepared once, not the mixture's cost
                 t0 = time.perf_counter()
         close(build(run))
@@ -261,17 +267,16 @@ def main() -> None:
         wait, wait_max = prefetch_wait(prefetched, args.prefetch_steps, step_s)
         close(prefetched)
         rows[name] = (cold, warm, rate, wait, wait_max)
-        print(f"{name}: cold {cold:.2f} s, warm {warm:.2f} s, {rate / 1e6:.2f}M tokens/s "
-              f"({rate / need_tok_s:.0f}x), prefetch wait {wait * 1e3:.3f} ms/step (max {wait_max * 1e3:.2f})", flush=True)
+        print(f"{name}: cold {secs(cold)}, warm {secs(warm)}, {rate / 1e6:.2f}M tokens/s "
+              f"({rate / need_tok_s:.0f}x), prefetch wait {wait * 1e3:.3f} ms/step "
+              f"(max {wait_max * 1e3:.2f})", flush=True)
 
     cpu_step = None
     if args.measure_cpu_step:
-        memmap_run = [*loader_overrides("memmap", data_dir, memmap_dir), f"cache_dir={scratch.name}/cache-cpu"]
-        if not os.path.exists(memmap_dir):
-            files = compose_run([*base, *loader_overrides("text_files", data_dir, memmap_dir),
-                                 f"cache_dir={scratch.name}/cache-cpu"])
-            prepare_memmap(files, memmap_dir)
-        cpu_step = cpu_step_seconds(compose_run([*base, *memmap_run, f"model.vocab_size={GPT2_VOCAB}"]), args.cpu_steps)
+        cache = f"cache_dir={scratch.name}/cache-cpu"
+        ensure_memmap(base, data_dir, memmap_dir, cache)
+        memmap_run = [*base, *loader_overrides("memmap", data_dir, memmap_dir), cache, f"model.vocab_size={GPT2_VOCAB}"]
+        cpu_step = cpu_step_seconds(compose_run(memmap_run), args.cpu_steps)
         print(f"gpt2_124m step on this CPU: {cpu_step:.1f} s = {tokens_step / cpu_step:,.0f} tokens/s")
 
     load1 = os.getloadavg()
@@ -291,9 +296,10 @@ def main() -> None:
             slow.append(name)
         flag = f" **below {TARGET_MARGIN:.0f}x**" if margin < TARGET_MARGIN else ""
         cpu = f" | {rate * cpu_step / tokens_step:,.0f}x" if cpu_step else ""
-        print(f"| {name} | {cold:.2f} s | {warm:.2f} s | {rate / 1e6:.1f}M | {margin:,.0f}x{flag}{cpu} | "
+        print(f"| {name} | {secs(cold)} | {secs(warm)} | {rate / 1e6:.1f}M | {margin:,.0f}x{flag}{cpu} | "
               f"{wait * 1e3:.3f} ms (max {wait_max * 1e3:.2f}) |")
-    print(f"\n{'below the ' + str(int(TARGET_MARGIN)) + 'x target: ' + ', '.join(slow) if slow else 'every loader is at least 10x faster than the step needs'}")
+    print(f"\nbelow the {TARGET_MARGIN:.0f}x target: {', '.join(slow)}" if slow
+          else f"\nevery loader is at least {TARGET_MARGIN:.0f}x faster than the step needs")
     scratch.cleanup()
 
 

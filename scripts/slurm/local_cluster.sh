@@ -28,7 +28,9 @@ conf=/etc/slurm/slurm.conf
 
 # One run at a time (several agents or CI steps may call it together).
 exec 9>/var/lock/eqtrain-local-cluster.lock
-flock 9
+if ! flock -w "$timeout_s" 9; then
+  echo "local_cluster.sh: another run holds /var/lock/eqtrain-local-cluster.lock for more than ${timeout_s} s"; exit 1
+fi
 
 # ---------------------------------------------------------------- packages
 missing=()
@@ -64,7 +66,7 @@ if pgrep -x munged >/dev/null; then
   say "munged running"
 else
   say "starting munged"
-  runuser -u munge -- /usr/sbin/munged
+  runuser -u munge -- /usr/sbin/munged 9>&-  # daemons must not inherit the lock
 fi
 for _ in $(seq 50); do munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
 munge -n </dev/null | unmunge >/dev/null || { say "munge does not answer (see /var/log/munge/munged.log)"; exit 1; }
@@ -126,13 +128,13 @@ if pgrep -x slurmctld >/dev/null; then
   say "slurmctld running"
 else
   say "starting slurmctld"
-  slurmctld
+  slurmctld 9>&-
 fi
 if pgrep -x slurmd >/dev/null; then
   say "slurmd running"
 else
   say "starting slurmd (it logs a harmless PMIx error)"
-  slurmd
+  slurmd 9>&-
 fi
 
 # ---------------------------------------------------------------- wait for the idle node

@@ -1,0 +1,135 @@
+"""Where every array of the train state lives on the Mesh.
+
+Parameters are laid out by the logical axis names the model gives each of their dimensions
+(`models.gpt.param_axes`): `heads` and `mlp` go to the `tensor` mesh axis (attention split by
+heads, the MLP column- then row-parallel, Megatron style), and the largest remaining dimension
+that divides goes to `fsdp`. Everything shaped like a parameter (optimizer moments, Muon's
+momentum, the aux-state buffers) is found by its tree path ending in that parameter's path and
+gets the parameter's layout; anything else (Shampoo's statistics, counters) falls back to the
+FSDP rule by shape. With `shard_optimizer_state` (ZeRO-1) the optimizer state is also split
+over `data`, while the parameters stay replicated there.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# Logical dimension name -> the mesh axis that splits it (when that axis has more than one device).
+TENSOR_AXES = {"heads": "tensor", "mlp": "tensor"}
+
+
+def _names(path) -> tuple[str, ...]:
+    out = []
+    for key in path:
+        for attr in ("name", "key", "idx"):
+            if hasattr(key, attr):
+                out.append(str(getattr(key, attr)))
+                break
+    return tuple(out)
+
+
+def _free_axis(shape: tuple[int, ...], spec: list, size: int) -> int | None:
+    """The largest dimension not yet split that `size` divides."""
+    for axis in sorted(range(len(shape)), key=lambda a: -shape[a]):
+        if spec[axis] is None and shape[axis] % size == 0 and shape[axis] >= size:
+            return axis
+    return None
+
+
+def _add(spec: list, axis: int, mesh_axis: str) -> None:
+    spec[axis] = mesh_axis if spec[axis] is None else (*np.atleast_1d(spec[axis]).tolist(), mesh_axis)
+
+
+def param_spec(shape: tuple[int, ...], axes: tuple[str | None, ...] | None, mesh: Mesh) -> P:
+    """Tensor-parallel dimensions by name, then FSDP on the largest free dimension that divides."""
+    spec: list = [None] * len(shape)
+    tensor = mesh.shape.get("tensor", 1)
+    if tensor > 1 and axes is not None:
+        for i, name in enumerate(axes):
+            if TENSOR_AXES.get(name) == "tensor" and shape[i] % tensor == 0:
+                spec[i] = "tensor"
+    fsdp = mesh.shape.get("fsdp", 1)
+    if fsdp > 1:
+        axis = _free_axis(shape, spec, fsdp)
+        if axis is not None:
+            spec[axis] = "fsdp"
+    return P(*spec)
+
+
+def with_data_split(shape: tuple[int, ...], spec: P, mesh: Mesh) -> P:
+    """ZeRO-1: the same layout, also split over `data` on a free dimension that divides (or on an
+    already split one, if the product divides); left as is when nothing divides."""
+    data = mesh.shape.get("data", 1)
+    if data == 1 or not shape:
+        return spec
+    parts = list(spec) + [None] * (len(shape) - len(spec))
+    axis = _free_axis(shape, parts, data)
+    if axis is None:
+        for i in sorted(range(len(shape)), key=lambda a: -shape[a]):
+            current = np.atleast_1d(parts[i]).tolist() if parts[i] is not None else []
+            if current and shape[i] % (data * int(np.prod([mesh.shape[a] for a in current]))) == 0:
+                axis = i
+                break
+    if axis is None:
+        return spec
+    _add(parts, axis, "data")
+    return P(*parts)
+
+
+def state_shardings(mesh: Mesh, abstract_state, abstract_params, param_axes, zero1: bool = False,
+                    optimizer_field: str = "opt_state"):
+    """A NamedSharding for every array leaf of `abstract_state` (a TrainState of shapes).
+
+    `abstract_params`/`param_axes`: the model's arrays and the logical names of their dimensions
+    (same tree). A state leaf whose path ends with a parameter's path and has its shape gets that
+    parameter's layout; with `zero1`, leaves under `optimizer_field` are also split over `data`.
+    """
+    params = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params):
+        params[_names(path)] = leaf.shape
+    axes_of = {_names(path): axes for path, axes in
+               jax.tree_util.tree_leaves_with_path(param_axes, is_leaf=lambda x: isinstance(x, tuple))}
+
+    def sharding(path, leaf) -> NamedSharding:
+        names = _names(path)
+        shape = tuple(leaf.shape)
+        match = None
+        for start in range(len(names)):  # the longest parameter path that ends this leaf's path
+            suffix = names[start:]
+            if params.get(suffix) == shape:
+                match = suffix
+                break
+        spec = param_spec(shape, axes_of.get(match) if match else None, mesh)
+        if zero1 and names and names[0] == optimizer_field:
+            spec = with_data_split(shape, spec, mesh)
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(sharding, abstract_state)
+
+
+def device_bytes(tree) -> int:
+    """Bytes of `tree`'s arrays held by one device (the first): what each device pays."""
+    device = jax.devices()[0]
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        for shard in getattr(leaf, "addressable_shards", ()):
+            if shard.device == device:
+                total += shard.data.nbytes
+    return total
+
+
+def describe(state, shardings) -> str:
+    """A table of each parameter's shape and layout, plus per-device bytes of parameters and
+    optimizer state (`parallel.print_layout=true`)."""
+    lines = ["parameter                                   shape                layout"]
+    model_sh = shardings.model
+    for (path, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(state.model),
+                                jax.tree.leaves(model_sh)):
+        if not hasattr(leaf, "shape"):
+            continue
+        lines.append(f"{'.'.join(_names(path)):<43} {str(tuple(leaf.shape)):<20} {tuple(sh.spec)}")
+    lines.append(f"per device: parameters {device_bytes(state.model) / 2**20:.1f} MiB, optimizer state "
+                 f"{device_bytes(state.opt_state) / 2**20:.1f} MiB")
+    return "\n".join(lines)
