@@ -147,13 +147,14 @@ def assemble(tiny_run, *overrides):
 def test_the_train_step_carries_the_aux_state_and_matches_numpy(tiny_run):
     """Three steps of the tiny GPT with every flag: g(n-1)' and f(x(n-1), z(n)) recomputed here
     directly from saved copies of the weights."""
-    flags = ["logging.log_callback_data=true", *(f"logging.{f}=true" for f in FLAGS)]
+    flags = ["logging.log_callback_data=true", *(f"logging.{f}=true" for f in FLAGS),
+             "logging.optim_diagnostics=false"]  # tested in test_optim_diagnostics.py; they double the compile
     run, _, state, step, mesh = assemble(tiny_run, "optimizer=sgdm", "optimizer/lr_config=constant",
                                          "optimizer.lr_config.lr=0.5", "optimizer.lr_config.warmup=0",
                                          "train.gradient_clip_val=null", *flags)
     rng = np.random.default_rng(1)
     params = lambda model: eqx.filter(model, eqx.is_inexact_array)  # noqa: E731
-    grad_at = eqx.filter_value_and_grad(lambda m, t: T.loss_fn(m, t, None, "float32")[0])
+    grad_at = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, t: T.loss_fn(m, t, None, "float32")[0]))
     xs, metrics = [], []
     for _ in range(3):
         batch = rng.integers(0, 64, (1, 8, 17), dtype=np.int32)
