@@ -25,13 +25,14 @@ from omegaconf import DictConfig
 from loaders.batching import DataRequest, WindowDataset, eval_batches
 from loaders.pipeline import Data, build_data, source_documents
 from loaders.tokenizers import Tokenizer
-from models.gpt import GPT, count_params, cross_entropy, eval_sums, flops_per_token, param_labels
+from models.gpt import GPT, count_params, cross_entropy, eval_sums, flops_per_token, param_axes, param_labels
 from models.sample import sample_text
 from optimizer import group_schedules, make_optimizer
 from optimizer.diagnostics import optimizer_metrics, state_bytes_metric
 from optimizer.restart import fresh_state
 from utils import aux_state
 from utils import hooks as H
+from utils import layout
 from utils import mesh as meshlib
 from utils import step_metrics
 from utils.checkpoint import Checkpointer, Source, restore, step_path
@@ -83,7 +84,8 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, source: S
                           aux_state.init(run.logging.aux, eqx.filter(model, eqx.is_inexact_array)))
 
     abstract = jax.eval_shape(build)
-    shardings = meshlib.tree_shardings(mesh, abstract)
+    shardings = layout.state_shardings(mesh, abstract, abstract.model, param_axes(abstract.model),
+                                       zero1=run.parallel.shard_optimizer_state)
     if source is None:
         return jax.jit(build, out_shardings=shardings)(), shardings
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
@@ -137,8 +139,9 @@ class Trainer:  # everything a run builds before its first step; benchmarks and 
 
 
 def build_trainer(run: RunConfig, source: Source | None = None, schedule: optax.Schedule | None = None) -> Trainer:
-    meshlib.init_distributed()
-    mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size)
+    p = run.parallel
+    meshlib.init_distributed(p.distributed)
+    mesh = meshlib.make_mesh(p.data, p.fsdp, run.dataset.batch_size, tensor=p.tensor)
     docs = source_documents(run.dataset.source, run.tokenizer.needs_documents, run.config_dict["tokenizer"]["name"])
     tokenizer = init_tokenizer(run, docs[0] if docs else None)
     run = resolve_vocab(run, tokenizer.vocab_size)
@@ -224,8 +227,10 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
     start = int(trainer.state.step)
     end = min(run.train.max_steps, start + (ck.num_steps or run.train.max_steps))
     say(f"eqtrain: {count_params(trainer.state.model) / 1e6:.2f}M params | {run.optimizer.name} + "
-        f"{run.optimizer.schedule_name} | {trainer.data.tokens_per_step:,} tokens/step | {len(jax.devices())} "
-        f"{jax.devices()[0].platform} device(s) | data {trainer.data.fingerprint} | run dir {run_dir}")
+        f"{run.optimizer.schedule_name} | {trainer.data.tokens_per_step:,} tokens/step | "
+        f"{meshlib.topology(trainer.mesh)} | data {trainer.data.fingerprint} | run dir {run_dir}")
+    if run.parallel.print_layout:
+        say(layout.describe(trainer.state, trainer.mesh))
     for warning in run.warnings:
         warn(warning)
     if source is not None:
@@ -255,7 +260,7 @@ def train(cfg: DictConfig | dict, run_dir: str) -> dict[str, float]:
     """`main` after Hydra (tests call it in-process): pick the checkpoint, settle which config wins, train."""
     config_dict = to_dict(cfg)
     run = validate(config_dict)  # every knob of this command line is checked before any file is touched
-    meshlib.init_distributed()  # before anything asks jax which process this is
+    meshlib.init_distributed(run.parallel.distributed)  # before anything asks jax which process this is
     source = resume_source(run.checkpoint, warn)
     if source is not None:
         run = validate(merge_config(source, config_dict, run.checkpoint, warn))

@@ -114,7 +114,7 @@ def save_export(out_dir: str, model: GPT, step: int, tokenizer: dict, trained_co
 
     tensors = model_tensors(model)
     config = {**dataclasses.asdict(model.cfg), "step": step, "tokenizer": tokenizer,
-              "trained_context_length": trained_context_length}
+              "trained_context_length": trained_context_length, "format": ckptlib.FORMAT_VERSION}
     # atomic_write's default mode is what `open` gives: the safetensors writer alone makes private 0600 files.
     with files.atomic_write(os.path.join(out_dir, WEIGHTS_FILE)) as tmp:
         save_file(tensors, tmp, metadata={"format": "np"})
@@ -131,6 +131,10 @@ def _write_json(path: str, obj: dict) -> None:
 def read_export_config(out_dir: str) -> tuple[GPTConfig, dict]:
     """OUT_DIR/config.json -> (its GPTConfig, the whole JSON object)."""
     config = ckptlib.read_json(os.path.join(out_dir, CONFIG_FILE))
+    if config.get("format", 1) != ckptlib.FORMAT_VERSION:
+        raise CheckpointError(f"{os.path.join(out_dir, CONFIG_FILE)} is export format {config.get('format', 1)}, this "
+                              f"eqtrain reads format {ckptlib.FORMAT_VERSION} (the attention weights' layout changed): "
+                              "export the checkpoint again with the eqtrain version that trained it")
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     return build_section(GPTConfig, {k: v for k, v in config.items() if k in fields}, "model"), config
 

@@ -59,11 +59,15 @@ OVERRIDES = [
 STEPS, ACCUM, BATCH, WINDOW = 3, 2, 8, 17
 
 
-def build(parallel: tuple[int, int], devices, overrides=tuple(OVERRIDES)):
+def build(parallel: tuple, devices, overrides=tuple(OVERRIDES)):
+    """`parallel`: (data, fsdp[, tensor[, shard_optimizer_state]])."""
+    data, fsdp, tensor, zero1 = (*parallel, 1, False)[:4] if len(parallel) == 2 else (*parallel, False)[:4]
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
-        run = validate(compose("config", overrides=[*overrides, f"parallel.data={parallel[0]}",
-                                                    f"parallel.fsdp={parallel[1]}"]))
-    mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size, devices=devices)
+        run = validate(compose("config", overrides=[*overrides, f"parallel.data={data}", f"parallel.fsdp={fsdp}",
+                                                    f"parallel.tensor={tensor}",
+                                                    f"parallel.shard_optimizer_state={str(zero1).lower()}"]))
+    p = run.parallel
+    mesh = meshlib.make_mesh(p.data, p.fsdp, run.dataset.batch_size, devices=devices, tensor=p.tensor)
     _, _, state, step = T.init_training(run, mesh)
     return state, jax.tree.map(lambda x: x.sharding, state), step, mesh  # shardings as initialised
 
@@ -85,6 +89,11 @@ def train(parallel, devices, batches_SxAxBxT1, overrides=tuple(OVERRIDES)):
         "wte_shard_shape": list(state.model.wte_VxD.sharding.shard_shape(state.model.wte_VxD.shape)),
         "sharded_param_leaves": sum(map(is_split, arrays(state.model))),
         "sharded_opt_leaves": sum(map(is_split, arrays(state.opt_state))),
+        # Where the layout rules put the blocks' matrices and Adam's moments of them (utils/layout.py).
+        "specs": {name: [str(a) for a in leaf.sharding.spec] for name, leaf in (
+            ("qkv", state.model.blocks.attn_qkv.weight_IxO), ("attn_out", state.model.blocks.attn_out.weight_IxO),
+            ("mlp_in", state.model.blocks.mlp_in.weight_IxO), ("mlp_out", state.model.blocks.mlp_out.weight_IxO),
+            ("mu_mlp_in", adam_moment(state.opt_state).blocks.mlp_in.weight_IxO))},
     }
     init = [np.array(x) for x in arrays(state.model)]
     sharding = meshlib.batch_sharding(mesh, 1)
@@ -100,6 +109,14 @@ def train(parallel, devices, batches_SxAxBxT1, overrides=tuple(OVERRIDES)):
     final = [np.array(x) for x in arrays(state.model)]
     info["params_moved"] = max(float(np.abs(a - b).max()) for a, b in zip(final, init))
     return losses, final, info
+
+
+def adam_moment(opt_state):
+    """AdamW's first moment of the hidden group (a tree shaped like the model, other groups masked)."""
+    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "mu")):
+        if hasattr(leaf, "mu") and isinstance(leaf.mu.blocks.mlp_in.weight_IxO, jax.Array):
+            return leaf.mu
+    raise AssertionError("no Adam state in the chain")
 
 
 def golden_config(optimizer: str):
@@ -142,6 +159,9 @@ def main() -> None:
         prepared = {name: pool.submit(prepare_golden, configs[name], devices) for name in names}
         losses_1, params_1, info_1 = train((1, 1), devices[:1], batches)
         losses_8, params_8, info_8 = train((4, 2), devices, batches)
+        # Tensor parallelism (heads and MLP columns over 2 devices) and ZeRO-1 (optimizer state over data=8).
+        losses_tp, params_tp, info_tp = train((2, 2, 2), devices, batches)
+        losses_z1, params_z1, info_z1 = train((8, 1, 1, True), devices, batches)
         # Every registered optimizer runs sharded (fsdp=2) and matches its 1-device losses: the golden
         # values of tests/test_golden.py, which pins them for the same run on one device.
         golden = {name: run_golden(*prepared[name].result()) for name in sorted(OPTIMIZERS)}
@@ -156,6 +176,14 @@ def main() -> None:
         "max_param_diff": max(float(np.abs(a - b).max()) for a, b in zip(params_1, params_8, strict=True)),
         "params_allclose": all(np.allclose(b, a, rtol=1e-5, atol=1e-6) for a, b in zip(params_1, params_8)),
     }
+    result["tensor"] = {"losses": losses_tp, "specs": info_tp["specs"], "kept": info_tp["state_shardings_kept"],
+                        "params_allclose": all(np.allclose(b, a, rtol=1e-5, atol=1e-6)
+                                               for a, b in zip(params_1, params_tp))}
+    result["zero1"] = {"losses": losses_z1, "specs": info_z1["specs"], "kept": info_z1["state_shardings_kept"],
+                       "sharded_param_leaves": info_z1["sharded_param_leaves"],
+                       "sharded_opt_leaves": info_z1["sharded_opt_leaves"],
+                       "params_allclose": all(np.allclose(b, a, rtol=1e-5, atol=1e-6)
+                                              for a, b in zip(params_1, params_z1))}
     result["optimizers"] = {name: {"losses_1": GOLDEN[name], "losses_8": losses_8,
                                    "sharded_opt_leaves": sum(map(is_split, arrays(state.opt_state)))}
                             for name, (losses_8, state) in golden.items()}

@@ -126,7 +126,7 @@ def sharded_result(tmp_path_factory):
 
 def test_sharded_step_matches_single_device(sharded_result):
     r = sharded_result
-    assert r["devices"] == 8 and r["mesh"] == {"data": 4, "fsdp": 2}
+    assert r["devices"] == 8 and r["mesh"] == {"data": 4, "fsdp": 2, "tensor": 1}
     # Parameters and optimizer state really are split over fsdp, and the batch over all 8 devices.
     assert r["wte_devices"] == 8 and r["wte_shard_shape"] == [32, 32] and r["wte_shape"] == [64, 32]
     assert r["sharded_param_leaves"] >= 8 and r["sharded_opt_leaves"] >= 8
@@ -136,6 +136,21 @@ def test_sharded_step_matches_single_device(sharded_result):
     assert r["losses_1"][-1] < r["losses_1"][0]
     assert r["params_allclose"], f"max abs param difference {r['max_param_diff']}"
     assert r["params_moved"] > 1e-3  # the comparison is not between two untouched inits
+
+
+def test_tensor_parallel_and_zero1_match_one_device_with_the_expected_layouts(sharded_result):
+    """data 2 x fsdp 2 x tensor 2, and data 8 with the optimizer state split over data (ZeRO-1)."""
+    r = sharded_result
+    tp, z1 = r["tensor"], r["zero1"]
+    np.testing.assert_allclose(tp["losses"], r["losses_1"], rtol=1e-5)
+    np.testing.assert_allclose(z1["losses"], r["losses_1"], rtol=1e-5)
+    assert tp["params_allclose"] and z1["params_allclose"] and tp["kept"] and z1["kept"]
+    # Column-parallel qkv and mlp_in, row-parallel attn_out and mlp_out; Adam's moment like its weight.
+    assert tp["specs"]["qkv"] == tp["specs"]["mlp_in"] == tp["specs"]["mu_mlp_in"] == ["None", "fsdp", "tensor"]
+    assert tp["specs"]["attn_out"] == tp["specs"]["mlp_out"] == ["None", "tensor", "fsdp"]
+    # ZeRO-1: weights replicated, their optimizer state split over data.
+    assert z1["sharded_param_leaves"] == 0 and z1["sharded_opt_leaves"] > 8
+    assert z1["specs"]["mlp_in"] == ["None", "None", "None"] and "data" in z1["specs"]["mu_mlp_in"]
 
 
 def test_batch_not_divisible_by_devices_is_a_config_error(sharded_result):

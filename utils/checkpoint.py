@@ -51,7 +51,9 @@ ARRAY_ITEMS = ("model", "opt_state", "progress")  # every checkpoint has these
 OPTIONAL_ITEMS = ("aux",)  # the aux-state hook's buffers, when the run keeps them
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.yaml"
-FORMAT_VERSION = 1
+# 2: the fused attention projection's columns are head-major (models/gpt.py `_head_major`); a
+# format-1 checkpoint's weights would load without error and compute something else, so it is refused.
+FORMAT_VERSION = 2
 
 
 # ----------------------------------------------------------------------------- config
@@ -285,6 +287,10 @@ def leaf_name(path) -> str:
 
 def _check_model_fits(source: Source, abstract_model: Any, model_config: dict) -> None:
     """Fail with the differing model knobs (or array) before orbax meets a shape it cannot fill."""
+    if source.manifest.get("format", 1) != FORMAT_VERSION:
+        raise CheckpointError(f"{source.path} was written in checkpoint format {source.manifest.get('format', 1)}, "
+                              f"this eqtrain reads format {FORMAT_VERSION} (the attention weights' layout changed): "
+                              "continue it with the eqtrain version that wrote it, or start a fresh run")
     saved = source.manifest.get("model", {})
     knobs = [f"model.{k}: {saved.get(k)} in the checkpoint, {v} now" for k, v in model_config.items()
              if k in saved and saved[k] != v and k in ("dim", "num_heads", "num_blocks", "vocab_size", "mlp_ratio",

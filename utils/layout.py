@@ -30,10 +30,10 @@ def _names(path) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _free_axis(shape: tuple[int, ...], spec: list, size: int) -> int | None:
-    """The largest dimension not yet split that `size` divides."""
+def _free_axis(shape: tuple[int, ...], spec: list, size: int, skip: tuple[int, ...] = ()) -> int | None:
+    """The largest dimension not yet split (nor in `skip`) that `size` divides."""
     for axis in sorted(range(len(shape)), key=lambda a: -shape[a]):
-        if spec[axis] is None and shape[axis] % size == 0 and shape[axis] >= size:
+        if axis not in skip and spec[axis] is None and shape[axis] % size == 0 and shape[axis] >= size:
             return axis
     return None
 
@@ -52,7 +52,9 @@ def param_spec(shape: tuple[int, ...], axes: tuple[str | None, ...] | None, mesh
                 spec[i] = "tensor"
     fsdp = mesh.shape.get("fsdp", 1)
     if fsdp > 1:
-        axis = _free_axis(shape, spec, fsdp)
+        # Not the stacked-blocks axis: the scan over blocks would gather a whole layer per step.
+        stacked = tuple(i for i, name in enumerate(axes or ()) if name == "layers")
+        axis = _free_axis(shape, spec, fsdp, stacked)
         if axis is not None:
             spec[axis] = "fsdp"
     return P(*spec)
@@ -120,16 +122,16 @@ def device_bytes(tree) -> int:
     return total
 
 
-def describe(state, shardings) -> str:
-    """A table of each parameter's shape and layout, plus per-device bytes of parameters and
-    optimizer state (`parallel.print_layout=true`)."""
-    lines = ["parameter                                   shape                layout"]
-    model_sh = shardings.model
-    for (path, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(state.model),
-                                jax.tree.leaves(model_sh)):
-        if not hasattr(leaf, "shape"):
+def describe(state, mesh: Mesh) -> str:
+    """A table of each parameter's shape and layout (mesh axis per dimension), plus per-device
+    bytes of parameters and optimizer state (`parallel.print_layout=true`)."""
+    lines = [f"{'parameter':<32} {'shape':<18} layout (mesh {dict(mesh.shape)})"]
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state.model):
+        if not hasattr(leaf, "sharding"):
             continue
-        lines.append(f"{'.'.join(_names(path)):<43} {str(tuple(leaf.shape)):<20} {tuple(sh.spec)}")
+        spec = tuple(leaf.sharding.spec) + (None,) * (leaf.ndim - len(leaf.sharding.spec))
+        shown = ", ".join("-" if a is None else "+".join(np.atleast_1d(a).tolist()) for a in spec)
+        lines.append(f"{'.'.join(_names(path)):<32} {str(tuple(leaf.shape)):<18} ({shown})")
     lines.append(f"per device: parameters {device_bytes(state.model) / 2**20:.1f} MiB, optimizer state "
                  f"{device_bytes(state.opt_state) / 2**20:.1f} MiB")
     return "\n".join(lines)

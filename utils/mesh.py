@@ -1,14 +1,16 @@
-"""Device mesh and sharding rules.
+"""Device mesh, batch sharding and joining a multi-process job.
 
-Two mesh axes: `data` (batch split, parameters replicated) and `fsdp` (batch split too, and
-every parameter and optimizer-state array split along one of its axes). On one device both
-are size 1 and every rule below degenerates to "replicated".
+Three mesh axes: `data` (batch split, parameters replicated), `fsdp` (batch split too, and every
+parameter and optimizer-state array split along one of its axes) and `tensor` (the same batch,
+attention heads and MLP columns split: see utils/layout.py, which places the train state). On one
+device all are size 1 and every rule degenerates to "replicated".
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,40 +19,61 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from utils.errors import ConfigError
 
 BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "tensor")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    data: int = -1  # devices on the data axis; -1 = all devices not used by fsdp
+    data: int = -1  # devices on the data axis; -1 = all devices not used by fsdp and tensor
     fsdp: int = 1  # devices over which parameters and optimizer state are sharded
+    tensor: int = 1  # devices over which attention heads and MLP columns are split
+    shard_optimizer_state: bool = False  # ZeRO-1: optimizer state split over `data` too
+    distributed: Any = "auto"  # auto | true | false: join a multi-process job (jax.distributed)
+    print_layout: bool = False  # print every parameter's layout and the per-device bytes at start
 
     def check(self, prefix: str) -> None:
         if self.data == 0 or self.data < -1:
             raise ConfigError(f"{prefix}.data={self.data} must be positive or -1 (all remaining devices)")
-        if self.fsdp <= 0:
-            raise ConfigError(f"{prefix}.fsdp={self.fsdp} must be a positive integer")
+        for knob in ("fsdp", "tensor"):
+            if getattr(self, knob) <= 0:
+                raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be a positive integer")
+        if _yaml_bool_str(self.distributed) not in ("auto", "true", "false"):
+            raise ConfigError(f"{prefix}.distributed={self.distributed!r} must be auto, true or false")
 
 
-def make_mesh(data: int, fsdp: int, batch_size: int, devices=None) -> Mesh:
-    """Mesh over `devices` (default: all); checks the batch divides over it."""
+def _yaml_bool_str(value) -> str:
+    """parallel.distributed=true arrives as a YAML bool; the knob is a three-way string."""
+    return {True: "true", False: "false"}.get(value, value) if isinstance(value, bool) else value
+
+
+def make_mesh(data: int, fsdp: int, batch_size: int, devices=None, tensor: int = 1) -> Mesh:
+    """Mesh over `devices` (default: all); checks the batch divides over its data and fsdp axes."""
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
-    if n % fsdp:
-        raise ConfigError(f"parallel.fsdp={fsdp} does not divide the {n} available devices: choose a divisor of {n}")
+    if n % (fsdp * tensor):
+        raise ConfigError(f"parallel.fsdp={fsdp} x parallel.tensor={tensor} does not divide the {n} available "
+                          f"devices: choose divisors of {n}")
     if data == -1:
-        data = n // fsdp
-    if data * fsdp != n:
+        data = n // (fsdp * tensor)
+    if data * fsdp * tensor != n:
         raise ConfigError(
-            f"parallel.data={data} x parallel.fsdp={fsdp} = {data * fsdp} devices, but {n} are available: "
-            "make the product equal the device count (parallel.data=-1 fills it)"
+            f"parallel.data={data} x parallel.fsdp={fsdp} x parallel.tensor={tensor} = {data * fsdp * tensor} "
+            f"devices, but {n} are available: make the product equal the device count (parallel.data=-1 fills it)"
         )
-    if batch_size % n:
+    if batch_size % (data * fsdp):
         raise ConfigError(
-            f"dataset.batch_size={batch_size} does not divide over the {n} devices of the data/fsdp axes: "
-            f"use a multiple of {n}"
+            f"dataset.batch_size={batch_size} does not divide over the {data * fsdp} devices of the data/fsdp axes: "
+            f"use a multiple of {data * fsdp}"
         )
     # Mesh(...) keeps the Auto axis types that with_sharding_constraint and jit shardings expect.
-    return Mesh(np.asarray(devices).reshape(data, fsdp), BATCH_AXES)
+    return Mesh(np.asarray(devices).reshape(data, fsdp, tensor), MESH_AXES)
+
+
+def topology(mesh: Mesh) -> str:
+    """One line for the run's header: processes, devices, the mesh's axis sizes."""
+    axes = " x ".join(f"{name} {size}" for name, size in mesh.shape.items())
+    return (f"{jax.process_count()} process(es), {mesh.devices.size} {mesh.devices.flat[0].platform} "
+            f"device(s), mesh {axes}")
 
 
 def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
@@ -95,12 +118,26 @@ def put_batch(batch, sharding: NamedSharding):
 _distributed_ready = False
 
 
-def init_distributed() -> None:
-    """Join a multi-process job when the environment describes one (SLURM with several tasks, or
-    JAX_COORDINATOR_ADDRESS with JAX_NUM_PROCESSES and JAX_PROCESS_ID); a no-op on one process
-    and on a second call (Hydra multirun jobs share the process)."""
+def init_distributed(mode: str = "auto") -> None:
+    """Join a multi-process job (parallel.distributed): `auto` when the environment describes one
+    (SLURM with several tasks, or JAX_COORDINATOR_ADDRESS with JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID), `true` always (jax then reads the cluster from the environment and fails if
+    it finds none), `false` never (several SLURM tasks then train independently). A no-op on a
+    second call (Hydra multirun jobs share the process)."""
     global _distributed_ready
-    if _distributed_ready:
+    mode = _yaml_bool_str(mode)
+    if _distributed_ready or mode == "false":
+        return
+    if mode == "true" and not os.environ.get("JAX_COORDINATOR_ADDRESS") and int(
+            os.environ.get("SLURM_NTASKS", "1") or 1) <= 1:
+        try:
+            jax.distributed.initialize()
+        except Exception as e:  # noqa: BLE001 - jax raises several kinds when no cluster is found
+            raise ConfigError(f"parallel.distributed=true but no multi-process job was found ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:160]}): run under srun with several tasks, set "
+                              "JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or use "
+                              "parallel.distributed=auto") from None
+        _distributed_ready = True
         return
     slurm_tasks = int(os.environ.get("SLURM_NTASKS", "1") or 1)
     address = os.environ.get("JAX_COORDINATOR_ADDRESS")

@@ -9,7 +9,8 @@
 # one node: this host, CPUs = nproc, memory = MemTotal minus a margin), starts munged, slurmctld
 # and slurmd if they are not running, and returns once `sinfo` shows the node idle. A second run
 # takes seconds. Not root, or no apt-get: it says so in one line and exits 0 (CI without
-# privileges skips the SLURM tests). Everything it does is printed.
+# privileges skips the SLURM tests). A slurm.conf that this script did not write (a real
+# cluster's node) is left alone. Everything it does is printed.
 #
 # Environment: EQTRAIN_SLURM_TIMEOUT_S (default 90) bounds the wait for the idle node.
 set -euo pipefail
@@ -25,11 +26,16 @@ say() { echo "local_cluster.sh: $*"; }
 timeout_s=${EQTRAIN_SLURM_TIMEOUT_S:-90}
 host=$(hostname -s)
 conf=/etc/slurm/slurm.conf
+marker="# Written by eqtrain's scripts/slurm/local_cluster.sh"
 
 # One run at a time (several agents or CI steps may call it together).
 exec 9>/var/lock/eqtrain-local-cluster.lock
 if ! flock -w "$timeout_s" 9; then
   echo "local_cluster.sh: another run holds /var/lock/eqtrain-local-cluster.lock for more than ${timeout_s} s"; exit 1
+fi
+
+if [[ -f $conf ]] && ! grep -qF "$marker" "$conf"; then  # a real cluster's node: change nothing
+  say "$conf exists and was not written by this script: leaving this machine's SLURM as it is"; exit 0
 fi
 
 # ---------------------------------------------------------------- packages
@@ -78,11 +84,13 @@ margin_mb=$(( mem_mb / 10 > 1024 ? mem_mb / 10 : 1024 ))  # slurmd drains a node
 real_mb=$(( mem_mb - margin_mb ))
 install -d -m 0755 /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
 new_conf=$(cat <<EOF
-# Written by eqtrain's scripts/slurm/local_cluster.sh: a one-node cluster on $host.
+$marker: a one-node cluster on $host.
 ClusterName=eqtrain
 SlurmctldHost=$host
 SlurmUser=root
 AuthType=auth/munge
+# A requeued job may start again cred_expire + 1 s after its requeue (default 120 s).
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
