@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -256,9 +257,14 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
     return ctx.last
 
 
-def train(cfg: DictConfig | dict, run_dir: str) -> dict[str, float]:
-    """`main` after Hydra (tests call it in-process): pick the checkpoint, settle which config wins, train."""
+def train(cfg: DictConfig | dict, run_dir: str, sweep_job: bool = False) -> dict[str, float]:
+    """`main` after Hydra (tests call it in-process): pick the checkpoint, settle which config wins, train.
+    A sweep job that saves without a save_path saves under its own job directory (so a requeued or
+    rerun sweep resumes every job with checkpoint.resume=auto)."""
     config_dict = to_dict(cfg)
+    ck = config_dict.get("checkpoint") or {}
+    if sweep_job and ck.get("save") and not ck.get("save_path"):
+        config_dict["checkpoint"] = {**ck, "save_path": os.path.join(run_dir, "checkpoints")}
     run = validate(config_dict)  # every knob of this command line is checked before any file is touched
     meshlib.init_distributed(run.parallel.distributed)  # before anything asks jax which process this is
     source = resume_source(run.checkpoint, warn)
@@ -270,10 +276,12 @@ def train(cfg: DictConfig | dict, run_dir: str) -> dict[str, float]:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> dict[str, float]:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" probe noise
+    hydra_cfg = HydraConfig.get()
     try:
-        return train(cfg, HydraConfig.get().runtime.output_dir)
+        return train(cfg, hydra_cfg.runtime.output_dir, sweep_job=hydra_cfg.mode == RunMode.MULTIRUN)
     except Preempted as e:
         print(f"eqtrain: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

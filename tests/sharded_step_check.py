@@ -111,6 +111,40 @@ def train(parallel, devices, batches_SxAxBxT1, overrides=tuple(OVERRIDES)):
     return losses, final, info
 
 
+def cross_topology(devices, batches_SxAxBxT1, directory: str) -> dict:
+    """Save under data 8 with ZeRO-1 (optimizer state split over data), restore under data 4 x
+    fsdp 2 (split over fsdp instead): the restored arrays equal the saved ones, and the next step's
+    loss is the one the saving mesh computes."""
+    import dataclasses
+
+    from utils.checkpoint import Checkpointer
+    from utils.resume import resume_source
+
+    ck = ["checkpoint.save=true", f"checkpoint.save_path={directory}", "checkpoint.resume=auto",
+          "checkpoint.async_save=false"]
+    state, _, step, mesh = build((8, 1, 1, True), devices, (*OVERRIDES, *ck))
+    sharding = meshlib.batch_sharding(mesh, 1)
+    for batch in batches_SxAxBxT1[:2]:
+        state, _ = step(state, meshlib.put_batch(batch, sharding))
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
+        run_b = validate(compose("config", overrides=[*OVERRIDES, *ck, "parallel.data=4", "parallel.fsdp=2"]))
+    saver = Checkpointer(run_b.checkpoint, run_b.config_dict, dataclasses.asdict(run_b.model), print)
+    saver.save(2, state, {}, {}, "test")
+    saver.close()
+    saved = [np.array(x) for x in arrays((state.model, state.opt_state))]
+    _, after_a = step(state, meshlib.put_batch(batches_SxAxBxT1[2], sharding))
+
+    mesh_b = meshlib.make_mesh(4, 2, run_b.dataset.batch_size, devices=devices)
+    _, _, restored, step_b = T.init_training(run_b, mesh_b, resume_source(run_b.checkpoint, print))
+    out = {"restored_equal": all(np.array_equal(a, np.array(b))
+                                 for a, b in zip(saved, arrays((restored.model, restored.opt_state)))),
+           "restored_step": int(restored.step),
+           "restored_opt_split_over": sorted({str(a) for x in arrays(restored.opt_state) for a in x.sharding.spec
+                                              if a is not None})}
+    _, after_b = step_b(restored, meshlib.put_batch(batches_SxAxBxT1[2], meshlib.batch_sharding(mesh_b, 1)))
+    return {**out, "loss_saving_mesh": float(after_a["train/loss"]), "loss_restoring_mesh": float(after_b["train/loss"])}
+
+
 def adam_moment(opt_state):
     """AdamW's first moment of the hidden group (a tree shaped like the model, other groups masked)."""
     for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "mu")):
@@ -162,6 +196,10 @@ def main() -> None:
         # Tensor parallelism (heads and MLP columns over 2 devices) and ZeRO-1 (optimizer state over data=8).
         losses_tp, params_tp, info_tp = train((2, 2, 2), devices, batches)
         losses_z1, params_z1, info_z1 = train((8, 1, 1, True), devices, batches)
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            restore = cross_topology(devices, batches, os.path.join(tmp, "ck"))
         # Every registered optimizer runs sharded (fsdp=2) and matches its 1-device losses: the golden
         # values of tests/test_golden.py, which pins them for the same run on one device.
         golden = {name: run_golden(*prepared[name].result()) for name in sorted(OPTIMIZERS)}
@@ -184,6 +222,7 @@ def main() -> None:
                        "sharded_opt_leaves": info_z1["sharded_opt_leaves"],
                        "params_allclose": all(np.allclose(b, a, rtol=1e-5, atol=1e-6)
                                               for a, b in zip(params_1, params_z1))}
+    result["cross_topology"] = restore
     result["optimizers"] = {name: {"losses_1": GOLDEN[name], "losses_8": losses_8,
                                    "sharded_opt_leaves": sum(map(is_split, arrays(state.opt_state)))}
                             for name, (losses_8, state) in golden.items()}

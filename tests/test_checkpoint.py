@@ -331,6 +331,17 @@ def test_another_models_checkpoint_is_a_checkpoint_error(tmp_path, base):
         _load(tmp_path, base)
 
 
+def test_a_checkpoint_of_an_older_format_is_refused_not_misread(tmp_path, base):
+    """Format 1 stored the attention projection's columns in another order: its weights would load
+    and compute something else, so it is refused before anything is restored."""
+    manifest_path = base / "iter_6" / "manifest" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["format"] = 1
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"checkpoint format 1, this eqtrain reads format 2"):
+        _load(tmp_path, base)
+
+
 def test_missing_load_file_lists_what_exists(tmp_path, base):
     with pytest.raises(CheckpointError, match=r"no iter_7 in .*complete checkpoints: iter_6"):
         train(tmp_path, "load", "checkpoint.load=true", f"checkpoint.load_path={base}", "checkpoint.load_file=iter_7")

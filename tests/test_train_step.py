@@ -153,6 +153,15 @@ def test_tensor_parallel_and_zero1_match_one_device_with_the_expected_layouts(sh
     assert z1["specs"]["mlp_in"] == ["None", "None", "None"] and "data" in z1["specs"]["mu_mlp_in"]
 
 
+def test_a_checkpoint_saved_under_one_layout_restores_under_another(sharded_result):
+    """Saved by data 8 with ZeRO-1, restored by data 4 x fsdp 2: the same arrays, now split over
+    fsdp, and the next step's loss is the saving layout's."""
+    r = sharded_result["cross_topology"]
+    assert r["restored_equal"] and r["restored_step"] == 2
+    assert r["restored_opt_split_over"] == ["fsdp"]
+    np.testing.assert_allclose(r["loss_restoring_mesh"], r["loss_saving_mesh"], rtol=1e-5)
+
+
 def test_batch_not_divisible_by_devices_is_a_config_error(sharded_result):
     assert "dataset.batch_size=12" in sharded_result["bad_batch_error"]
     assert "parallel.data" in sharded_result["bad_mesh_error"]

@@ -129,7 +129,7 @@ def init_distributed(mode: str = "auto") -> None:
     if _distributed_ready or mode == "false":
         return
     if mode == "true" and not os.environ.get("JAX_COORDINATOR_ADDRESS") and int(
-            os.environ.get("SLURM_NTASKS", "1") or 1) <= 1:
+            os.environ.get("SLURM_STEP_NUM_TASKS", "1") or 1) <= 1:
         try:
             jax.distributed.initialize()
         except Exception as e:  # noqa: BLE001 - jax raises several kinds when no cluster is found
@@ -139,7 +139,9 @@ def init_distributed(mode: str = "auto") -> None:
                               "parallel.distributed=auto") from None
         _distributed_ready = True
         return
-    slurm_tasks = int(os.environ.get("SLURM_NTASKS", "1") or 1)
+    # SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: the batch script of an `sbatch --ntasks=2` job has the
+    # latter but is one process; only the tasks srun starts form the job.
+    slurm_tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1") or 1)
     address = os.environ.get("JAX_COORDINATOR_ADDRESS")
     if address:  # jax reads the address itself but not the other two
         try:

@@ -8,6 +8,7 @@ the same command with `checkpoint.resume=auto` continues where it left off (READ
 
 from __future__ import annotations
 
+import os
 import signal
 
 import jax
@@ -53,6 +54,12 @@ class StopSignals:
         self.requested: str | None = None
         self._signals = [signal.SIGTERM, signal.SIGUSR1] + ([signal.SIGINT] if catch_interrupt else [])
         self._previous: dict = {}
+        # In a submitit job (hydra/launcher=slurm|local) SLURM sends submitit's signal (USR2) before
+        # the time limit; submitit's handler requeues the job and exits at once. Catch it too: save
+        # first, then hand the signal to submitit's handler (see __exit__).
+        self._submitit = submitit_signal()
+        if self._submitit is not None and self._submitit not in self._signals:
+            self._signals.append(self._submitit)
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -74,3 +81,14 @@ class StopSignals:
             # EXIT_PREEMPTED: a repeated SIGTERM/SIGUSR1 must not turn that into a kill.
             stopping = exc_type is Preempted and s != signal.SIGINT
             signal.signal(s, signal.SIG_IGN if stopping else handler)
+        previous = self._previous.get(self._submitit)
+        if exc_type is Preempted and self._submitit is not None and callable(previous) and \
+                self.requested == signal.Signals(self._submitit).name:
+            previous(self._submitit, None)  # submitit: requeue this job (same overrides and run dir) and exit
+
+
+def submitit_signal() -> signal.Signals | None:
+    """The signal submitit sends before a time limit when this process runs a submitit job, else None."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return None
+    return getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)

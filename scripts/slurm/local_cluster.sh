@@ -91,6 +91,8 @@ SlurmUser=root
 AuthType=auth/munge
 # A requeued job may start again cred_expire + 1 s after its requeue (default 120 s).
 AuthInfo=cred_expire=10
+# ...and is started by the next periodic scheduling pass (default every 60 s, backfill 30 s).
+SchedulerParameters=sched_interval=5,bf_interval=5
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
