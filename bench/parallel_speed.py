@@ -161,7 +161,7 @@ def main() -> None:
           f"| {run.train.compute_dtype} | aux buffers {'on' if first['state'].aux is not None else 'off'}")
     print(f"median of {args.rounds}x{args.steps} steps after 1 warm-up; 8 devices share the host's cores: "
           "the table compares layouts, not scaling\n")
-    print("| strategy | mesh (data x fsdp x tensor) | first call (compile) | step (median) | tokens/s | "
+    print("| strategy | mesh (data x fsdp x tensor) | first call (compile + 1 step) | step (median) | tokens/s | "
           "params / device | optimizer state / device | optimizer state share |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
