@@ -80,7 +80,8 @@ def is_split(x: jax.Array) -> bool:
     return tuple(x.sharding.shard_shape(x.shape)) != tuple(x.shape)
 
 
-def train(parallel, devices, batches_SxAxBxT1, overrides=tuple(OVERRIDES)):
+def train(parallel, devices, batches_SxAxBxT1, overrides=tuple(OVERRIDES), after_step=None):
+    """`after_step(i, state)` sees the state after step i, before the next step donates it."""
     state, shardings, step, mesh = build(parallel, devices, overrides)
     info = {
         "mesh": dict(mesh.shape),
@@ -98,11 +99,13 @@ def train(parallel, devices, batches_SxAxBxT1, overrides=tuple(OVERRIDES)):
     init = [np.array(x) for x in arrays(state.model)]
     sharding = meshlib.batch_sharding(mesh, 1)
     losses = []
-    for batch in batches_SxAxBxT1:
+    for i, batch in enumerate(batches_SxAxBxT1, start=1):
         placed = meshlib.put_batch(batch, sharding)
         info["batch_shard_rows"] = placed.sharding.shard_shape(placed.shape)[1]
         state, metrics = step(state, placed)
         losses.append(float(metrics["train/loss"]))
+        if after_step is not None:
+            after_step(i, state)
     info["state_shardings_kept"] = all(
         x.sharding.is_equivalent_to(s, x.ndim)
         for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings), strict=True))
@@ -111,10 +114,10 @@ def train(parallel, devices, batches_SxAxBxT1, overrides=tuple(OVERRIDES)):
     return losses, final, info
 
 
-def cross_topology(devices, batches_SxAxBxT1, directory: str) -> dict:
-    """Save under data 8 with ZeRO-1 (optimizer state split over data), restore under data 4 x
-    fsdp 2 (split over fsdp instead): the restored arrays equal the saved ones, and the next step's
-    loss is the one the saving mesh computes."""
+def zero1_and_cross_topology(devices, batches_SxAxBxT1, directory: str):
+    """ZeRO-1 (data 8, optimizer state split over data) trains like the others and saves after
+    step 2; data 4 x fsdp 2 restores that checkpoint (the state now split over fsdp): the restored
+    arrays equal the saved ones and its step 3 has the loss ZeRO-1's step 3 had."""
     import dataclasses
 
     from utils.checkpoint import Checkpointer
@@ -122,27 +125,27 @@ def cross_topology(devices, batches_SxAxBxT1, directory: str) -> dict:
 
     ck = ["checkpoint.save=true", f"checkpoint.save_path={directory}", "checkpoint.resume=auto",
           "checkpoint.async_save=false"]
-    state, _, step, mesh = build((8, 1, 1, True), devices, (*OVERRIDES, *ck))
-    sharding = meshlib.batch_sharding(mesh, 1)
-    for batch in batches_SxAxBxT1[:2]:
-        state, _ = step(state, meshlib.put_batch(batch, sharding))
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
         run_b = validate(compose("config", overrides=[*OVERRIDES, *ck, "parallel.data=4", "parallel.fsdp=2"]))
-    saver = Checkpointer(run_b.checkpoint, run_b.config_dict, dataclasses.asdict(run_b.model), print)
-    saver.save(2, state, {}, {}, "test")
-    saver.close()
-    saved = [np.array(x) for x in arrays((state.model, state.opt_state))]
-    _, after_a = step(state, meshlib.put_batch(batches_SxAxBxT1[2], sharding))
+    saved = []
 
+    def save_after_2(i, state):
+        if i == 2:
+            saver = Checkpointer(run_b.checkpoint, run_b.config_dict, dataclasses.asdict(run_b.model), print)
+            saver.save(2, state, {}, {}, "test")
+            saver.close()
+            saved.extend(np.array(x) for x in arrays((state.model, state.opt_state)))
+
+    z1 = train((8, 1, 1, True), devices, batches_SxAxBxT1, (*OVERRIDES, *ck), after_step=save_after_2)
     mesh_b = meshlib.make_mesh(4, 2, run_b.dataset.batch_size, devices=devices)
     _, _, restored, step_b = T.init_training(run_b, mesh_b, resume_source(run_b.checkpoint, print))
     out = {"restored_equal": all(np.array_equal(a, np.array(b))
-                                 for a, b in zip(saved, arrays((restored.model, restored.opt_state)))),
+                                 for a, b in zip(saved, arrays((restored.model, restored.opt_state)), strict=True)),
            "restored_step": int(restored.step),
            "restored_opt_split_over": sorted({str(a) for x in arrays(restored.opt_state) for a in x.sharding.spec
                                               if a is not None})}
-    _, after_b = step_b(restored, meshlib.put_batch(batches_SxAxBxT1[2], meshlib.batch_sharding(mesh_b, 1)))
-    return {**out, "loss_saving_mesh": float(after_a["train/loss"]), "loss_restoring_mesh": float(after_b["train/loss"])}
+    _, after = step_b(restored, meshlib.put_batch(batches_SxAxBxT1[2], meshlib.batch_sharding(mesh_b, 1)))
+    return z1, {**out, "loss_saving_mesh": z1[0][2], "loss_restoring_mesh": float(after["train/loss"])}
 
 
 def adam_moment(opt_state):
@@ -195,11 +198,11 @@ def main() -> None:
         losses_8, params_8, info_8 = train((4, 2), devices, batches)
         # Tensor parallelism (heads and MLP columns over 2 devices) and ZeRO-1 (optimizer state over data=8).
         losses_tp, params_tp, info_tp = train((2, 2, 2), devices, batches)
-        losses_z1, params_z1, info_z1 = train((8, 1, 1, True), devices, batches)
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
-            restore = cross_topology(devices, batches, os.path.join(tmp, "ck"))
+            (losses_z1, params_z1, info_z1), restore = zero1_and_cross_topology(devices, batches,
+                                                                                os.path.join(tmp, "ck"))
         # Every registered optimizer runs sharded (fsdp=2) and matches its 1-device losses: the golden
         # values of tests/test_golden.py, which pins them for the same run on one device.
         golden = {name: run_golden(*prepared[name].result()) for name in sorted(OPTIMIZERS)}

@@ -53,7 +53,8 @@ def test_step_time_leaves_out_evaluations_inside_a_logging_interval(tmp_path, mo
 
     monkeypatch.setattr(train_jax, "build_train_step", timed_make_step)
     monkeypatch.setattr(train_jax, "make_evaluate", slow_make_evaluate)
-    train_jax.train(compose_config(*RUN, "train.max_steps=12", "train.val_freq=2", "logging.log_callback_data=true"),
+    train_jax.train(compose_config(*RUN, "train.max_steps=12", "train.val_freq=2", "logging.log_callback_data=true",
+                                   "logging.optim_diagnostics=false"),
                     str(tmp_path))  # diagnostics on: two step variants
     timed = {r["step"]: r["time/step_sec"] for r in records(tmp_path) if "time/step_sec" in r}
     # The interval that holds compilation (steps 1-2) ends in an evaluation, so step 4 is timed too.

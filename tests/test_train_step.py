@@ -114,14 +114,52 @@ def test_step_donates_state_and_reports_metrics(tiny_run):
 # --- 8 forced host devices (subprocess: XLA_FLAGS must be set before jax is imported) ------------
 
 
+SHARDED_TESTS = ("test_sharded_step_matches_single_device",
+                 "test_tensor_parallel_and_zero1_match_one_device_with_the_expected_layouts",
+                 "test_a_checkpoint_saved_under_one_layout_restores_under_another",
+                 "test_batch_not_divisible_by_devices_is_a_config_error",
+                 "test_every_optimizer_runs_sharded_and_matches_one_device")
+
+
+class ShardedCheck:
+    """tests/sharded_step_check.py started by the session's background thread (conftest.Background):
+    its minute and more of XLA compiling overlaps the in-process tests instead of following them."""
+
+    def __init__(self, where, cache_dir):
+        self._out, self._err = where / "sharded.stdout", where / "sharded.stderr"
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+               "EQTRAIN_CACHE": str(cache_dir)}
+        with open(self._out, "w") as out, open(self._err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "sharded_step_check.py")],
+                                         cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+
+    def wait(self) -> None:
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def result(self) -> dict:
+        try:
+            code = self.proc.wait(600)
+        except subprocess.TimeoutExpired:
+            self.close()
+            pytest.fail("tests/sharded_step_check.py did not finish within 600 s")
+        assert code == 0, self._err.read_text()[-4000:]
+        return json.loads(self._out.read_text().strip().splitlines()[-1])
+
+
+def start_background(ctx) -> ShardedCheck | None:
+    if not ctx.wanted(*SHARDED_TESTS):
+        return None
+    return ShardedCheck(ctx.tmp_path_factory.mktemp("sharded"), ctx.tmp_path_factory.mktemp("sharded_cache"))
+
+
 @pytest.fixture(scope="module")
-def sharded_result(tmp_path_factory):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "EQTRAIN_CACHE": str(tmp_path_factory.mktemp("sharded_cache"))}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_step_check.py")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def sharded_result(background, request):
+    return background.handle(request.module).result()
 
 
 def test_sharded_step_matches_single_device(sharded_result):
