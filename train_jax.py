@@ -281,7 +281,10 @@ def main(cfg: DictConfig) -> dict[str, float]:
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" probe noise
     hydra_cfg = HydraConfig.get()
     try:
-        return train(cfg, hydra_cfg.runtime.output_dir, sweep_job=hydra_cfg.mode == RunMode.MULTIRUN)
+        out = train(cfg, hydra_cfg.runtime.output_dir, sweep_job=hydra_cfg.mode == RunMode.MULTIRUN)
+        if "optuna" in str(hydra_cfg.sweeper.get("_target_", "")).lower():  # the objective: one float
+            return float(out.get("val/loss", out.get("train/loss", float("nan"))))
+        return out
     except Preempted as e:
         print(f"eqtrain: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -218,9 +218,11 @@ class Runs:
     user_errors: dict[str, tuple[Path, Started]] = field(default_factory=dict)
     unknown_group: tuple[Path, Started] | None = None
     diverged: tuple[Path, Started] | None = None
+    optuna: tuple[Path, Started] | None = None
 
     def processes(self) -> list[Started]:
-        return [*([self.sweep] if self.sweep else []), *(s for _, s in self.user_errors.values()),
+        return [*([self.sweep] if self.sweep else []), *([self.optuna[1]] if self.optuna else []),
+                *(s for _, s in self.user_errors.values()),
                 *(pair[1] for pair in (self.unknown_group, self.diverged) if pair)]
 
     def wait(self) -> None:
@@ -260,6 +262,12 @@ def start_background(ctx) -> Runs:
         run_dir = where / f"error_{case}"
         out.user_errors[case] = run_dir, Started(where, f"error_{case}", [f"hydra.run.dir={run_dir}", *TINY, *overrides],
                                                  cli_env(ctx.cache_dir, extra))
+    if ctx.wanted("test_optuna_sweep_minimises_the_final_val_loss"):
+        sweep_dir = where / "optuna"
+        out.optuna = sweep_dir, Started(where, "optuna", ["-m", "hydra/sweeper=optuna_lr", "hydra.sweeper.n_trials=3",
+                                                          f"hydra.sweep.dir={sweep_dir}", *TINY, "train.max_steps=10",
+                                                          "train.val_freq=10", "train.sample_tokens=0",
+                                                          "optimizer.lr_config.warmup=2"], env)
     if ctx.wanted("test_cli_unknown_group_option_exits_1"):
         run_dir = where / "unknown_group"
         out.unknown_group = run_dir, Started(where, "unknown_group", [f"hydra.run.dir={run_dir}", *TINY, "optimizer=nope"],
@@ -366,6 +374,23 @@ def test_multirun_two_optimizers(sweep):
         final_losses.append(last["train/loss"])
     assert "adamw + cosine" in proc.stdout and "sgdm + linear" in proc.stdout
     assert final_losses[0] != final_losses[1]  # the two jobs really trained differently
+
+
+@pytest.mark.slow
+def test_optuna_sweep_minimises_the_final_val_loss(runs):
+    """The README's `hydra/sweeper=optuna_lr`: three trials, each its own job dir with its own lr,
+    and the best value Optuna reports is the lowest final val/loss the runs returned."""
+    sweep_dir, started = runs.optuna
+    assert_ok(started.result())
+    finals, lrs = {}, set()
+    for job in ("0", "1", "2"):
+        config = yaml.safe_load((sweep_dir / job / ".hydra" / "config.yaml").read_text())
+        lrs.add(config["optimizer"]["lr_config"]["lr"])
+        finals[job] = [r for r in read_metrics(sweep_dir / job / "metrics.jsonl") if "val/loss" in r][-1]["val/loss"]
+    assert len(lrs) == 3
+    best = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    assert best["best_value"] == pytest.approx(min(finals.values()), rel=1e-6)
+    assert set(best["best_params"]) == {"optimizer.lr_config.lr"}
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ run in the pytest process; the test inspects what they left.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,6 +51,7 @@ class Jobs:
     saved: list[int] | None = None  # the complete checkpoints once the stopped job had exited
     resumed: list[int] | None = None
     reference: list[int] | None = None
+    single: list[int] | None = None  # the 2-process checkpoint resumed by one process with 2 devices
     error: str | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
     closed: bool = False
@@ -59,15 +61,18 @@ class Jobs:
         self._thread = threading.Thread(target=self._run, name="two-process jobs", daemon=True)
         self._thread.start()
 
-    def launch(self, name: str, *overrides: str) -> list[subprocess.Popen]:
-        """Both processes of one job; process i logs to {name}{i}/ and {name}{i}.log."""
+    def launch(self, name: str, *overrides: str, processes: int = 2) -> list[subprocess.Popen]:
+        """Both processes of one job; process i logs to {name}{i}/ and {name}{i}.log. With
+        processes=1, one process with 2 forced CPU devices: the same mesh, one host."""
         env = {**self.env, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
                "JAX_NUM_PROCESSES": "2"}
+        if processes == 1:
+            env = {**self.env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
         procs = []
         with self.lock:
             if self.closed:
                 raise RuntimeError("the session is over")
-            for i in range(2):
+            for i in range(processes):
                 with open(self.where / f"{name}{i}.log", "w") as log:
                     procs.append(subprocess.Popen(
                         [sys.executable, str(REPO / "train_jax.py"), f"hydra.run.dir={self.where / f'{name}{i}'}", *RUN,
@@ -105,6 +110,11 @@ class Jobs:
         # Constant lr: the loss at step k does not depend on max_steps, so an (n + 2)-step run is the reference.
         reference = self.launch("full", f"train.max_steps={n + 2}")
         self.resumed, self.reference = finish(resumed), finish(reference)
+        # The same checkpoint, resumed by one process that holds both devices (a different topology).
+        shutil.copytree(ck / f"iter_{n}", self.where / "ck_single" / f"iter_{n}")
+        self.single = finish(self.launch("single", "train.max_steps=100000", "checkpoint.save=true",
+                                         f"checkpoint.save_path={self.where / 'ck_single'}", "checkpoint.resume=auto",
+                                         "checkpoint.num_steps=2", processes=1))
 
     def wait(self) -> None:
         self._thread.join()
@@ -170,3 +180,9 @@ def test_sigterm_to_one_process_stops_both_and_the_resume_is_bit_identical(jobs)
     assert sorted(after) == [n + 1, n + 2]
     full = losses(where, "full")
     assert {**losses(where, "long"), **after} == {k: full[k] for k in range(1, n + 3)}  # exact
+
+    # Saved by 2 processes, restored by 1 (both devices in one process): the same next losses.
+    assert jobs.single == [0], output(where, "single")
+    single = losses(where, "single")
+    assert sorted(single) == [n + 1, n + 2]
+    assert single == pytest.approx(after, rel=1e-6)
