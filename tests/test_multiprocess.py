@@ -67,7 +67,8 @@ class Jobs:
         env = {**self.env, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
                "JAX_NUM_PROCESSES": "2"}
         if processes == 1:
-            env = {**self.env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+            env = {**self.env, "JAX_PLATFORMS": "cpu",
+                   "XLA_FLAGS": f"{self.env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
         procs = []
         with self.lock:
             if self.closed:

@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from conftest import CLI_TINY, offline_env
+from conftest import CLI_TINY, offline_env, FAST_COMPILE
 from utils.checkpoint import TMP_MARKER, complete_steps, open_checkpoint
 from utils.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
@@ -61,7 +61,7 @@ REFERENCE_STEPS = 30  # the shared uninterrupted run; a longer one is made if a 
 SIGNALS = {"SIGTERM": EXIT_PREEMPTED, "SIGUSR1": EXIT_PREEMPTED, "SIGINT": EXIT_INTERRUPTED}
 STORM = "SIGTERM"  # this signal is sent again every 2 ms until the process exits
 KILL_SAVE_STEPS = 5  # the kill -9 run saves every 5 steps: steps between saves, and a save to cut
-EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+EIGHT_DEVICES = {"XLA_FLAGS": f"{FAST_COMPILE} --xla_force_host_platform_device_count=8"}
 VARIANTS = {"plain": (), "accumulation": ("dataset.total_batch_size=16",)}  # batch 8 x 2 micro-batches
 
 

@@ -33,6 +33,9 @@ def test_a_signal_only_records_the_request(sig):
 
 
 def test_without_save_on_interrupt_ctrl_c_interrupts_at_once():
+    # Python's own Ctrl-C handler, whatever earlier tests of the session left installed (in the full
+    # suite something leaves another one; the autouse fixture puts it back afterwards).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
         with StopSignals(catch_interrupt=False) as stop:

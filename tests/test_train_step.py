@@ -127,7 +127,8 @@ class ShardedCheck:
 
     def __init__(self, where, cache_dir):
         self._out, self._err = where / "sharded.stdout", where / "sharded.stderr"
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",  # the script adds level 0
+               "JAX_PLATFORMS": "cpu",
                "EQTRAIN_CACHE": str(cache_dir)}
         with open(self._out, "w") as out, open(self._err, "w") as err:
             self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "sharded_step_check.py")],
