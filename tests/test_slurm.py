@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI_TINY, offline_env
+from conftest import CLI_TINY, FAST_COMPILE, offline_env
 
 REPO = Path(__file__).resolve().parents[1]
 PARTITION = os.environ.get("EQTRAIN_TEST_PARTITION", "debug")
@@ -128,7 +128,8 @@ def test_srun_two_processes_train_as_one(tmp_path, job_name):
         cwd=REPO, env=job_env(), stdout=open(tmp_path / "two.log", "w"), stderr=subprocess.STDOUT)
     one = subprocess.Popen(  # outside SLURM, side by side with the job
         [sys.executable, "train_jax.py", *args, f"hydra.run.dir={tmp_path / 'one'}"], cwd=REPO,
-        env=job_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"), stdout=open(tmp_path / "one.log", "w"),
+        env=job_env(XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count=2"),  # the job's codegen too
+        stdout=open(tmp_path / "one.log", "w"),
         stderr=subprocess.STDOUT)
     codes = {name: p.wait(timeout=300) for name, p in (("two", two), ("one", one))}
     for name, code in codes.items():
