@@ -17,10 +17,12 @@ FINGERPRINT_BATCHES = 2
 
 
 def source_windows(source, req: DataRequest, docs=None) -> tuple:
-    """(train, val) of any source: its own `windows(req)`, or its documents tokenized and cached
-    (`docs`: the (train, val) Documents if the caller already listed them for the tokenizer)."""
-    if hasattr(source, "windows"):
-        return source.windows(req)
+    """(train, val) of any source: its own `windows(req)`, or (when it has none, or it returns None)
+    its documents tokenized and cached (`docs`: the (train, val) Documents if the caller already
+    listed them for the tokenizer, so they are not listed and read again)."""
+    built = source.windows(req) if hasattr(source, "windows") else None
+    if built is not None:
+        return built
     docs = docs if docs is not None else source.documents()
     return tuple(cached_windows(split_docs, req.tokenizer, req.cache_dir, source.name, split, req.window,
                                 req.document_mask) for split_docs, split in zip(docs, ("train", "val")))

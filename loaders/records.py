@@ -44,6 +44,31 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
+def check_record_knobs(prefix: str, path: str, data_files, split: str, val_split: str | None,
+                       val_fraction: float, example: str) -> None:
+    """The knobs every record source shares (hf, chat): where the records are and how validation is
+    split off, each mistake one ConfigError naming the knob; `example` is a hub name for the message."""
+    from loaders import corpus
+
+    if not path:
+        raise ConfigError(f"{prefix}.path is empty: set a hub dataset (e.g. {example}) or "
+                          f"{prefix}.path=json '{prefix}.data_files=[data/*.jsonl]'")
+    ext = "." + path.rsplit(".", 1)[-1].lower() if "." in path else ""
+    if ext in LOCAL_BUILDERS and not data_files:
+        raise ConfigError(f"{prefix}.path={path!r} is a file name: use {prefix}.path={LOCAL_BUILDERS[ext]} "
+                          f"'{prefix}.data_files=[{path}]'")
+    if path in FILE_BUILDERS and not data_files:
+        raise ConfigError(f"{prefix}.path={path} reads local files: set '{prefix}.data_files=[data/*.jsonl]'")
+    if val_split is None:
+        corpus.check_val_fraction(prefix, val_fraction)
+    elif data_files:
+        raise ConfigError(f"{prefix}.val_split={val_split!r}: local data_files form one split; set "
+                          f"{prefix}.val_split=null and hold out {prefix}.val_fraction instead")
+    elif val_split == split:
+        raise ConfigError(f"{prefix}.val_split={val_split!r} is the training split: choose another split "
+                          "or null to hold out val_fraction")
+
+
 def _short(e: BaseException) -> str:
     """One line: the error and, when it only wraps another ("An error occurred while generating
     the dataset"), the cause that says what was wrong (ArrowInvalid: JSON parse error ...)."""

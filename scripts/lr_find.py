@@ -67,7 +67,6 @@ import csv
 import dataclasses
 import datetime
 import json
-import logging
 import math
 import textwrap
 import time
@@ -75,6 +74,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from utils.config import script_argv
 from utils.errors import ConfigError, EqtrainError, TrainingError
 
 PREFIX = "lr_find."
@@ -369,11 +369,9 @@ def find(knobs: LRFindConfig, run, overrides: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+    argv = script_argv(argv, __doc__)
+    if argv is None:
         return 0
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" probe noise
     from utils.sections import build_section
 
     try:

@@ -33,10 +33,10 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import logging
 import time
 from dataclasses import dataclass
 
+from utils.config import script_argv
 from utils.errors import ConfigError, EqtrainError
 
 KNOBS = ("out", "workers", "force")
@@ -119,11 +119,9 @@ def summary(meta: dict, knobs: PrepareConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+    argv = script_argv(argv, __doc__)
+    if argv is None:
         return 0
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" probe noise
     knobs = None
     try:
         knobs, overrides = split_argv(argv)

@@ -12,7 +12,8 @@ import optax
 import pytest
 
 import train_jax as T
-from utils import aux_state
+from models.gpt import param_axes
+from utils import aux_state, layout
 from utils import mesh as meshlib
 from utils.aux_state import AuxConfig
 from utils.errors import ConfigError
@@ -196,7 +197,8 @@ def test_a_nonfinite_gradient_is_counted_and_skipped(tiny_run):
         loss = loss * jnp.where(tokens_BxT1[0, 0] == 63, jnp.nan, 1.0)  # NaN reaches the gradient
         return loss, {**aux, "loss": loss}
 
-    shardings = meshlib.tree_shardings(mesh, jax.eval_shape(lambda: state))
+    abstract = jax.eval_shape(lambda: state)
+    shardings = layout.state_shardings(mesh, abstract, abstract.model, param_axes(abstract.model))
     from utils import step_metrics
     metrics = step_metrics.defaults(optax.constant_schedule(1e-3), {}, [], skip_nonfinite=True)
     step = build_train_step(poisoned_loss, tx, metrics, shardings, mesh, "float32", False, run.logging.aux)

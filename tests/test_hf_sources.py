@@ -18,6 +18,7 @@ import pytest
 
 from loaders import dataset_config, records
 from loaders.batching import DataRequest, batch_tokens
+from loaders.pipeline import source_windows
 from loaders.sources import HF, Jsonl
 from loaders.tokenizers import byte_tokenizer
 from utils.errors import CheckpointError, ConfigError, DataError
@@ -236,7 +237,7 @@ def test_hf_fingerprint_follows_the_files_without_reading_them(tmp_path):
     assert before == [d.fingerprint for d in source.documents()]
     write_jsonl(tmp_path / "d.jsonl", [{"text": story(i)} for i in range(31)])
     assert [d.fingerprint for d in source.documents()] != before
-    train_ds, val_ds = source.windows(request(tmp_path))  # the pipeline's cached windows, via windows()
+    train_ds, val_ds = source_windows(source, request(tmp_path))  # the pipeline's cached windows
     assert train_ds.window == WINDOW and len(train_ds) and len(val_ds)
 
 

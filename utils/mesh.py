@@ -91,24 +91,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def fsdp_spec(shape: tuple[int, ...], fsdp_size: int) -> P:
-    """Split the largest axis that `fsdp_size` divides; replicate small or indivisible arrays."""
-    if fsdp_size == 1 or not shape:
-        return P()
-    for axis in sorted(range(len(shape)), key=lambda a: -shape[a]):
-        if shape[axis] % fsdp_size == 0 and shape[axis] >= fsdp_size:
-            spec = [None] * len(shape)
-            spec[axis] = "fsdp"
-            return P(*spec)
-    return P()
-
-
-def tree_shardings(mesh: Mesh, abstract_tree):
-    """A NamedSharding for every array leaf of a (shape-only) pytree, by the FSDP rule."""
-    fsdp_size = mesh.shape["fsdp"]
-    return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, fsdp_size)), abstract_tree)
-
-
 def put_batch(batch, sharding: NamedSharding):
     """Host batch (this process's rows; an array or a dict of arrays with the same leading axes)
     -> global arrays on the mesh, without a gather."""

@@ -13,7 +13,8 @@ gives its data in one of two ways:
   with `batches(batch_shape, seed, process_index, process_count)` returning an iterator that has
   `state_dict()`/`load_state_dict()` and yields what BatchIterator yields. Such a source may also
   define `documents()` so tokenizers that train on text (tokenizer=bpe) can; without it they are
-  refused with a ConfigError.
+  refused with a ConfigError. `windows(req)` may return None to take the text path after all
+  (hf: only its streaming mode builds its own windows).
 
 All bad input (missing files, empty data, missing fields, malformed records) is a DataError or
 ConfigError raised while building, before any compilation.

@@ -26,7 +26,7 @@ import numpy as np
 
 from loaders import chat, corpus
 from loaders.batching import DataRequest, WindowDataset, token_dtype
-from loaders.records import LOCAL_BUILDERS, RecordSpec, iter_records, load_records, local_files
+from loaders.records import RecordSpec, check_record_knobs, iter_records, load_records, local_files
 from loaders.tokenizers import Tokenizer
 from utils.errors import ConfigError, DataError
 from utils.files import atomic_write
@@ -96,23 +96,8 @@ class Chat:
     skip_bad_records: bool = False  # true: skip (count, warn about) records no format matches; false: stop at the first
 
     def check(self, prefix: str) -> None:
-        if not self.path:
-            raise ConfigError(f"{prefix}.path is empty: set a hub dataset (e.g. HuggingFaceH4/ultrachat_200k) or "
-                              f"{prefix}.path=json '{prefix}.data_files=[data/chats.jsonl]'")
-        ext = os.path.splitext(self.path)[1].lower()
-        if ext in LOCAL_BUILDERS and not self.data_files:
-            raise ConfigError(f"{prefix}.path={self.path!r} is a file name: use {prefix}.path={LOCAL_BUILDERS[ext]} "
-                              f"'{prefix}.data_files=[{self.path}]'")
-        if self.path in set(LOCAL_BUILDERS.values()) and not self.data_files:
-            raise ConfigError(f"{prefix}.path={self.path} reads local files: set '{prefix}.data_files=[data/*.jsonl]'")
-        if self.val_split is None:
-            corpus.check_val_fraction(prefix, self.val_fraction)
-        elif self.data_files:
-            raise ConfigError(f"{prefix}.val_split={self.val_split!r}: local data_files form one split; set "
-                              f"{prefix}.val_split=null and hold out {prefix}.val_fraction instead")
-        elif self.val_split == self.split:
-            raise ConfigError(f"{prefix}.val_split={self.val_split!r} is the training split: choose another split "
-                              "or null to hold out val_fraction")
+        check_record_knobs(prefix, self.path, self.data_files, self.split, self.val_split, self.val_fraction,
+                           "HuggingFaceH4/ultrachat_200k")
         if self.template not in chat.TEMPLATES:
             raise ConfigError(f"{prefix}.template={self.template!r} is unknown: choose one of {', '.join(chat.TEMPLATES)}")
 

@@ -29,10 +29,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from loaders import corpus
-from loaders.batching import DataRequest, WindowDataset, cached_windows, local_slots, tokenize_documents
+from loaders.batching import DataRequest, WindowDataset, local_slots, tokenize_documents
 from loaders.records import (
-    FILE_BUILDERS,
-    LOCAL_BUILDERS,
+    check_record_knobs,
     BadRecord,
     BadRecords,
     RecordSpec,
@@ -97,28 +96,13 @@ class HF:
         object.__setattr__(self, "text_field", as_tuple(self.text_field))
 
     def check(self, prefix: str) -> None:
-        if not self.path:
-            raise ConfigError(f"{prefix}.path is empty: set a hub dataset (e.g. roneneldan/TinyStories) or "
-                              f"{prefix}.path=json '{prefix}.data_files=[data/*.jsonl]'")
-        ext = "." + self.path.rsplit(".", 1)[-1].lower() if "." in self.path else ""
-        if ext in LOCAL_BUILDERS and not self.data_files:
-            raise ConfigError(f"{prefix}.path={self.path!r} is a file name: use {prefix}.path={LOCAL_BUILDERS[ext]} "
-                              f"'{prefix}.data_files=[{self.path}]'")
-        if self.path in FILE_BUILDERS and not self.data_files:
-            raise ConfigError(f"{prefix}.path={self.path} reads local files: set '{prefix}.data_files=[data/*.jsonl]'")
+        check_record_knobs(prefix, self.path, self.data_files, self.split, self.val_split, self.val_fraction,
+                           "roneneldan/TinyStories")
         if self.data_files is not None and not (
                 isinstance(self.data_files, tuple) and self.data_files
                 and all(isinstance(p, str) and p for p in self.data_files)):
             raise ConfigError(f"{prefix}.data_files={self.data_files!r} must be null, a glob or a list of globs")
         text_fields(self.text_field, f"{prefix}.text_field")
-        if self.val_split is None:
-            corpus.check_val_fraction(prefix, self.val_fraction)
-        elif self.data_files:
-            raise ConfigError(f"{prefix}.val_split={self.val_split!r}: local data_files form one split; set "
-                              f"{prefix}.val_split=null and hold out {prefix}.val_fraction instead")
-        elif self.val_split == self.split:
-            raise ConfigError(f"{prefix}.val_split={self.val_split!r} is the training split: choose another split "
-                              "or null to hold out val_fraction")
         if self.shuffle_buffer < 0:
             raise ConfigError(f"{prefix}.shuffle_buffer={self.shuffle_buffer} must be >= 0 (0 = no shuffling)")
         if self.max_val_documents < 1:
@@ -242,12 +226,10 @@ class HF:
     # --- windows, both modes ----------------------------------------------------------------------
 
     def windows(self, req: DataRequest):
-        """(train, val): with streaming=false the cached WindowDatasets of `documents()`, with
-        streaming=true (HFStream, the validation WindowDataset)."""
+        """streaming=true: (HFStream, the validation WindowDataset). streaming=false: None, so the
+        pipeline tokenizes and caches `documents()` like any text source."""
         if not self.streaming:
-            return tuple(cached_windows(docs, req.tokenizer, req.cache_dir, self.name, split, req.window,
-                                        document_mask=req.document_mask)
-                         for docs, split in zip(self.documents(), ("train", "val")))
+            return None
         records = load_records(self.spec(self.split))
         stream = HFStream(self, records, self.columns(records, self.split), req)
         return stream, self._stream_val(req, records)
