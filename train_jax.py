@@ -10,9 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
-import os
-import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -31,16 +28,13 @@ from models.sample import sample_text
 from optimizer import group_schedules, make_optimizer
 from optimizer.diagnostics import optimizer_metrics, state_bytes_metric
 from optimizer.restart import fresh_state
-from utils import aux_state
+from utils import aux_state, cli, layout, step_metrics
 from utils import hooks as H
-from utils import layout
 from utils import mesh as meshlib
-from utils import step_metrics
-from utils.checkpoint import Checkpointer, Source, restore, step_path
+from utils.checkpoint import Checkpointer, Source, step_path
 from utils.config import RunConfig, resolve_vocab, to_dict, validate
-from utils.errors import EqtrainError
 from utils.flops import peak_flops
-from utils.resume import merge_config, resume_source
+from utils.resume import merge_config, restore_state, resume_source
 from utils.signals import Preempted, StopSignals
 from utils.sinks import open_sinks
 from utils.sinks.console import say, warn
@@ -89,16 +83,11 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, source: S
                                        zero1=run.parallel.shard_optimizer_state)
     if source is None:
         return jax.jit(build, out_shardings=shardings)(), shardings
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
-    restored = restore(source, target, dataclasses.asdict(run.model))
-    model, progress = restored["model"], restored["progress"]
-    opt_state = restored["opt_state"] if "opt_state" in restored else fresh_state(  # overwrite_optimizer
-        tx, eqx.filter(model, eqx.is_array), progress["step"], shardings.opt_state)
-    aux = restored.get("aux") if abstract.aux is not None else None
-    if abstract.aux is not None and aux is None:  # a checkpoint without (these) diagnostics' buffers
-        aux = jax.jit(lambda m: aux_state.init(run.logging.aux, eqx.filter(m, eqx.is_inexact_array)),
-                      out_shardings=shardings.aux)(model)
-    return TrainState(model, opt_state, progress["step"], progress["key"], aux), shardings
+    fresh_opt_state = lambda m, step: fresh_state(tx, eqx.filter(m, eqx.is_array), step, shardings.opt_state)  # noqa: E731
+    init_aux = jax.jit(lambda m: aux_state.init(run.logging.aux, eqx.filter(m, eqx.is_inexact_array)),
+                       out_shardings=shardings.aux)
+    model_config = dataclasses.asdict(run.model)
+    return restore_state(source, abstract, shardings, model_config, fresh_opt_state, init_aux), shardings
 
 
 def loss_fn(model: GPT, batch_BxT1, key: jax.Array | None, compute_dtype) -> tuple[jax.Array, dict]:
@@ -257,14 +246,9 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
     return ctx.last
 
 
-def train(cfg: DictConfig | dict, run_dir: str, sweep_job: bool = False) -> dict[str, float]:
-    """`main` after Hydra (tests call it in-process): pick the checkpoint, settle which config wins, train.
-    A sweep job that saves without a save_path saves under its own job directory (so a requeued or
-    rerun sweep resumes every job with checkpoint.resume=auto)."""
+def train(cfg: DictConfig | dict, run_dir: str) -> dict[str, float]:
+    """`main` after Hydra (tests call it in-process): pick the checkpoint, settle which config wins, train."""
     config_dict = to_dict(cfg)
-    ck = config_dict.get("checkpoint") or {}
-    if sweep_job and ck.get("save") and not ck.get("save_path"):
-        config_dict["checkpoint"] = {**ck, "save_path": os.path.join(run_dir, "checkpoints")}
     run = validate(config_dict)  # every knob of this command line is checked before any file is touched
     meshlib.init_distributed(run.parallel.distributed)  # before anything asks jax which process this is
     source = resume_source(run.checkpoint, warn)
@@ -274,23 +258,8 @@ def train(cfg: DictConfig | dict, run_dir: str, sweep_job: bool = False) -> dict
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> dict[str, float]:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" probe noise
-    hydra_cfg = HydraConfig.get()
-    try:
-        out = train(cfg, hydra_cfg.runtime.output_dir, sweep_job=hydra_cfg.mode == RunMode.MULTIRUN)
-        if "optuna" in str(hydra_cfg.sweeper.get("_target_", "")).lower():  # the objective: one float
-            return float(out.get("val/loss", out.get("train/loss", float("nan"))))
-        return out
-    except Preempted as e:
-        print(f"eqtrain: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except EqtrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+def main(cfg: DictConfig) -> dict[str, float] | float:
+    return cli.run_job(cfg, train)  # exit codes 2 (user error) and 3 (preempted); Optuna's objective
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 # NumPy references in tests call BLAS; on a 2-core machine its threads fight XLA's for cores.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -116,6 +117,8 @@ class Background:
         self._contexts = {m: BackgroundContext(m, by_module[m], tmp_path_factory, cache_dir) for m in self.modules}
         self._ready = {m: threading.Event() for m in self.modules}
         self._handles: dict = {}
+        self.spans: dict = {}  # module -> (start, end) in seconds since the session began: the summary shows them
+        self._t0 = time.monotonic()
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="background runs", daemon=True)
@@ -131,8 +134,10 @@ class Background:
                 except BaseException as e:  # noqa: BLE001 - handle() reports it to the module's tests
                     self._handles[module] = f"start_background failed: {type(e).__name__}: {e}"
             self._ready[module].set()
+            started = time.monotonic() - self._t0
             if self._handles[module] is not None and not isinstance(self._handles[module], str):
                 self._handles[module].wait()
+                self.spans[module] = (started, time.monotonic() - self._t0)
         for event in self._ready.values():
             event.set()
 
@@ -153,12 +158,24 @@ class Background:
                 found.close()
 
 
+_BACKGROUND: list[Background] = []
+
+
 @pytest.fixture(scope="session", autouse=True)
 def background(request, tmp_path_factory, _cache_dir, _compilation_cache):
     """The session's Background (see the class); at the end, every run it started is killed."""
     runner = Background(request.session.items, tmp_path_factory, _cache_dir)
+    _BACKGROUND.append(runner)
     yield runner
     runner.close()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """When each module's background runs went, to see what the suite's wall time waits on."""
+    for runner in _BACKGROUND:
+        if runner.spans:
+            spans = ", ".join(f"{m.__name__} {a:.0f}-{b:.0f} s" for m, (a, b) in runner.spans.items())
+            terminalreporter.write_line(f"background runs: {spans}")
 
 
 def offline_env(cache_dir) -> dict[str, str]:

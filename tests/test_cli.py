@@ -8,9 +8,10 @@ subprocess to prove the exit code, the single `error:` line and that nothing was
 
 Time (2 cores): every subprocess the session's tests of this file need starts side by side, in
 the background from the start of the session (conftest's Background), and a test waits for its
-own. The three training smoke tests share one process: a Hydra multirun of two jobs, AdamW +
-cosine and SGD-momentum + linear, each set by an option of a config group written for it to a tmp
-dir on hydra.searchpath (the single-run entry point is exercised by the train_lm.sh, divergence
+own. The four training smoke tests share one process: a Hydra multirun of three jobs, AdamW +
+cosine, SGD-momentum + linear and AdamW + cosine again (it must repeat the first job exactly: the
+default launcher runs every job in the one process), each set by an option of a config group
+written for it to a tmp dir on hydra.searchpath (the single-run entry point is exercised by the train_lm.sh, divergence
 and bad-input runs).
 """
 
@@ -136,7 +137,8 @@ train: {{max_steps: 30}}
 """,
 }
 SWEEP_TESTS = ("test_train_40_steps_val_loss_falls", "test_sgdm_linear_schedule_decays_and_loss_falls",
-               "test_multirun_two_optimizers")
+               "test_multirun_two_optimizers", "test_multirun_jobs_carry_no_state_from_one_to_the_next")
+SWEEP_JOBS = ("adamw_cosine", "sgdm_linear", "adamw_cosine")  # job 2 repeats job 0 after another optimizer
 
 # Bad inputs through the real CLI: (overrides, extra env, knob named in the error), by test id.
 USER_ERRORS = {
@@ -248,7 +250,7 @@ def start_background(ctx) -> Runs:
             (cases / "cli_case" / f"{name}.yaml").write_text(text)
         out.sweep_dir = where / "sweep"
         out.sweep = Started(where, "sweep", ["-m", f"hydra.sweep.dir={out.sweep_dir}", f"hydra.searchpath=[file://{cases}]",
-                                             *TINY, f"+cli_case={','.join(CASES)}"], env)
+                                             *TINY, f"+cli_case={','.join(SWEEP_JOBS)}"], env)
     if ctx.wanted("test_train_lm_script_smoke_forwards_the_slurm_signal_and_resumes"):
         (where / "smoke").mkdir()
         out.smoke = Smoke(where / "smoke_first", where / "smoke_second")
@@ -282,7 +284,8 @@ def runs(background, request) -> Runs:
 
 @pytest.fixture(scope="module")
 def sweep(runs) -> tuple[subprocess.CompletedProcess, Path]:
-    """The shared multirun: job 0 AdamW + cosine (40 steps, val every 20), job 1 SGD-momentum + linear (30 steps)."""
+    """The shared multirun: job 0 AdamW + cosine (40 steps, val every 20), job 1 SGD-momentum + linear
+    (30 steps), job 2 job 0 again."""
     proc = runs.sweep.result()
     assert_ok(proc)
     return proc, runs.sweep_dir
@@ -374,6 +377,29 @@ def test_multirun_two_optimizers(sweep):
         final_losses.append(last["train/loss"])
     assert "adamw + cosine" in proc.stdout and "sgdm + linear" in proc.stdout
     assert final_losses[0] != final_losses[1]  # the two jobs really trained differently
+
+
+@pytest.mark.slow
+def test_multirun_jobs_carry_no_state_from_one_to_the_next(sweep):
+    """Hydra's default launcher runs a multirun's jobs one after another in one process. Job 2 is
+    job 0's config, run after job 1 trained another optimizer, and repeats job 0 exactly: every
+    loss, norm, lr and val score, the samples, and its log (one header, no line doubled by a
+    logging handler an earlier job left). Nothing of an earlier job (RNG, mesh, signal handlers,
+    caches, the prefetch thread, the sinks) reaches a later one."""
+    _, sweep_dir = sweep
+
+    def deterministic(job: str) -> list[dict]:  # all but wall-clock figures
+        return [{k: v for k, v in r.items() if not k.startswith("time/") and k not in ("train/tokens_per_sec",
+                                                                                      "train/mfu")}
+                for r in read_metrics(sweep_dir / job / "metrics.jsonl")]
+
+    first, again = deterministic("0"), deterministic("2")
+    assert [r["step"] for r in again] == list(range(0, 41, 5))
+    assert again == first  # exact
+    assert (sweep_dir / "2" / "samples.jsonl").read_text() == (sweep_dir / "0" / "samples.jsonl").read_text()
+    logs = [(sweep_dir / job / "train_jax.log").read_text().splitlines() for job in ("0", "2")]
+    assert [sum("eqtrain: " in line for line in log) for log in logs] == [1, 1]
+    assert len(logs[1]) == len(logs[0]) and "sgdm" not in "\n".join(logs[1])
 
 
 @pytest.mark.slow

@@ -97,6 +97,50 @@ def test_every_optimizers_state_follows_its_parameters_and_zero1_splits_only_it(
             assert spec == params["model.blocks.mlp_in.weight_IxO"]
 
 
+def _per_device_share(shape, spec, mesh_shape) -> float:
+    parts = [a for entry in spec if entry for a in np.atleast_1d(entry)]
+    return 1 / float(np.prod([mesh_shape[a] for a in parts])) if parts else 1.0
+
+
+def test_derived_statistics_split_like_their_parameter(tiny_run):
+    """Shampoo's blocked statistics (*stack, R, C, b, b) split their block grid as the parameter
+    splits its rows and columns; when the grid cannot split (one block), the model axes go to the
+    block's own sides, never to the stacked-blocks axis. Adafactor's factored row and column
+    statistics keep the split of the dimension they keep. Either way each device holds
+    1/(fsdp·tensor) of the statistics, as it does of the parameter."""
+    mesh_shape = {"data": 1, "fsdp": 2, "tensor": 2}
+
+    def opt_leaves(specs, shapes, field, param):
+        found = {n: (shapes[n], specs[n]) for n in specs
+                 if n.startswith("opt_state.") and f".{field}." in f".{n}." and n.endswith(param)}
+        assert found, (field, param, sorted(specs))
+        return list(found.values())
+
+    for block_size, grid_split in ((16, True), (256, False)):
+        abstract, specs = _layout(tiny_run, "shampoo", 1, 2, 2, False, f"optimizer.block_size={block_size}")
+        shapes = {".".join(layout._names(p)): x.shape for p, x in jax.tree_util.tree_leaves_with_path(abstract)}
+        assert specs["model.blocks.mlp_in.weight_IxO"] == (None, "fsdp", "tensor")  # (2, 32, 128)
+        for field in ("left_stats", "right_stats", "left_roots", "right_roots"):
+            [(shape, spec)] = opt_leaves(specs, shapes, field, "blocks.mlp_in.weight_IxO")
+            b = min(block_size, 32 if field.startswith("left") else 128)
+            assert shape == (2, -(-32 // min(block_size, 32)), -(-128 // min(block_size, 128)), b, b)
+            spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+            if grid_split:  # a 2 x 8 grid of 16 x 16 blocks: rows over fsdp, columns over tensor
+                assert spec == (None, "fsdp", "tensor", None, None), (field, spec)
+            else:  # one block: its sides take the model axes
+                assert spec[:3] == (None, None, None) and {spec[3], spec[4]} == {"fsdp", "tensor"}, (field, spec)
+            assert _per_device_share(shape, spec, mesh_shape) == 1 / 4
+
+    # Adafactor factors sides of 128 and more: dim 128, so mlp_in is (2, 128, 512), split (-, fsdp, tensor).
+    abstract, specs = _layout(tiny_run, "adafactor", 1, 2, 2, False, "model.dim=128")
+    shapes = {".".join(layout._names(p)): x.shape for p, x in jax.tree_util.tree_leaves_with_path(abstract)}
+    factored = {shapes[n]: tuple(specs[n]) for n in specs
+                if n.startswith("opt_state.") and n.endswith("blocks.mlp_in.weight_IxO")
+                and shapes[n] not in ((1,), (2, 128, 512))}
+    # The rows' statistics (2, 128) keep fsdp, the columns' (2, 512) tensor.
+    assert factored == {(2, 128): (None, "fsdp"), (2, 512): (None, "tensor")}, factored
+
+
 def test_mesh_knobs_are_checked_before_anything_compiles(tiny_run):
     with pytest.raises(ConfigError, match="parallel.tensor"):
         make_mesh(-1, 1, 8, devices=jax.devices()[:1] * 1, tensor=3)

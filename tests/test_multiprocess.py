@@ -1,7 +1,9 @@
 """Two real JAX processes on one machine (jax.distributed over gloo, one CPU device each): what
 a multi-host job does with checkpoints. A SIGTERM that reaches only one of the processes still
 stops both at the same step with one checkpoint (the stop flag is agreed at a logging step; a
-save is collective), and checkpoint.resume=auto then continues bit-identically.
+save is collective), and checkpoint.resume=auto then continues bit-identically. The checkpoint
+also crosses topologies: saved by 2 processes and restored by 1 (holding both devices), and what
+that one saved restored by 2 processes again.
 
 Time (2 cores): each process of a job compiles what the other compiles, ~10 s of CPU each. So only
 the stopped job compiles; the resume and the uninterrupted reference start once it has exited
@@ -52,6 +54,8 @@ class Jobs:
     resumed: list[int] | None = None
     reference: list[int] | None = None
     single: list[int] | None = None  # the 2-process checkpoint resumed by one process with 2 devices
+    single_saved: list[int] | None = None  # what that one process saved
+    back: list[int] | None = None  # ... and its checkpoint resumed by two processes again
     error: str | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
     closed: bool = False
@@ -108,14 +112,23 @@ class Jobs:
         # The same command, resumed: it trains with the saved config, and a 2-step segment stops it.
         resumed = self.launch("resumed", "train.max_steps=100000", "checkpoint.save=true",
                               f"checkpoint.save_path={ck}", "checkpoint.resume=auto", "checkpoint.num_steps=2")
-        # Constant lr: the loss at step k does not depend on max_steps, so an (n + 2)-step run is the reference.
-        reference = self.launch("full", f"train.max_steps={n + 2}")
+        # Constant lr: the loss at step k does not depend on max_steps, so an (n + 4)-step run is the
+        # reference of both resumes (2 processes to n + 2, then 1 process to n + 2, then 2 to n + 4).
+        reference = self.launch("full", f"train.max_steps={n + 4}")
         self.resumed, self.reference = finish(resumed), finish(reference)
         # The same checkpoint, resumed by one process that holds both devices (a different topology).
         shutil.copytree(ck / f"iter_{n}", self.where / "ck_single" / f"iter_{n}")
         self.single = finish(self.launch("single", "train.max_steps=100000", "checkpoint.save=true",
                                          f"checkpoint.save_path={self.where / 'ck_single'}", "checkpoint.resume=auto",
                                          "checkpoint.num_steps=2", processes=1))
+        self.single_saved = complete_steps(str(self.where / "ck_single"))
+        if self.single != [0] or self.single_saved != [n, n + 2]:
+            return
+        # Saved by one process (2 devices), resumed by two processes (1 device each).
+        shutil.copytree(self.where / "ck_single" / f"iter_{n + 2}", self.where / "ck_back" / f"iter_{n + 2}")
+        self.back = finish(self.launch("back", "train.max_steps=100000", "checkpoint.save=true",
+                                       f"checkpoint.save_path={self.where / 'ck_back'}", "checkpoint.resume=auto",
+                                       "checkpoint.num_steps=2"))
 
     def wait(self) -> None:
         self._thread.join()
@@ -162,7 +175,9 @@ def losses(tmp_path: Path, name: str) -> dict[int, float]:
 @pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_and_the_resume_is_bit_identical(jobs):
     """SIGTERM reaches process 1 only: both stop at the same step N with one checkpoint (exit 3),
-    and resume=auto for 2 more steps logs the same losses as an uninterrupted two-process run."""
+    and resume=auto for 2 more steps logs the same losses as an uninterrupted two-process run. The
+    checkpoint then crosses topologies both ways: one process with both devices resumes it for 2
+    steps, and two processes resume what that one saved for 2 more, each matching the reference."""
     jobs.wait()
     where, ck = jobs.where, jobs.where / "ck"
     assert jobs.error is None, jobs.error
@@ -187,3 +202,11 @@ def test_sigterm_to_one_process_stops_both_and_the_resume_is_bit_identical(jobs)
     single = losses(where, "single")
     assert sorted(single) == [n + 1, n + 2]
     assert single == pytest.approx(after, rel=1e-6)
+
+    # Saved by that 1 process, restored by 2 again: the uninterrupted run's next two losses.
+    assert jobs.single_saved == [n, n + 2]
+    assert jobs.back == [0, 0], output(where, "back") + output(where, "back", 1)
+    assert f"resumed from {where / 'ck_back'}/iter_{n + 2} at step {n + 2}" in output(where, "back")
+    back = losses(where, "back")
+    assert sorted(back) == [n + 3, n + 4]
+    assert back == pytest.approx({k: full[k] for k in (n + 3, n + 4)}, rel=1e-6)

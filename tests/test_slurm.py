@@ -9,7 +9,9 @@ as root first; CI does). Skipped when `sinfo` is not on PATH or the cluster does
   saves and exits 3, the script requeues the job, and the next start resumes: the losses equal an
   uninterrupted run's, bit for bit.
 
-Every job gets a unique name; whatever a test leaves queued is cancelled by that name.
+The jobs are submitted from the session's background (conftest.Background) while earlier tests
+run in the pytest process, one scenario after another; the tests inspect what they left. Every job
+gets a unique name; whatever is still queued when the session ends is cancelled by that name.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -62,18 +65,10 @@ def _cluster():
         pytest.skip(problem)
 
 
-@pytest.fixture
-def job_name(request):
-    """A name unique to this test; its jobs are cancelled by that name afterwards."""
-    name = f"eqtrain-test-{request.node.name[:20]}-{uuid.uuid4().hex[:6]}"
-    yield name
-    subprocess.run(["scancel", "--name", name], capture_output=True, timeout=30)
-
-
-def job_env(**extra: str) -> dict[str, str]:
-    """The test's environment for jobs: offline, the session's caches, CPU, and this venv's
-    python first on PATH (the batch script calls `python`)."""
-    env = offline_env(os.environ["EQTRAIN_CACHE"])
+def job_env(cache_dir, **extra: str) -> dict[str, str]:
+    """The environment of the jobs: offline, the session's caches, CPU, and this venv's python
+    first on PATH (the batch script calls `python`)."""
+    env = offline_env(cache_dir)
     env.update(JAX_PLATFORMS="cpu", PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""), **extra)
     return env
 
@@ -90,19 +85,147 @@ def job_fields(job_id: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", out.stdout)) if out.returncode == 0 else {}
 
 
-def test_sweep_through_the_slurm_launcher(tmp_path, job_name):
+class Scenarios:
+    """The SLURM jobs of the session's tests, submitted one scenario after another by a thread that
+    the session's background (conftest.Background) starts while earlier tests run in the pytest
+    process: the time-limit scenario spends most of its two minutes waiting on SLURM's clock. Each
+    scenario records what its test checks, or the error that stopped it; every job is named
+    `eqtrain-test-<scenario>-<random>` and cancelled by that name when the session closes."""
+
+    def __init__(self, where: Path, cache_dir, wanted: list[str]):
+        self.where, self.cache_dir = where, cache_dir
+        self.results: dict[str, dict] = {}
+        self.names = {scenario: f"eqtrain-test-{scenario}-{uuid.uuid4().hex[:6]}" for scenario in wanted}
+        self._procs: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._done = {scenario: threading.Event() for scenario in wanted}
+        self._thread = threading.Thread(target=self._run, name="slurm scenarios", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for scenario in self._done:  # the longest first: its waits overlap the others' compiles
+            try:
+                self.results[scenario] = getattr(self, scenario)(self.where / scenario, self.names[scenario])
+            except BaseException as e:  # noqa: BLE001 - the scenario's test reports it
+                self.results[scenario] = {"error": f"{type(e).__name__}: {e}"}
+            self._done[scenario].set()
+
+    def popen(self, cmd: list[str], log: Path, **env: str) -> subprocess.Popen:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the session is over")
+            with open(log, "w") as out:
+                proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(self.cache_dir, **env), stdout=out,
+                                        stderr=subprocess.STDOUT)
+            self._procs.append(proc)
+            return proc
+
+    def result(self, scenario: str) -> dict:
+        if not self._done[scenario].wait(600):
+            pytest.fail(f"the {scenario} scenario did not finish within 600 s")
+        found = self.results[scenario]
+        assert "error" not in found, found["error"]
+        return found
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        for name in self.names.values():
+            subprocess.run(["scancel", "--name", name], capture_output=True, timeout=30)
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    # ---- the scenarios: each returns what its test checks
+
+    def time_limit(self, where: Path, name: str) -> dict:
+        """train.sbatch with a 1-minute limit and the signal 30 s before it; once the job has been
+        requeued, its limit is lifted so that the second start finishes the run. An uninterrupted
+        run beside it is the reference."""
+        where.mkdir(parents=True)
+        ck, run = where / "ck", where / "run"
+        args = [*RUN, f"train.max_steps={STEPS}", "checkpoint.save_steps=100000"]
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the session is over")
+            submit = subprocess.run(
+                ["sbatch", "--parsable", f"--partition={PARTITION}", "--time=1", "--signal=B:USR1@30",
+                 f"--job-name={name}", f"--output={where / 'job.out'}", "scripts/slurm/train.sbatch", *args],
+                cwd=REPO, env=job_env(self.cache_dir, EQTRAIN_SAVE_PATH=str(ck), EQTRAIN_RUN_DIR=str(run)),
+                capture_output=True, text=True, timeout=30)
+        if submit.returncode != 0:
+            return {"error": f"sbatch failed: {submit.stderr}"}
+        job_id = submit.stdout.strip().split(";")[0]
+        reference = self.popen([sys.executable, "train_jax.py", *args, f"hydra.run.dir={where / 'ref'}"],
+                               where / "ref.log")
+        deadline, lifted, fields = time.monotonic() + 300, False, {}
+        while time.monotonic() < deadline and not self._closed:
+            fields = job_fields(job_id) or fields
+            if not lifted and int(fields.get("Restarts", "0")) >= 1:
+                # Requeued once: without a longer limit the next start is signalled again at once.
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], check=True, timeout=30)
+                lifted = True
+            if fields.get("JobState") in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY"):
+                break
+            time.sleep(0.5)
+        reference.wait(timeout=300)
+        out = (where / "job.out").read_text() if (where / "job.out").exists() else ""
+        return {"state": fields.get("JobState"), "lifted": lifted, "out": out, "ck": ck, "run": run,
+                "reference": reference.returncode, "ref": where / "ref"}
+
+    def srun(self, where: Path, name: str) -> dict:
+        """`srun --ntasks=2 python train_jax.py` and, outside SLURM and side by side with it, one
+        process with two forced host devices (the same mesh, compiled like the job)."""
+        where.mkdir(parents=True)
+        args = [*RUN, "train.max_steps=10"]
+        two = self.popen(["srun", "--ntasks=2", f"--partition={PARTITION}", "--time=10", f"--job-name={name}",
+                          sys.executable, "train_jax.py", *args, f"hydra.run.dir={where / 'two'}"], where / "two.log")
+        one = self.popen([sys.executable, "train_jax.py", *args, f"hydra.run.dir={where / 'one'}"], where / "one.log",
+                         XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count=2")
+        codes = {"two": two.wait(timeout=300), "one": one.wait(timeout=300)}
+        return {"codes": codes, "where": where}
+
+    def sweep(self, where: Path, name: str) -> dict:
+        """Two sweep points through hydra/launcher=slurm, checkpoints on without a save_path."""
+        where.mkdir(parents=True)
+        sweep = where / "sweep"
+        proc = self.popen([sys.executable, "train_jax.py", "-m", "hydra/launcher=slurm",
+                           f"hydra.launcher.partition={PARTITION}", "hydra.launcher.timeout_min=10",
+                           f"hydra.launcher.name={name}", f"hydra.sweep.dir={sweep}", *RUN, "train.max_steps=10",
+                           "optimizer=adamw,sgdm", "checkpoint.save=true"], where / "sweep.log")
+        code = proc.wait(timeout=300)
+        logs = "\n".join(p.read_text() for p in sorted(sweep.glob(".submitit/*/*_log.*")))
+        return {"code": code, "sweep": sweep, "out": (where / "sweep.log").read_text(), "logs": logs}
+
+
+SCENARIOS = {"test_time_limit_requeue_resumes_bit_identically": "time_limit",
+             "test_srun_two_processes_train_as_one": "srun",
+             "test_sweep_through_the_slurm_launcher": "sweep"}
+
+
+def start_background(ctx) -> Scenarios | None:
+    wanted = [scenario for test, scenario in SCENARIOS.items() if ctx.wanted(test)]
+    if not wanted or _cluster_problem():
+        return None  # the module's autouse fixture skips its tests
+    return Scenarios(ctx.tmp_path_factory.mktemp("slurm"), ctx.cache_dir, wanted)
+
+
+@pytest.fixture(scope="module")
+def scenarios(background, request) -> Scenarios:
+    return background.handle(request.module)
+
+
+def test_sweep_through_the_slurm_launcher(scenarios):
     """Two sweep points become two SLURM jobs (an array); each writes its own run dir with its
     metrics and its own checkpoint dir under it."""
-    sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "train_jax.py", "-m", "hydra/launcher=slurm", f"hydra.launcher.partition={PARTITION}",
-           "hydra.launcher.timeout_min=10", f"hydra.launcher.name={job_name}", f"hydra.sweep.dir={sweep}", *RUN,
-           "train.max_steps=10", "optimizer=adamw,sgdm", "checkpoint.save=true"]  # save_path null: per job
-    try:
-        out = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the sweep did not finish in 300 s\n{e.stdout}\n{e.stderr}")
-    logs = "\n".join(p.read_text() for p in sorted(sweep.glob(".submitit/*/*_log.*")))
-    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}\n{logs[-3000:]}"
+    r = scenarios.result("sweep")
+    sweep = r["sweep"]
+    assert r["code"] == 0, f"{r['out'][-3000:]}\n{r['logs'][-3000:]}"
     runs = {}
     for job in ("0", "1"):
         run = sweep / job
@@ -114,77 +237,46 @@ def test_sweep_through_the_slurm_launcher(tmp_path, job_name):
         runs[optimizer] = losses(run)
     assert sorted(runs) == ["adamw", "sgdm"]
     assert runs["adamw"] != runs["sgdm"]
-    assert "Submitit 'slurm' sweep output dir" in out.stdout + out.stderr
+    assert "Submitit 'slurm' sweep output dir" in r["out"]
 
 
-def test_srun_two_processes_train_as_one(tmp_path, job_name):
+def test_srun_two_processes_train_as_one(scenarios):
     """`srun --ntasks=2 python train_jax.py`: jax.distributed starts from SLURM's environment, each
     process feeds half of every global batch, and the losses are those of one process with the same
     two-device mesh (XLA's forced host devices), bit for bit."""
-    args = [*RUN, "train.max_steps=10"]
-    two = subprocess.Popen(
-        ["srun", "--ntasks=2", f"--partition={PARTITION}", "--time=10", f"--job-name={job_name}",
-         sys.executable, "train_jax.py", *args, f"hydra.run.dir={tmp_path / 'two'}"],
-        cwd=REPO, env=job_env(), stdout=open(tmp_path / "two.log", "w"), stderr=subprocess.STDOUT)
-    one = subprocess.Popen(  # outside SLURM, side by side with the job
-        [sys.executable, "train_jax.py", *args, f"hydra.run.dir={tmp_path / 'one'}"], cwd=REPO,
-        env=job_env(XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count=2"),  # the job's codegen too
-        stdout=open(tmp_path / "one.log", "w"),
-        stderr=subprocess.STDOUT)
-    codes = {name: p.wait(timeout=300) for name, p in (("two", two), ("one", one))}
-    for name, code in codes.items():
-        assert code == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
-    log = (tmp_path / "two.log").read_text()
+    r = scenarios.result("srun")
+    where = r["where"]
+    for name, code in r["codes"].items():
+        assert code == 0, (where / f"{name}.log").read_text()[-3000:]
+    log = (where / "two.log").read_text()
     assert "2 cpu device(s)" in log, log[-2000:]  # the two processes' devices form one mesh
-    two_losses = losses(tmp_path / "two")
+    two_losses = losses(where / "two")
     assert [s for s, _ in two_losses] == list(range(1, 11))
-    assert two_losses == losses(tmp_path / "one")  # exact
+    assert two_losses == losses(where / "one")  # exact
 
 
 STEPS = 3000  # ~30 s of training on an idle core: the time-limit signal comes while it trains
 
 
-def test_time_limit_requeue_resumes_bit_identically(tmp_path, job_name):
+def test_time_limit_requeue_resumes_bit_identically(scenarios):
     """train.sbatch with a 1-minute limit and the signal 30 s before it: SLURM signals the batch
     script (its clock ticks every ~30 s, so anywhere in the first half minute), the trainer saves
     and exits 3, the script requeues the job; the test then lifts the limit so that the second start
     finishes the run. Its metrics.jsonl (both segments) equals an uninterrupted run's, bit for bit."""
-    ck, run = tmp_path / "ck", tmp_path / "run"
-    args = [*RUN, f"train.max_steps={STEPS}", "checkpoint.save_steps=100000"]
-    submit = subprocess.run(
-        ["sbatch", "--parsable", f"--partition={PARTITION}", "--time=1", "--signal=B:USR1@30",
-         f"--job-name={job_name}", f"--output={tmp_path / 'job.out'}", "scripts/slurm/train.sbatch", *args],
-        cwd=REPO, env=job_env(EQTRAIN_SAVE_PATH=str(ck), EQTRAIN_RUN_DIR=str(run)), capture_output=True, text=True,
-        timeout=30)
-    assert submit.returncode == 0, submit.stderr
-    job_id = submit.stdout.strip().split(";")[0]
-    reference = subprocess.Popen(
-        [sys.executable, "train_jax.py", *args, f"hydra.run.dir={tmp_path / 'ref'}"], cwd=REPO, env=job_env(),
-        stdout=open(tmp_path / "ref.log", "w"), stderr=subprocess.STDOUT)
-
-    deadline, lifted, fields = time.monotonic() + 300, False, {}
-    while time.monotonic() < deadline:
-        fields = job_fields(job_id) or fields
-        if not lifted and int(fields.get("Restarts", "0")) >= 1:
-            # Requeued once: without a longer limit the next start is signalled again at once.
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], check=True, timeout=30)
-            lifted = True
-        if fields.get("JobState") in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY"):
-            break
-        time.sleep(0.5)
-    out = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
-    assert fields.get("JobState") == "COMPLETED", f"{fields.get('JobState')}\n{out[-4000:]}"
-    assert lifted, f"the job finished without a requeue (the signal came after the run: raise STEPS)\n{out[-3000:]}"
-    assert reference.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    r = scenarios.result("time_limit")
+    out, ck = r["out"], r["ck"]
+    assert r["state"] == "COMPLETED", f"{r['state']}\n{out[-4000:]}"
+    assert r["lifted"], f"the job finished without a requeue (the signal came after it: raise STEPS)\n{out[-3000:]}"
+    assert r["reference"] == 0, (r["ref"].parent / "ref.log").read_text()[-3000:]
 
     stop = re.search(r"stopped by SIGUSR1 after step (\d+): saved (\S+);", out)
     assert stop, out[-4000:]
     k = int(stop.group(1))
     assert 0 < k < STEPS
     assert "requeueing job" in out and f"resumed from {ck}/iter_{k} at step {k}" in out, out[-4000:]
-    got = losses(run)
+    got = losses(r["run"])
     assert [s for s, _ in got] == list(range(1, STEPS + 1))  # each step once: segment 1 to k, segment 2 after
-    assert got == losses(tmp_path / "ref")  # bit for bit
+    assert got == losses(r["ref"])  # bit for bit
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="local_cluster.sh sets up a cluster as root only")

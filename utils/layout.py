@@ -5,9 +5,13 @@ Parameters are laid out by the logical axis names the model gives each of their 
 heads, the MLP column- then row-parallel, Megatron style), and the largest remaining dimension
 that divides goes to `fsdp`. Everything shaped like a parameter (optimizer moments, Muon's
 momentum, the aux-state buffers) is found by its tree path ending in that parameter's path and
-gets the parameter's layout; anything else (Shampoo's statistics, counters) falls back to the
-FSDP rule by shape. With `shard_optimizer_state` (ZeRO-1) the optimizer state is also split
-over `data`, while the parameters stay replicated there.
+gets the parameter's layout. Arrays derived from a parameter under its path follow it too:
+factored statistics (Adafactor's rows and columns: the parameter less one dimension) keep the
+split of the dimensions they keep, and blocked statistics (Shampoo's (*stack, R, C, b, b) for a
+(*stack, m, n) parameter) split their grid of R x C blocks as the parameter splits m and n. Model
+axes (fsdp, tensor) such an array has not used yet, and every axis of anything else, go to its
+largest free dimension that divides, as FSDP does. With `shard_optimizer_state` (ZeRO-1) the
+optimizer state is also split over `data`, while the parameters stay replicated there.
 """
 
 from __future__ import annotations
@@ -60,6 +64,37 @@ def param_spec(shape: tuple[int, ...], axes: tuple[str | None, ...] | None, mesh
     return P(*spec)
 
 
+def derived_spec(shape: tuple[int, ...], param_shape: tuple[int, ...], spec: P, mesh: Mesh,
+                 stacked: tuple[int, ...] = ()) -> P:
+    """The layout of an array derived from a parameter of `param_shape` laid out as `spec` (see the
+    module's docstring); `stacked`: the parameter's stacked-blocks dimensions, never split."""
+    k, parts = len(param_shape), list(spec) + [None] * (len(param_shape) - len(spec))
+    out: list = [None] * len(shape)
+    skip = stacked
+    if len(shape) == k - 1:  # factored: the parameter with one dimension reduced away
+        for i in range(k):
+            if param_shape[:i] + param_shape[i + 1:] == shape:
+                out = parts[:i] + parts[i + 1:]
+                skip = tuple(a - (a > i) for a in stacked if a != i)
+                break
+    elif k >= 2 and len(shape) == k + 2 and shape[:k - 2] == param_shape[:k - 2] and shape[-1] == shape[-2]:
+        # blocked: (*stack, R, C, b, b); a grid dimension takes its matrix side's split if it divides
+        grid = shape[k - 2:k]
+        out = parts[:k - 2] + [a if a is not None and grid[i] % _size(mesh, a) == 0 else None
+                               for i, a in enumerate(parts[k - 2:])] + [None, None]
+    for axis in ("fsdp", "tensor"):
+        used = {name for a in out if a is not None for name in np.atleast_1d(a).tolist()}
+        if mesh.shape.get(axis, 1) > 1 and axis not in used:
+            free = _free_axis(shape, out, mesh.shape[axis], skip)
+            if free is not None:
+                out[free] = axis
+    return P(*out)
+
+
+def _size(mesh: Mesh, axes) -> int:
+    return int(np.prod([mesh.shape[a] for a in np.atleast_1d(axes).tolist()]))
+
+
 def with_data_split(shape: tuple[int, ...], spec: P, mesh: Mesh) -> P:
     """ZeRO-1: the same layout, also split over `data` on a free dimension that divides (or on an
     already split one, if the product divides); left as is when nothing divides."""
@@ -97,13 +132,17 @@ def state_shardings(mesh: Mesh, abstract_state, abstract_params, param_axes, zer
     def sharding(path, leaf) -> NamedSharding:
         names = _names(path)
         shape = tuple(leaf.shape)
-        match = None
-        for start in range(len(names)):  # the longest parameter path that ends this leaf's path
-            suffix = names[start:]
-            if params.get(suffix) == shape:
-                match = suffix
-                break
-        spec = param_spec(shape, axes_of.get(match) if match else None, mesh)
+        # The longest parameter path that ends this leaf's path: its own layout for the same shape,
+        # else a layout derived from it.
+        match = next((names[i:] for i in range(len(names)) if names[i:] in params), None)
+        if match is None:
+            spec = derived_spec(shape, (), P(), mesh)
+        elif params[match] == shape:
+            spec = param_spec(shape, axes_of.get(match), mesh)
+        else:
+            axes = axes_of.get(match) or ()
+            own = param_spec(params[match], axes or None, mesh)
+            spec = derived_spec(shape, params[match], own, mesh, tuple(i for i, a in enumerate(axes) if a == "layers"))
         if zero1 and names and names[0] == optimizer_field:
             spec = with_data_split(shape, spec, mesh)
         return NamedSharding(mesh, spec)

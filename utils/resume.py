@@ -2,7 +2,8 @@
 
 The policy on top of `utils.checkpoint`'s storage: `resume_source` picks the checkpoint
 (resume=auto in this run's save_path, else load=true), `merge_config` decides, knob by knob,
-whether the checkpoint's saved config or this command line wins.
+whether the checkpoint's saved config or this command line wins, and `restore_state` reads it
+into the run's shards.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from utils.checkpoint import CheckpointConfig, Source, complete_steps, open_checkpoint, remove_incomplete
+import jax
+
+from utils.checkpoint import CheckpointConfig, Source, complete_steps, open_checkpoint, remove_incomplete, restore
 from utils.errors import ConfigError
 
 # Top-level config keys that describe this machine or this invocation, not the run being
@@ -84,3 +87,24 @@ def merge_config(source: Source, current: dict, cfg: CheckpointConfig, warn: Cal
              + ", ".join(f"{k}={b} (saved: {a})" for k, a, b in ignored)
              + " (set checkpoint.overwrite_config=true to apply them)")
     return merged
+
+
+# ----------------------------------------------------------------------------- the state
+
+
+def restore_state(source: Source, abstract, shardings, model_config: dict, fresh_opt_state: Callable,
+                  init_aux: Callable):
+    """The TrainState saved in `source`, read straight into `shardings` (no host copy of the whole
+    state; any mesh shape, any process count). `abstract`: the state's shapes. What the checkpoint
+    lacks is made anew: the optimizer state (`fresh_opt_state(model, step)`, for
+    overwrite_optimizer) and the diagnostics' buffers (`init_aux(model)`, when a run switches them on)."""
+    from utils.train_step import TrainState
+
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+    restored = restore(source, target, model_config)
+    model, progress = restored["model"], restored["progress"]
+    opt_state = restored["opt_state"] if "opt_state" in restored else fresh_opt_state(model, progress["step"])
+    aux = restored.get("aux") if abstract.aux is not None else None
+    if abstract.aux is not None and aux is None:
+        aux = init_aux(model)
+    return TrainState(model, opt_state, progress["step"], progress["key"], aux)
