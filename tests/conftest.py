@@ -98,13 +98,17 @@ class BackgroundContext:
                 if item.originalname == test_name and hasattr(item, "callspec") and param in item.callspec.params]
 
 
+BACKGROUND_NICE = 10
+
+
 class Background:
     """Tests that mostly wait on subprocesses (test_cli, test_multiprocess, test_preemption) leave a
     core idle, and so do the in-process tests (XLA compiles on one). So a module that defines
     `start_background(ctx) -> handle` (handle: `wait()` until its processes are done, `close()`
     kills them and starts nothing more) has its runs started by one thread from the beginning of the
     session, one module after another in test order, while the tests before it run in this process;
-    its tests then only inspect what the runs left (`handle(module)`)."""
+    its tests then only inspect what the runs left (`handle(module)`). One module at a time: the
+    suite is CPU-bound, and two modules' runs side by side slow each other more than they gain."""
 
     def __init__(self, items, tmp_path_factory, cache_dir):
         self.modules: list = []
@@ -125,6 +129,15 @@ class Background:
         self._thread.start()
 
     def _run(self) -> None:
+        # The background is off the suite's critical path (the pytest process's own tests are on
+        # it; a module's runs mostly finish before its tests are reached), so on a busy machine it
+        # yields: this thread, the threads it starts and their processes run at nice 10 (Linux
+        # nice is per thread and inherited; the local SLURM cluster's jobs take their submitter's,
+        # see scripts/slurm/local_cluster.sh). When the pytest process waits, they get every core.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        except (AttributeError, OSError):  # not Linux: the same runs, at the default priority
+            pass
         for module in self.modules:
             with self._lock:
                 if self._closed:
@@ -134,9 +147,10 @@ class Background:
                 except BaseException as e:  # noqa: BLE001 - handle() reports it to the module's tests
                     self._handles[module] = f"start_background failed: {type(e).__name__}: {e}"
             self._ready[module].set()
-            started = time.monotonic() - self._t0
-            if self._handles[module] is not None and not isinstance(self._handles[module], str):
-                self._handles[module].wait()
+            found = self._handles[module]
+            if found is not None and not isinstance(found, str):
+                started = time.monotonic() - self._t0
+                found.wait()
                 self.spans[module] = (started, time.monotonic() - self._t0)
         for event in self._ready.values():
             event.set()

@@ -80,6 +80,16 @@ def is_split(x: jax.Array) -> bool:
     return tuple(x.sharding.shard_shape(x.shape)) != tuple(x.shape)
 
 
+def tensor_split_stats(opt_state) -> int:
+    """Leaves of Shampoo-style statistics (a `*_stats`/`*_roots` field) split over the tensor axis."""
+    count = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(opt_state):
+        names = jax.tree_util.keystr(path)
+        if isinstance(x, jax.Array) and ("stats" in names or "roots" in names) and is_split(x):
+            count += "tensor" in str(x.sharding.spec)
+    return count
+
+
 def train(parallel, devices, batches_SxAxBxT1, overrides=tuple(OVERRIDES), after_step=None):
     """`after_step(i, state)` sees the state after step i, before the next step donates it."""
     state, shardings, step, mesh = build(parallel, devices, overrides)
@@ -166,9 +176,10 @@ def golden_config(optimizer: str):
 
 
 def prepare_golden(run, devices):
-    """golden_run's state, step and fixed batch on data=4 x fsdp=2, the step compiled but not run
-    (a worker thread: XLA compiles without the GIL)."""
-    mesh = meshlib.make_mesh(4, 2, run.dataset.batch_size, devices=devices)
+    """golden_run's state, step and fixed batch on data=2 x fsdp=2 x tensor=2 (every optimizer's
+    state laid out by all three rules), the step compiled but not run (a worker thread: XLA
+    compiles without the GIL)."""
+    mesh = meshlib.make_mesh(2, 2, run.dataset.batch_size, devices=devices, tensor=2)
     _, _, state, step = T.init_training(run, mesh)
     batch_1xBxT1 = np.random.default_rng(0).integers(0, 64, (1, 8, 17), dtype=np.int32)
     batch = meshlib.put_batch(batch_1xBxT1, meshlib.batch_sharding(mesh, 1))
@@ -203,8 +214,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             (losses_z1, params_z1, info_z1), restore = zero1_and_cross_topology(devices, batches,
                                                                                 os.path.join(tmp, "ck"))
-        # Every registered optimizer runs sharded (fsdp=2) and matches its 1-device losses: the golden
-        # values of tests/test_golden.py, which pins them for the same run on one device.
+        # Every registered optimizer runs sharded (data 2 x fsdp 2 x tensor 2) and matches its 1-device
+        # losses: the golden values of tests/test_golden.py, which pins them for the same run on one device.
         golden = {name: run_golden(*prepared[name].result()) for name in sorted(OPTIMIZERS)}
     assert info_1["sharded_param_leaves"] == 0
 
@@ -227,7 +238,8 @@ def main() -> None:
                                               for a, b in zip(params_1, params_z1))}
     result["cross_topology"] = restore
     result["optimizers"] = {name: {"losses_1": GOLDEN[name], "losses_8": losses_8,
-                                   "sharded_opt_leaves": sum(map(is_split, arrays(state.opt_state)))}
+                                   "sharded_opt_leaves": sum(map(is_split, arrays(state.opt_state))),
+                                   "tensor_split_stats": tensor_split_stats(state.opt_state)}
                             for name, (losses_8, state) in golden.items()}
     for name, args in (("bad_batch_error", (-1, 1, 12)), ("bad_mesh_error", (3, 2, 8))):
         try:

@@ -93,6 +93,9 @@ AuthType=auth/munge
 AuthInfo=cred_expire=10
 # ...and is started by the next periodic scheduling pass (default every 60 s, backfill 30 s).
 SchedulerParameters=sched_interval=5,bf_interval=5
+# A job runs at the niceness of the command that submitted it (nice -n 10 sbatch ...), not slurmd's:
+# on a workstation (or a test suite) a background job then yields to interactive work.
+PropagatePrioProcess=1
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
