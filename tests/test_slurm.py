@@ -6,8 +6,9 @@ as root first; CI does). Skipped when `sinfo` is not on PATH or the cluster does
 - `srun --ntasks=2 python train_jax.py`: two processes join by jax.distributed from SLURM's
   environment and train exactly as one process with the same two-device mesh;
 - scripts/slurm/train.sbatch at a real time limit: SLURM signals the batch script, the trainer
-  saves and exits 3, the script requeues the job, and the next start resumes: the losses equal an
-  uninterrupted run's, bit for bit.
+  saves and exits 3, the script requeues the job, and the next start resumes and finishes: the
+  losses equal an uninterrupted run's, bit for bit, across the stop (the reference runs to 100
+  steps past it; resumed deterministic training is then the same computation).
 
 The jobs are submitted from the session's background (conftest.Background) while earlier tests
 run in the pytest process, one scenario after another; the tests inspect what they left. Every job
@@ -17,6 +18,7 @@ gets a unique name; whatever is still queued when the session ends is cancelled 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -145,8 +147,9 @@ class Scenarios:
 
     def time_limit(self, where: Path, name: str) -> dict:
         """train.sbatch with a 1-minute limit and the signal 30 s before it; once the job has been
-        requeued, its limit is lifted so that the second start finishes the run. An uninterrupted
-        run beside it is the reference."""
+        requeued, its limit is lifted so that the second start finishes the run. The reference, an
+        uninterrupted run, starts once the job has said where it stopped (step k) and trains k +
+        AFTER_STOP steps: the lr is constant, so the loss at a step does not depend on max_steps."""
         where.mkdir(parents=True)
         ck, run = where / "ck", where / "run"
         args = [*RUN, f"train.max_steps={STEPS}", "checkpoint.save_steps=100000"]
@@ -161,22 +164,25 @@ class Scenarios:
         if submit.returncode != 0:
             return {"error": f"sbatch failed: {submit.stderr}"}
         job_id = submit.stdout.strip().split(";")[0]
-        reference = self.popen([sys.executable, "train_jax.py", *args, f"hydra.run.dir={where / 'ref'}"],
-                               where / "ref.log")
-        deadline, lifted, fields = time.monotonic() + 300, False, {}
+        deadline, lifted, fields, reference = time.monotonic() + 300, False, {}, None
         while time.monotonic() < deadline and not self._closed:
             fields = job_fields(job_id) or fields
             if not lifted and int(fields.get("Restarts", "0")) >= 1:
                 # Requeued once: without a longer limit the next start is signalled again at once.
                 subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], check=True, timeout=30)
                 lifted = True
+            stop = STOP_LINE.search((where / "job.out").read_text()) if (where / "job.out").exists() else None
+            if reference is None and stop:
+                steps = min(STEPS, int(stop.group(1)) + AFTER_STOP)
+                reference = self.popen([sys.executable, "train_jax.py", *args, f"train.max_steps={steps}",
+                                        f"hydra.run.dir={where / 'ref'}"], where / "ref.log")
             if fields.get("JobState") in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY"):
                 break
             time.sleep(0.5)
-        reference.wait(timeout=300)
+        code = reference.wait(timeout=300) if reference is not None else None
         out = (where / "job.out").read_text() if (where / "job.out").exists() else ""
         return {"state": fields.get("JobState"), "lifted": lifted, "out": out, "ck": ck, "run": run,
-                "reference": reference.returncode, "ref": where / "ref"}
+                "reference": code, "ref": where / "ref"}
 
     def srun(self, where: Path, name: str) -> dict:
         """`srun --ntasks=2 python train_jax.py` and, outside SLURM and side by side with it, one
@@ -256,27 +262,33 @@ def test_srun_two_processes_train_as_one(scenarios):
 
 
 STEPS = 3000  # ~30 s of training on an idle core: the time-limit signal comes while it trains
+AFTER_STOP = 100  # steps of the second segment that the reference covers
+STOP_LINE = re.compile(r"stopped by SIGUSR1 after step (\d+): saved (\S+);")
 
 
 def test_time_limit_requeue_resumes_bit_identically(scenarios):
     """train.sbatch with a 1-minute limit and the signal 30 s before it: SLURM signals the batch
     script (its clock ticks every ~30 s, so anywhere in the first half minute), the trainer saves
     and exits 3, the script requeues the job; the test then lifts the limit so that the second start
-    finishes the run. Its metrics.jsonl (both segments) equals an uninterrupted run's, bit for bit."""
+    finishes the run. Its metrics.jsonl (both segments) has every step once and equals an
+    uninterrupted run's, bit for bit, up to AFTER_STOP steps after the stop."""
     r = scenarios.result("time_limit")
     out, ck = r["out"], r["ck"]
     assert r["state"] == "COMPLETED", f"{r['state']}\n{out[-4000:]}"
     assert r["lifted"], f"the job finished without a requeue (the signal came after it: raise STEPS)\n{out[-3000:]}"
     assert r["reference"] == 0, (r["ref"].parent / "ref.log").read_text()[-3000:]
 
-    stop = re.search(r"stopped by SIGUSR1 after step (\d+): saved (\S+);", out)
+    stop = STOP_LINE.search(out)
     assert stop, out[-4000:]
     k = int(stop.group(1))
     assert 0 < k < STEPS
     assert "requeueing job" in out and f"resumed from {ck}/iter_{k} at step {k}" in out, out[-4000:]
     got = losses(r["run"])
     assert [s for s, _ in got] == list(range(1, STEPS + 1))  # each step once: segment 1 to k, segment 2 after
-    assert got == losses(r["ref"])  # bit for bit
+    assert all(math.isfinite(loss) for _, loss in got)
+    reference = losses(r["ref"])
+    assert len(reference) == min(STEPS, k + AFTER_STOP)
+    assert got[:len(reference)] == reference  # bit for bit, across the stop
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="local_cluster.sh sets up a cluster as root only")
