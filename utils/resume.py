@@ -15,6 +15,7 @@ import jax
 
 from utils.checkpoint import CheckpointConfig, Source, complete_steps, open_checkpoint, remove_incomplete, restore
 from utils.errors import ConfigError
+from utils.train_step import TrainState
 
 # Top-level config keys that describe this machine or this invocation, not the run being
 # trained: a run that starts from a checkpoint always takes them from its own command line
@@ -98,8 +99,6 @@ def restore_state(source: Source, abstract, shardings, model_config: dict, fresh
     state; any mesh shape, any process count). `abstract`: the state's shapes. What the checkpoint
     lacks is made anew: the optimizer state (`fresh_opt_state(model, step)`, for
     overwrite_optimizer) and the diagnostics' buffers (`init_aux(model)`, when a run switches them on)."""
-    from utils.train_step import TrainState
-
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
     restored = restore(source, target, model_config)
     model, progress = restored["model"], restored["progress"]
