@@ -18,9 +18,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
-import logging
 
 from models import export
+from utils.cli import quiet_jax_probe
 from utils.files import user_path
 from utils.errors import EqtrainError
 
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" probe noise
+    quiet_jax_probe()
     try:
         export.check_out_dir(args.out, args.force)
         source, run, model = export.restore_for_inference(args.checkpoint_dir, args.load_file)

@@ -74,7 +74,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from utils.config import script_argv
+from utils.cli import script_argv
 from utils.errors import ConfigError, EqtrainError, TrainingError
 
 PREFIX = "lr_find."

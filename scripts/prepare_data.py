@@ -36,7 +36,7 @@ sys.path.insert(0, REPO)
 import time
 from dataclasses import dataclass
 
-from utils.config import script_argv
+from utils.cli import script_argv
 from utils.errors import ConfigError, EqtrainError
 
 KNOBS = ("out", "workers", "force")

@@ -18,9 +18,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
-import logging
 
 from models import export
+from utils.cli import quiet_jax_probe
 from utils.errors import CheckpointError, EqtrainError
 
 
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" probe noise
+    quiet_jax_probe()
     try:
         if args.tokens < 0:
             raise CheckpointError(f"--tokens {args.tokens} must be >= 0")

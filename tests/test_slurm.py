@@ -171,8 +171,10 @@ class Scenarios:
                 # Requeued once: without a longer limit the next start is signalled again at once.
                 subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], check=True, timeout=30)
                 lifted = True
-            stop = STOP_LINE.search((where / "job.out").read_text()) if (where / "job.out").exists() else None
-            if reference is None and stop:
+            stop = None
+            if reference is None and (where / "job.out").exists():  # read until the stop is known
+                stop = STOP_LINE.search((where / "job.out").read_text())
+            if stop:
                 steps = min(STEPS, int(stop.group(1)) + AFTER_STOP)
                 reference = self.popen([sys.executable, "train_jax.py", *args, f"train.max_steps={steps}",
                                         f"hydra.run.dir={where / 'ref'}"], where / "ref.log")

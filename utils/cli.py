@@ -1,5 +1,5 @@
-"""What `train_jax.main` does around a run as a Hydra job: the exit codes, and what a job hands
-back to its launcher or sweeper.
+"""The command line around the work: what `train_jax.main` does around a run as a Hydra job (the
+exit codes, what a job hands back to its launcher or sweeper), and the scripts' shared prologue.
 
 - A user error (EqtrainError) is one `error: ...` line on stderr and exit 2; a preempted run
   (saved on a signal) is one `eqtrain: ...` line and its documented exit code (3, or 130 for
@@ -22,12 +22,27 @@ from utils.errors import EqtrainError
 from utils.signals import Preempted
 
 
+def quiet_jax_probe() -> None:
+    """jax logs a warning for every accelerator plugin it probes and does not find ("no TPU")."""
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+
+def script_argv(argv: list[str] | None, doc: str) -> list[str] | None:
+    """A script's arguments (default: sys.argv[1:]), or None once `doc` is printed for -h/--help."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(doc)
+        return None
+    quiet_jax_probe()
+    return argv
+
+
 def run_job(cfg, train: Callable[..., dict[str, float]]) -> dict[str, float] | float:
     """`train(config, run_dir)` for the current Hydra job."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" probe noise
+    quiet_jax_probe()
     hydra_cfg = HydraConfig.get()
     run_dir, config = hydra_cfg.runtime.output_dir, to_dict(cfg)
     ck = config.get("checkpoint") or {}

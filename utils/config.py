@@ -149,20 +149,6 @@ def to_dict(cfg: DictConfig | dict) -> dict:
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
-def script_argv(argv: list[str] | None, doc: str) -> list[str] | None:
-    """A script's arguments (default: sys.argv[1:]), or None once `doc` is printed for -h/--help;
-    jax's "no TPU" probe is quietened as in train_jax.main."""
-    import logging
-    import sys
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(doc)
-        return None
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    return argv
-
-
 def compose_overrides(overrides: list[str], job_name: str) -> DictConfig:
     """conf/ composed with command-line overrides outside `@hydra.main` (the scripts), Hydra's
     composition errors turned into one ConfigError line (an unknown group option lists the choices)."""

@@ -106,7 +106,7 @@ def with_data_split(shape: tuple[int, ...], spec: P, mesh: Mesh) -> P:
     if axis is None:
         for i in sorted(range(len(shape)), key=lambda a: -shape[a]):
             current = np.atleast_1d(parts[i]).tolist() if parts[i] is not None else []
-            if current and shape[i] % (data * int(np.prod([mesh.shape[a] for a in current]))) == 0:
+            if current and shape[i] % (data * _size(mesh, current)) == 0:
                 axis = i
                 break
     if axis is None:
