@@ -39,7 +39,7 @@ class DatasetConfig:
     total_batch_size: int | None = None  # sequences per optimizer step; null = batch_size
     context_length: int | None = None  # null = model.context_length
     shuffle: bool = True  # a fresh permutation of training windows every epoch
-    document_mask: bool = False  # attention and loss stay inside each document of a packed window
+    document_mask: bool = False  # attention, loss and positions stay inside each document of a packed window
     prefetch: int = 2  # batches a background thread keeps ready; 0 = read in the loop
 
     def check(self, prefix: str) -> None:
@@ -123,7 +123,7 @@ class WindowDataset:
     Window i at `offset` is stream[offset + i*window : offset + (i+1)*window]; `len()` counts the
     windows at offset 0 and `max_offset` is how far they can shift (the stream's leftover tokens, at
     most window-1), so a trainer can move the window boundaries every epoch. `aligned=True` pins
-    them (a stream laid out in window-sized bins, e.g. packed chat conversations).
+    them in every epoch (a stream laid out in window-sized bins, e.g. packed chat conversations).
 
     A row is the int32 token window, or a dict when the stream has a loss mask or documents are
     masked (`document_mask`): `tokens` (window), `loss_mask` (window-1, float32: 1 where the target
@@ -162,6 +162,7 @@ class WindowDataset:
         self.document_mask = bool(document_mask)
         self.doc_starts = doc_starts
         self.num_windows = num_windows
+        self.aligned = bool(aligned)  # the boundaries are the data's: never moved, no window dropped
         self.max_offset = 0 if aligned else min(window - 1, len(tokens) - num_windows * window)
         # A reshape of a contiguous prefix is a view: no copy of the stream, even when it is a memmap.
         self.windows_NxW = tokens[: num_windows * window].reshape(num_windows, window)
@@ -224,7 +225,9 @@ class WindowOrder:
     np.random.default_rng([seed, epoch]), and from epoch 1 on (with `random_offset`) the window
     boundaries move by a random offset drawn from the same generator, so every pair of adjacent
     tokens is a training pair in some epoch; epoch 0 keeps offset 0. An epoch whose offset leaves
-    no room for the last window has one window fewer. With shuffle=False the order is 0, 1, 2, ...
+    no room for the last window has one window fewer. An `aligned` dataset (window-sized bins of
+    whole documents: chat) keeps offset 0 and every window in every epoch, only the order changes.
+    With shuffle=False the order is 0, 1, 2, ...
     at offset 0 (validation). A request that reaches an epoch's end takes the rest from the start
     of the next epoch, so every window is handed out exactly once per epoch, none dropped or
     repeated at the boundary. The state counts windows, not batches or processes.
@@ -237,7 +240,8 @@ class WindowOrder:
         self.dataset = dataset
         self.seed = seed  # parts of the generator's seed, the epoch appended
         self.shuffle = bool(shuffle)
-        self.random_offset = bool(random_offset) and self.shuffle
+        # Moving the boundaries of an aligned dataset would cut its documents across windows.
+        self.random_offset = bool(random_offset) and self.shuffle and not getattr(dataset, "aligned", False)
         self._epoch = 0
         self._position = 0  # index into the current epoch's order of the next window to hand out
         self._order_epoch = -1

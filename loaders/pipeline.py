@@ -4,13 +4,14 @@ saw the same data."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
 from loaders.batching import BatchIterator, DataRequest, DatasetConfig, WindowDataset, batch_tokens, cached_windows
 from loaders.prefetch import Prefetcher
-from utils.errors import ConfigError
+from utils.errors import CheckpointError, ConfigError
 
 # Batches hashed into data/fingerprint: enough to tell two orders apart, cheap to read twice.
 FINGERPRINT_BATCHES = 2
@@ -45,6 +46,8 @@ def batch_maker(train, d: DatasetConfig, seed: int) -> Callable[[int, int], obje
     shape = (d.accum_steps, d.batch_size)
     if isinstance(train, WindowDataset):
         return lambda index, count: BatchIterator(train, shape, seed, d.shuffle, index, count)
+    if dataclasses.is_dataclass(train) and hasattr(train, "shuffle"):  # orders windows itself (mixture)
+        train = dataclasses.replace(train, shuffle=d.shuffle)
     return lambda index, count: train.batches(shape, seed, index, count)
 
 
@@ -57,6 +60,25 @@ def data_fingerprint(make: Callable[[int, int], object], n: int = FINGERPRINT_BA
     if hasattr(it, "close"):
         it.close()
     return h.hexdigest()[:12]
+
+
+def state_kind(state: dict) -> str:
+    """Which kind of iterator saved `state`: windows (a fixed-size source's BatchIterator), mixture
+    (components, each with its own window order) or stream (dataset=hf with streaming)."""
+    if "components" in state:
+        return "mixture"
+    return "stream" if "record" in state else "windows"
+
+
+def check_state_kind(state: dict, fresh: dict) -> None:
+    """A checkpoint's data state must come from the kind of iterator this run builds (`fresh`: its
+    state at the start): a run resumed with checkpoint.overwrite_config=true may switch datasets."""
+    saved, now = state_kind(state), state_kind(fresh)
+    if saved != now:
+        raise CheckpointError(
+            f"the checkpoint's data iterator is a {saved} state but this run's dataset gives {now}: a resumed run "
+            "cannot switch the kind of dataset (windows / mixture / stream), even with checkpoint.overwrite_config=true; "
+            "resume with the checkpoint's dataset, or start a fresh run")
 
 
 @dataclass
@@ -75,6 +97,8 @@ def build_data(d: DatasetConfig, req: DataRequest, seed: int, process_index: int
     make = batch_maker(train, d, seed)
     fingerprint = data_fingerprint(make)
     batches = make(process_index, process_count)
+    if state is not None:
+        check_state_kind(state, batches.state_dict())
     if d.prefetch:
         batches = Prefetcher(batches, d.prefetch)
     if state is not None:

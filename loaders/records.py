@@ -46,10 +46,14 @@ def _first_line(e: BaseException) -> str:
 
 def check_record_knobs(prefix: str, path: str, data_files, split: str, val_split: str | None,
                        val_fraction: float, example: str) -> None:
-    """The knobs every record source shares (hf, chat): where the records are and how validation is
-    split off, each mistake one ConfigError naming the knob; `example` is a hub name for the message."""
+    """The knobs every record source shares (hf, chat): where the records are (`data_files` as
+    `as_globs` gives it) and how validation is split off, each mistake one ConfigError naming the
+    knob; `example` is a hub name for the message."""
     from loaders import corpus
 
+    if data_files is not None and not (isinstance(data_files, tuple) and data_files
+                                       and all(isinstance(p, str) and p for p in data_files)):
+        raise ConfigError(f"{prefix}.data_files={data_files!r} must be null, a glob or a list of globs")
     if not path:
         raise ConfigError(f"{prefix}.path is empty: set a hub dataset (e.g. {example}) or "
                           f"{prefix}.path=json '{prefix}.data_files=[data/*.jsonl]'")
@@ -192,6 +196,12 @@ def text_fields(value: Any, knob: str) -> tuple[str, ...]:
 def as_tuple(value: Any) -> Any:
     """A list knob stored as a tuple, so the frozen config stays hashable; anything else as is."""
     return tuple(value) if isinstance(value, list) else value
+
+
+def as_globs(value: Any) -> Any:
+    """A `data_files` knob, one glob or a list of them (as `datasets.load_dataset` takes it), as a
+    tuple of globs; anything else as is, for `check_record_knobs` to refuse."""
+    return (value,) if isinstance(value, str) else as_tuple(value)
 
 
 class BadRecord(ValueError):

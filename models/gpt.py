@@ -198,6 +198,15 @@ def causal_attention(q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)
 
 
+def document_positions(segment_ids_BxT: jax.Array) -> jax.Array:
+    """Each token's position inside its packed document: t minus the index where its segment
+    starts (a segment starts at t = 0 and wherever the id changes)."""
+    t_T = jnp.arange(segment_ids_BxT.shape[-1])
+    starts_BxT = jnp.concatenate([jnp.ones_like(segment_ids_BxT[:, :1], dtype=bool),
+                                  segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
+    return t_T - jax.lax.cummax(jnp.where(starts_BxT, t_T, 0), axis=1)
+
+
 def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     if key is None or rate == 0.0:
         return x
@@ -237,11 +246,16 @@ class GPT(eqx.Module):
         segment_ids_BxT: jax.Array | None = None,
     ) -> jax.Array:
         """Logits (float32) for every position. `key=None` disables dropout (evaluation);
-        `segment_ids_BxT` keeps attention inside each packed document."""
+        `segment_ids_BxT` keeps attention inside each packed document, and positions restart at 0
+        at each document's first token (as when the document is sampled or evaluated alone)."""
         cfg = self.cfg
         T = tokens_BxT.shape[1]
+        if segment_ids_BxT is None:
+            wpe = self.wpe_TxD[:T]
+        else:
+            wpe = jnp.take(self.wpe_TxD, document_positions(segment_ids_BxT), axis=0)
         # The residual stream stays float32 whatever compute_dtype is (see Block.__call__).
-        x_BxTxD = (jnp.take(self.wte_VxD, tokens_BxT, axis=0) + self.wpe_TxD[:T]).astype(jnp.float32)
+        x_BxTxD = (jnp.take(self.wte_VxD, tokens_BxT, axis=0) + wpe).astype(jnp.float32)
         keys_L = jax.random.split(key, cfg.num_blocks) if key is not None else None
 
         def apply(x_BxTxD, block_and_key):

@@ -294,11 +294,36 @@ def test_cache_hit_reads_no_records_and_still_reports(tmp_path, monkeypatch, war
         assert a.stats == b.stats
     assert isinstance(again[0].tokens, np.memmap)
     assert any("truncated" in w for w in warnings_seen)  # never silent, even from the cache
-    # Another window, template or val_fraction is another cache entry (so it reads the records).
+    # Another window or val_fraction is another cache entry (so it reads the records); another
+    # template too: test_a_template_change_is_another_cache_entry.
     for changed in (lambda: Chat(path="json", data_files=files).windows(req(tok, cache, window=48)),
                     lambda: Chat(path="json", data_files=files, val_fraction=0.1).windows(req(tok, cache, 32))):
         with pytest.raises(AssertionError, match="cache hit expected"):
             changed()
+
+
+def test_a_template_change_is_another_cache_entry(tmp_path, monkeypatch, hf_backend):
+    """The tokenizer's fingerprint does not cover its chat template: the cache key must, and the
+    template knob too, or a changed template would train on the old rendering."""
+    files = (write_jsonl(tmp_path / "c.jsonl", [{"prompt": f"q{i}", "response": "r"} for i in range(20)]),)
+    cache = tmp_path / "cache"
+    chatml = hf_tok(tmp_path, hf_backend)
+    other = hf_tok(tmp_path, hf_backend, "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    assert chatml.fingerprint == other.fingerprint  # same vocabulary: only the template tells them apart
+    first = Chat(path="json", data_files=files).windows(req(chatml, cache))[0]
+
+    def no_reading(spec):
+        raise AssertionError("cache hit expected, but records were read")
+
+    with monkeypatch.context() as m:
+        m.setattr(chat_source, "load_records", no_reading)
+        Chat(path="json", data_files=files).windows(req(chatml, cache))  # the same: a hit
+        for tok, template in ((other, "auto"), (chatml, "plain")):
+            with pytest.raises(AssertionError, match="cache hit expected"):
+                Chat(path="json", data_files=files, template=template).windows(req(tok, cache))
+    for tok, template in ((other, "auto"), (chatml, "plain")):
+        rendered = Chat(path="json", data_files=files, template=template).windows(req(tok, cache))[0]
+        assert chatml.decode(rendered.tokens) != chatml.decode(first.tokens)
 
 
 def test_turns_closed_by_the_eot_stay_one_document_under_document_mask(tmp_path, hf_backend):
@@ -315,7 +340,9 @@ def test_turns_closed_by_the_eot_stay_one_document_under_document_mask(tmp_path,
     assert len(eots) >= 4  # two per conversation
     # The first conversation's two eots (user turn, assistant turn) share one segment.
     assert seg_T[eots[0]] == seg_T[eots[1]] == seg_T[0] == 0 and seg_T[eots[2]] == 1
-    assert loss_T[eots[0]] == 1 or train.loss_mask is not None  # the assistant's reply after the user's eot trains
+    # The assistant's turn right after the user's eot trains (no generation prompt in this template:
+    # the whole turn, its first token included), though an eot precedes it.
+    assert loss_T[eots[0]] == 1 and tok.decode(tokens_W[eots[0] + 1 : eots[1]]).startswith("assistant")
 
 
 # --- bad input ------------------------------------------------------------------------------------
@@ -368,6 +395,19 @@ def test_no_usable_record_empty_or_missing_data_and_no_assistant_turn_fail_befor
 def test_bad_knobs_are_config_errors(knobs, match):
     with pytest.raises(ConfigError, match=match):
         dataset_config({"name": "chat", **knobs})
+
+
+@pytest.mark.parametrize("name", ["chat", "hf"])
+def test_data_files_takes_one_glob_or_a_list_in_every_record_source(name, tmp_path):
+    glob = write_jsonl(tmp_path / "c.jsonl", [{"prompt": f"q{i}", "response": "a"} for i in range(20)])
+    one = dataset_config({"name": name, "path": "json", "data_files": glob}).source
+    assert one.data_files == (glob,) == dataset_config({"name": name, "path": "json", "data_files": [glob]}).source.data_files
+    for bad in ([], [""], [3], 3):
+        with pytest.raises(ConfigError, match="data_files=.* must be null, a glob or a list of globs"):
+            dataset_config({"name": name, "path": "json", "data_files": bad})
+    if name == "chat":  # and the glob string reads the records
+        train, val = one.windows(req(tokenizers.byte_tokenizer(), tmp_path / "cache"))
+        assert train.stats.conversations + val.stats.conversations == 20
 
 
 def test_yaml_is_registered_and_defaults_to_document_masks():

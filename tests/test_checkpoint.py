@@ -262,6 +262,22 @@ def test_load_with_overwrite_config_and_another_model_shape_fails_clearly(tmp_pa
               "checkpoint.overwrite_config=true")
 
 
+def test_overwrite_config_with_another_kind_of_dataset_fails_clearly_before_compiling(tmp_path, base, monkeypatch):
+    """The checkpoint's data state is a BatchIterator's (windows): a mixture's iterator cannot take
+    it, nor (the manifest edited to what a mixture run saves) a windows source a mixture's."""
+    monkeypatch.setattr(train_jax, "init_training", lambda *a, **k: pytest.fail("compiled before refusing"))
+    load = ("checkpoint.load=true", f"checkpoint.load_path={base}", "checkpoint.overwrite_config=true")
+    with pytest.raises(CheckpointError, match=r"data iterator is a windows state but this run's dataset gives mixture"):
+        train(tmp_path, "to_mixture", "dataset=mixture", "~dataset.components",
+              "+dataset.components={code: {name: stdlib, weight: 1}}", *load)
+    manifest = base / "iter_6" / "manifest" / "manifest.json"
+    saved = json.loads(manifest.read_text())
+    saved["data"] = {"batches": 6, "components": {"code": saved["data"]}}
+    manifest.write_text(json.dumps(saved))
+    with pytest.raises(CheckpointError, match=r"data iterator is a mixture state but this run's dataset gives windows"):
+        train(tmp_path, "from_mixture", *load)
+
+
 def test_overwrite_optimizer_switches_adamw_to_sgdm(tmp_path, base):
     new = Path("runs/new")
     common = ("optimizer=sgdm", "optimizer.lr_config.lr=0.1", "checkpoint.load=true", f"checkpoint.load_path={base}")

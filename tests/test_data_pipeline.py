@@ -53,6 +53,26 @@ def test_changing_one_document_leaves_the_other_documents_logits_unchanged(model
                                rtol=1e-5, atol=1e-5)
 
 
+def test_a_documents_logits_do_not_depend_on_where_it_is_packed(model):
+    """Positions restart at each document: a document packed after others gives the logits it
+    gives first in a window (and alone, as when it is sampled)."""
+    rng = np.random.default_rng(2)
+    doc = np.r_[rng.integers(1, 32, 4), EOT]  # 5 tokens, its eot included
+    before, after = np.r_[rng.integers(1, 32, 6), EOT], np.r_[rng.integers(1, 32, 4), EOT]
+    first = np.r_[doc, before, rng.integers(1, 32, 4)]  # doc at [0, 5)
+    later = np.r_[before, doc, after][:16]  # doc at [7, 12)
+    tokens_3xT = jnp.asarray(np.stack([first, later, np.r_[doc, np.full(11, EOT)]]), jnp.int32)
+    seg_3xT = jnp.asarray(segment_ids(np.asarray(tokens_3xT), EOT))
+    logits = np.asarray(jax.jit(lambda t, s: model(t, segment_ids_BxT=s))(tokens_3xT, seg_3xT))
+    alone = np.asarray(jax.jit(lambda t: model(t))(tokens_3xT[2:, :5]))[0]
+    # float32 rounding only: a sum of n terms is exact to ~n·eps of the values' scale, and the
+    # longest sums feeding a logit are the MLP's (mlp_ratio·dim terms), once per block and the head.
+    n_terms = TINY.mlp_ratio * TINY.dim * (TINY.num_blocks + 1)
+    tol = n_terms * np.finfo(np.float32).eps * np.abs(logits).max()
+    np.testing.assert_allclose(logits[1, 7:12], logits[0, :5], rtol=0, atol=tol)
+    np.testing.assert_allclose(alone, logits[0, :5], rtol=0, atol=tol)
+
+
 # --- a masked loss is the exact mean over the step's masked-in targets -------------------------------
 
 
@@ -202,6 +222,21 @@ def test_mixture_process_shares_concatenate_and_masked_components_mix_with_plain
             np.testing.assert_array_equal(np.concatenate([x[key] for x in p], axis=-2), w[key])
         from_a = w["tokens"][..., 0] < 10_000
         assert (w["loss_mask"][from_a] == 1).all()  # the plain component trains on every target
+
+
+def test_mixture_honours_shuffle_false_each_component_in_its_own_order():
+    from loaders.batching import DatasetConfig
+    from loaders.pipeline import batch_maker
+
+    def component_windows(shuffle):
+        it = batch_maker(_mixture(), DatasetConfig(batch_size=8, shuffle=shuffle), seed=4)(0, 1)
+        firsts = np.concatenate([_tokens(next(it)).reshape(-1, 5)[:, 0] for _ in range(40)])  # 320 windows
+        from_b = firsts >= 10_000
+        return [(firsts[~from_b] // 5).tolist(), ((firsts[from_b] - 10_000) // 5).tolist()]
+
+    for ids in component_windows(shuffle=False):
+        assert len(ids) > 40 and ids == [i % 40 for i in range(len(ids))]  # 0, 1, 2, ... and wrapping
+    assert all(ids[:40] != list(range(40)) for ids in component_windows(shuffle=True))
 
 
 def test_mixture_validation_is_every_components_windows():

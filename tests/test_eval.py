@@ -99,3 +99,31 @@ def test_evaluated_windows_are_a_fixed_random_selection(tiny_run, eval_step, mod
     assert max(first) >= 16
     assert sorted(again) == sorted(first)  # every evaluation (and resume) scores the same windows
     assert sorted(other_seed) == sorted(first)  # independent of random_seed: seed sweeps compare
+
+
+def test_masked_windows_count_only_their_masked_in_targets(tiny_run, eval_step, model):
+    """val/* over loss-masked windows (chat: the assistant's tokens) against NumPy: the mean over
+    masked-in targets only. The mask keeps the targets the model finds hardest, so a mean over
+    every target would be clearly lower."""
+    n = 11  # one full batch of 8 and a padded one
+    tokens = np.random.default_rng(3).integers(0, 64, n * WINDOW).astype(np.uint16)
+    rows_NxW = tokens.reshape(n, WINDOW).astype(np.int32)
+    logits = np.asarray(eqx.filter_jit(lambda m, t: m(t))(model, jnp.asarray(rows_NxW[:, :-1])), np.float64)
+    targets_NxT = rows_NxW[:, 1:]
+    top = logits.max(-1)
+    nll_NxT = top + np.log(np.exp(logits - top[..., None]).sum(-1)) - np.take_along_axis(
+        logits, targets_NxT[..., None], -1)[..., 0]
+    hit_NxT = logits.argmax(-1) == targets_NxT
+    keep_NxT = nll_NxT > np.median(nll_NxT)
+    mask = np.zeros((n, WINDOW), np.uint8)
+    mask[:, 1:] = keep_NxT  # the stream's mask is per token: a row's loss mask is that of its targets
+    val = WindowDataset(tokens, WINDOW, loss_mask=mask.reshape(-1))
+    np.testing.assert_array_equal(val.get(np.arange(n))["loss_mask"], keep_NxT)
+
+    metrics = run_eval(tiny_run("train.max_val_steps=2"), eval_step, model, val)
+    loss, acc = nll_NxT[keep_NxT].mean(), hit_NxT[keep_NxT].mean()
+    assert loss - nll_NxT.mean() > 0.01 * loss  # the test can tell a masked mean from an unmasked one
+    # float32: logits exact to a few eps of their scale, and sums over at most n·T terms exact to n·T·eps.
+    rtol = n * (WINDOW - 1) * np.finfo(np.float32).eps
+    np.testing.assert_allclose(metrics["val/loss"], loss, rtol=rtol)
+    np.testing.assert_allclose(metrics["val/accuracy"], acc, rtol=rtol, atol=0)

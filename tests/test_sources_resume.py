@@ -5,6 +5,7 @@ read disjoint row shares that together make the global batch. Tiny local fixture
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from loaders.batching import DataRequest, batch_tokens
 from loaders.pipeline import build_data, source_documents
 from loaders.sources.memmap import write_dataset
 from loaders.tokenizers.byte import ByteTokenizer
+from utils.errors import CheckpointError
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 
@@ -53,6 +55,10 @@ def overrides(name: str, root) -> list[str]:
         "mixture": ["dataset=mixture", "~dataset.components",
                     f"+dataset.components={{files: {{name: text_files, paths: ['{root}/txt/*.txt'], "
                     f"val_fraction: 0.25, weight: 2}}, tokens: {{name: memmap, path: '{root}/tokens', weight: 1}}}}"],
+        "mixture_chat": ["dataset=mixture", "~dataset.components", "model.context_length=48",
+                         f"+dataset.components={{files: {{name: text_files, paths: ['{root}/txt/*.txt'], "
+                         f"val_fraction: 0.25, weight: 1}}, chat: {{name: chat, path: json, "
+                         f"data_files: ['{root}/chats.jsonl'], val_fraction: 0.2, weight: 1}}}}"],
     }[name]
 
 
@@ -104,3 +110,38 @@ def test_two_processes_read_disjoint_shares_that_make_the_global_batch(tiny_run,
             _equal({k: np.concatenate([s[k] for s in shares], axis=-2) for k in global_batch}, global_batch)
         else:
             _equal(np.concatenate(shares, axis=-2), global_batch)
+
+
+def test_a_mixtures_chat_component_keeps_whole_conversations_in_every_epoch(tiny_run, fixtures):
+    """The chat component's windows are packed bins: in every epoch each comes whole, at its own
+    boundaries, exactly once (a shifted window would cut conversations and train answers without
+    their prompts)."""
+    data = _build(tiny_run, fixtures, "mixture_chat", prefetch=0)
+    chat_ds = data.train.datasets[data.train.names.index("chat")]
+    bins = Counter(tuple(row) for row in np.asarray(chat_ds.tokens).reshape(-1, chat_ds.window).tolist())
+    n = len(chat_ds)
+    assert n >= 3 and sum(bins.values()) == n  # (short conversations repeat: bins may too)
+    rows: list[tuple] = []
+    while len(rows) < 3 * n:  # the chat component's first three epochs
+        tokens = batch_tokens(next(data.train)).reshape(-1, chat_ds.window)
+        rows += [tuple(r) for r in tokens.tolist() if ord("<") in r]  # "<|user|>": chat; the words have no "<"
+    for epoch in range(3):
+        got = rows[epoch * n : (epoch + 1) * n]
+        assert all(r in bins for r in got), f"epoch {epoch}: a chat window is not one of the packed bins"
+        assert Counter(got) == bins, f"epoch {epoch}: not every bin once"
+
+
+@pytest.mark.parametrize("saved_by, resumed_as", [("mixture", "text_files"), ("hf_streaming", "memmap"),
+                                                   ("text_files", "mixture"), ("memmap", "hf_streaming")])
+def test_a_data_state_of_another_kind_of_dataset_is_a_checkpoint_error_naming_both(tiny_run, fixtures, saved_by,
+                                                                                   resumed_as):
+    """checkpoint.overwrite_config=true may switch dataset=mixture (or a stream) to a windows source:
+    the saved iterator state cannot resume it, and the error says why in one line."""
+    data = _build(tiny_run, fixtures, saved_by, prefetch=0)
+    next(data.train)
+    state = json.loads(json.dumps(data.train.state_dict()))
+    kinds = {"mixture": "mixture", "hf_streaming": "stream", "text_files": "windows", "memmap": "windows"}
+    with pytest.raises(CheckpointError, match=f"is a {kinds[saved_by]} state but this run's dataset gives "
+                                              f"{kinds[resumed_as]}") as info:
+        _build(tiny_run, fixtures, resumed_as, state=state)
+    assert "\n" not in str(info.value)

@@ -20,13 +20,13 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from loaders import chat, corpus
 from loaders.batching import DataRequest, WindowDataset, token_dtype
-from loaders.records import RecordSpec, check_record_knobs, iter_records, load_records, local_files
+from loaders.records import RecordSpec, as_globs, check_record_knobs, iter_records, load_records, local_files
 from loaders.tokenizers import Tokenizer
 from utils.errors import ConfigError, DataError
 from utils.files import atomic_write
@@ -85,15 +85,19 @@ def pack(convs: list[tuple[np.ndarray, np.ndarray]], window: int, eot_id: int,
 @dataclass(frozen=True)
 class Chat:
     name: ClassVar[str] = "chat"
+    loss_masked: ClassVar[bool] = True  # trains on the assistant's turns only: token files (prepare_data) cannot hold that
 
     path: str = ""  # a hub dataset (org/name), a builder (json, csv, parquet) with data_files, or a local directory
     subset: str | None = None  # the hub dataset's configuration (load_dataset's `name`)
     split: str = "train"  # the split trained on, e.g. train_sft
-    data_files: tuple[str, ...] | None = None  # globs of local files for path=json/csv/parquet
+    data_files: Any = None  # globs (one or a list) of local files for path=json/csv/parquet
     val_split: str | None = None  # a split to validate on, e.g. test_sft; null = hold out val_fraction of `split`
     val_fraction: float = 0.05  # with val_split null: share of records held out, by an md5 of the record index
     template: str = "auto"  # auto: the tokenizer's chat_template if it has one, else the plain one; plain: always plain
     skip_bad_records: bool = False  # true: skip (count, warn about) records no format matches; false: stop at the first
+
+    def __post_init__(self):
+        object.__setattr__(self, "data_files", as_globs(self.data_files))
 
     def check(self, prefix: str) -> None:
         check_record_knobs(prefix, self.path, self.data_files, self.split, self.val_split, self.val_fraction,

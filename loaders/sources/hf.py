@@ -35,6 +35,7 @@ from loaders.records import (
     BadRecord,
     BadRecords,
     RecordSpec,
+    as_globs,
     as_tuple,
     iter_records,
     load_records,
@@ -91,17 +92,12 @@ class HF:
     max_val_documents: int = 2000  # streaming: validation documents read into memory
 
     def __post_init__(self):
-        files = (self.data_files,) if isinstance(self.data_files, str) else as_tuple(self.data_files)
-        object.__setattr__(self, "data_files", files)
+        object.__setattr__(self, "data_files", as_globs(self.data_files))
         object.__setattr__(self, "text_field", as_tuple(self.text_field))
 
     def check(self, prefix: str) -> None:
         check_record_knobs(prefix, self.path, self.data_files, self.split, self.val_split, self.val_fraction,
                            "roneneldan/TinyStories")
-        if self.data_files is not None and not (
-                isinstance(self.data_files, tuple) and self.data_files
-                and all(isinstance(p, str) and p for p in self.data_files)):
-            raise ConfigError(f"{prefix}.data_files={self.data_files!r} must be null, a glob or a list of globs")
         text_fields(self.text_field, f"{prefix}.text_field")
         if self.shuffle_buffer < 0:
             raise ConfigError(f"{prefix}.shuffle_buffer={self.shuffle_buffer} must be >= 0 (0 = no shuffling)")

@@ -2,7 +2,8 @@
 
 Each window slot of global batch b comes from a component drawn from
 np.random.default_rng([data_seed, b]) with the weights, and each component hands out its windows
-in its own `WindowOrder` (shuffled per epoch, seeded by [data_seed, component index]). So the mix
+in its own `WindowOrder` (shuffled per epoch, seeded by [data_seed, component index]; in order with
+dataset.shuffle=false). So the mix
 depends on data_seed alone, a resume needs only the batch count and each component's position,
 and a small component is cycled through epochs while a large one is still in its first.
 Validation is every component's validation windows together.
@@ -129,7 +130,7 @@ class MixtureTrain:
     names: tuple[str, ...]
     datasets: tuple
     weights_K: np.ndarray
-    shuffle: bool = True
+    shuffle: bool = True  # dataset.shuffle, set by loaders.pipeline.batch_maker; false: each component in order
 
     def batches(self, batch_shape, seed, process_index, process_count) -> MixtureBatches:
         return MixtureBatches(self.names, list(self.datasets), self.weights_K, batch_shape, seed, process_index,
