@@ -27,6 +27,7 @@ from models.gpt import GPT, count_params, cross_entropy, eval_sums, flops_per_to
 from models.sample import sample_text
 from optimizer import group_schedules, make_optimizer
 from optimizer.diagnostics import optimizer_metrics, state_bytes_metric
+from optimizer.nonfinite import skip_nonfinite
 from optimizer.restart import fresh_state
 from utils import aux_state, cli, layout, step_metrics
 from utils import hooks as H
@@ -64,8 +65,9 @@ def init_scheduler(run: RunConfig) -> optax.Schedule:
 def init_optimizer(run: RunConfig, schedule: optax.Schedule, labels) -> optax.GradientTransformation:
     o, t = run.optimizer, run.train
     tx = make_optimizer(o.hparams, schedule, labels, t.gradient_clip_val, o.schedule.lr, o.group_overrides)
-    # A non-finite gradient leaves weights and optimizer state as they were (trainit's apply_if_finite).
-    return optax.apply_if_finite(tx, t.max_consecutive_skips) if t.skip_nonfinite else tx
+    # A non-finite gradient leaves weights and optimizer state as they were (trainit's apply_if_finite);
+    # the lr schedule still follows the step (optimizer/nonfinite.py).
+    return skip_nonfinite(tx, t.max_consecutive_skips) if t.skip_nonfinite else tx
 
 
 def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, source: Source | None = None):
@@ -156,9 +158,10 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
         if aux.on and aux.per_layer:
             metrics.append(step_metrics.StepMetric(aux_state.per_layer(lambda tree: tree.blocks, run.model.num_blocks),
                                                    logging_only=True))
-        if aux.on and aux.optim_diagnostics:
+        if aux.on and aux.optim_diagnostics:  # of the state this update used and left, not the one before it
             metrics.append(step_metrics.StepMetric(lambda s, g, u, a: optimizer_metrics(
-                o.hparams, s.opt_state, eqx.filter(s.model, eqx.is_array), o.group_overrides), logging_only=True))
+                o.hparams, s.opt_state, eqx.filter(s.model, eqx.is_array), o.group_overrides), logging_only=True,
+                after_update=True))
     return schedule, tx, state, build_train_step(loss_fn, tx, metrics, shardings, mesh, run.train.compute_dtype,
                                                  use_dropout=run.model.dropout > 0, aux_cfg=run.logging.aux)
 
@@ -180,7 +183,7 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
                        saved=resumed.get("sinks"))  # a resumed run continues its wandb run
     if saver:
         saver.add_to_manifest("sinks", sinks.state_dict)
-    vouchers = ("update/norm",) if t.skip_nonfinite else H.VOUCHERS  # a skipped step's loss is NaN
+    vouchers = (step_metrics.UPDATE_NORM,) if t.skip_nonfinite else H.VOUCHERS  # a skipped step's loss is NaN
     sample = lambda model, prompt, tokens: sample_text(  # noqa: E731
         model, trainer.tokenizer, prompt, tokens, jax.random.PRNGKey(run.random_seed), t.sample_temperature,
         run.context_length)

@@ -13,12 +13,14 @@ import pytest
 
 import train_jax as T
 from models.gpt import param_axes
+from optimizer.diagnostics import find_states
+from optimizer.restart import schedules_at
 from utils import aux_state, layout
 from utils import mesh as meshlib
 from utils.aux_state import AuxConfig
 from utils.errors import ConfigError
 from utils.sinks import logging_config
-from utils.train_step import build_train_step
+from utils.train_step import build_train_step, step_keys
 
 FLAGS = ("store_last_params", "store_last_grads", "store_past_grads", "compute_last_loss", "compute_last_grads")
 ALL_ON = AuxConfig(**{f: True for f in FLAGS})
@@ -41,7 +43,7 @@ def expected(hist: list[dict], n: int) -> dict[str, float]:
     past = sum((h["g"] for h in hist[:n]), np.zeros_like(g))
     delta = x - x_prev
     out = {}
-    for name, v in (("params", x), ("grads", g), ("update", u)):
+    for name, v in (("params", x), ("grads", g), ("update", delta)):  # update/: Δ(n), trainit's full_log
         out.update({f"{name}/norm": np.linalg.norm(v), f"{name}/norm_l1": np.abs(v).sum(),
                     f"{name}/norm_inf": np.abs(v).max()})
     out.update({
@@ -92,6 +94,7 @@ def test_every_metric_matches_numpy_over_three_steps():
         x = jax.tree.map(jnp.add, x, u)
     assert got[0]["update/cos(gn, Delta(n))"] == 0.0 and got[0]["grads/cos(gn, g(n-1))"] == 0.0
     assert got[2]["params/norm_inf"] > float(max(jnp.max(v) for v in jax.tree.leaves(x)))  # |x|, not x
+    assert got[0]["update/norm"] == 0.0  # Δ(0) = x(0) - x(-1) = 0, not this step's update
     for n in range(3):
         want = expected(hist, n)
         assert set(got[n]) == set(want)
@@ -127,6 +130,7 @@ def test_every_flag_combination_runs_or_is_refused_at_start(flags):
     assert (state.last_params is None) == (not cfg["store_last_params"])
     assert ("grads/cos(gn, g(1:n-1))" in metrics) == cfg["store_past_grads"]
     assert ("loss/fn-f(n-1)" in metrics) == needs_params
+    assert ("update/norm" in metrics) == cfg["store_last_params"]  # Δ(n) = x(n) - x(n-1) needs x(n-1)
     assert all(math.isfinite(float(v)) for v in metrics.values())
 
 
@@ -136,6 +140,10 @@ def test_with_log_callback_data_false_the_other_flags_are_moot():
 
 
 # ----------------------------------------------------------------------------- through the real step
+
+
+def params_of(model):
+    return eqx.filter(model, eqx.is_inexact_array)
 
 
 def assemble(tiny_run, *overrides):
@@ -172,8 +180,52 @@ def test_the_train_step_carries_the_aux_state_and_matches_numpy(tiny_run):
     assert got["grads/cos(gn, g'(n-1))"] == pytest.approx(cos(g2, g2_prev), rel=1e-4)
     assert got["curvature/<gn-g'(n-1), Delta(n)>"] == pytest.approx((g2 - g2_prev) @ (x2 - x1), rel=1e-3, abs=1e-7)
     assert got["update/cos(Delta(n+1), Delta(n))"] == pytest.approx(cos(flat(params(state.model)) - x2, x2 - x1), rel=1e-4)
+    # trainit's update/norm* are Δ(n)'s; the update this step applied is train/update_norm
+    assert got["update/norm"] == pytest.approx(np.linalg.norm(x2 - x1), rel=1e-4)
+    assert got["update/norm_l1"] == pytest.approx(np.abs(x2 - x1).sum(), rel=1e-4)
+    assert got["update/norm_inf"] == pytest.approx(np.abs(x2 - x1).max(), rel=1e-4)
+    assert got["train/update_norm"] == pytest.approx(np.linalg.norm(flat(params(state.model)) - x2), rel=1e-4)
     assert got["update/<gn, Delta(n)>_sum"] == pytest.approx(g2 @ (x2 - x1) + g1 @ (x1 - x0), rel=1e-4)
     assert step.compiled() == 1  # one variant used so far: the logging one
+
+
+@pytest.mark.parametrize("last_grads", [True, False], ids=["last-grads", "last-loss-only"])
+def test_x_n_minus_1_is_evaluated_with_the_steps_dropout_keys(tiny_run, last_grads):
+    """Dropout on, two micro-batches: f(x(n-1), z(n)) (and g'(n-1)) must use this step's own
+    per-micro-batch dropout keys (fresh keys would put dropout noise, not the change of x, into
+    loss/fn-f(n-1) and the curvature). Both ways the step evaluates x(n-1): with its gradient, and
+    the loss alone."""
+    flags = ["logging.log_callback_data=true", *(f"logging.{f}=true" for f in FLAGS), "logging.optim_diagnostics=false",
+             f"logging.compute_last_grads={str(last_grads).lower()}"]
+    run, _, state, step, mesh = assemble(tiny_run, "model.dropout=0.5", "optimizer=sgdm", "optimizer.momentum=0.0",
+                                         "optimizer/lr_config=constant", "optimizer.lr_config.lr=0.5",
+                                         "optimizer.lr_config.warmup=0", "train.gradient_clip_val=null",
+                                         "dataset.batch_size=4", "dataset.total_batch_size=8", *flags)
+    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, t, k: T.loss_fn(m, t, k, "float32")[0]))
+    copy = lambda model: jax.tree.map(lambda v: jnp.copy(v) if eqx.is_array(v) else v, model)  # noqa: E731
+    rng = np.random.default_rng(4)
+    models, keys, batches, metrics = [], [], [], []
+    for _ in range(2):
+        batches.append(rng.integers(0, 64, (2, 4, 17), dtype=np.int32))
+        models.append(copy(state.model))
+        keys.append(step_keys(state.key, 2)[1])
+        state, m = step(state, meshlib.put_batch(batches[-1], meshlib.batch_sharding(mesh, 1)), True)
+        metrics.append({k: float(v) for k, v in m.items()})
+
+    def at(model):  # (mean loss, flat mean gradient) over step 2's micro-batches at its keys
+        out = [value_and_grad(model, jnp.asarray(b), k) for b, k in zip(batches[1], keys[1], strict=True)]
+        return np.mean([float(v) for v, _ in out]), np.mean([flat(g) for _, g in out], axis=0)
+
+    (f, g), (f_prev, g_prev) = at(models[1]), at(models[0])
+    delta = flat(params_of(models[1])) - flat(params_of(models[0]))
+    got = metrics[1]
+    assert got["train/loss"] == pytest.approx(f, rel=1e-5)
+    assert got["loss/fn-f(n-1)"] == pytest.approx(f - f_prev, rel=1e-3, abs=1e-5)
+    if not last_grads:
+        assert "grads/cos(gn, g'(n-1))" not in got
+        return
+    assert got["grads/cos(gn, g'(n-1))"] == pytest.approx(cos(g, g_prev), rel=1e-4)
+    assert got["curvature/<gn-g'(n-1), Delta(n)>"] == pytest.approx((g - g_prev) @ delta, rel=1e-3, abs=1e-6)
 
 
 def test_log_callback_data_false_leaves_no_aux_leaves(tiny_run):
@@ -186,8 +238,9 @@ def test_log_callback_data_false_leaves_no_aux_leaves(tiny_run):
 
 def test_a_nonfinite_gradient_is_counted_and_skipped(tiny_run):
     """A batch whose first token is 63 makes the loss (so the gradient) NaN. With skip_nonfinite the
-    weights and optimizer state stay as they were, the step is counted, and the next finite step
-    trains on with buffers the NaN did not reach."""
+    weights and optimizer state stay as they were (but for the lr schedule's counters, which follow
+    the step: optimizer/nonfinite.py), the step is counted, and the next finite step trains on with
+    buffers the NaN did not reach."""
     run = tiny_run("train.skip_nonfinite=true", "logging.log_callback_data=true")
     mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
     _, tx, state, _ = T.init_training(run, mesh)
@@ -207,13 +260,16 @@ def test_a_nonfinite_gradient_is_counted_and_skipped(tiny_run):
     bad = good.copy()
     bad[0, 0, 0] = 63
     state, _ = step(state, put(good), True)
-    kept = lambda s: [np.array(x) for x in jax.tree.leaves(eqx.filter((s.model, s.opt_state.inner_state),  # noqa: E731
-                                                                       eqx.is_array))]
+    kept = lambda s: [np.array(x) for x in jax.tree.leaves(eqx.filter(  # noqa: E731
+        (s.model, schedules_at(s.opt_state.inner_state, 0), s.aux.last_params), eqx.is_array))]
+    counters = lambda s: {int(x.count) for x in find_states(s.opt_state, optax.ScaleByScheduleState)}  # noqa: E731
+    assert counters(state) == {1}
     before = kept(state)
     state, m = step(state, put(bad), True)
     after = kept(state)
     assert float(m["grads/inf_grads"]) == 1 and float(m["train/skipped_steps"]) == 1
-    assert float(m["update/norm"]) == 0.0 and math.isnan(float(m["train/loss"]))
+    assert float(m["train/update_norm"]) == 0.0 and math.isnan(float(m["train/loss"]))
+    assert counters(state) == {2}
     assert len(before) == len(after)
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
@@ -221,6 +277,44 @@ def test_a_nonfinite_gradient_is_counted_and_skipped(tiny_run):
     assert all(math.isfinite(float(v)) for k, v in m.items() if k != "train/loss")
     assert float(m["train/skipped_steps"]) == 1 and float(m["grads/inf_grads"]) == 1
     assert np.isfinite(flat(state.aux.last_grads)).all() and np.isfinite(flat(state.aux.past_grads)).all()
+
+
+def test_a_skipped_step_keeps_x_n_minus_1_so_the_next_delta_is_the_last_update(tiny_run):
+    """Steps at x0 (finite), x1 (a NaN in the loss mask: gradient NaN, skipped) and x2 = x1
+    (finite). The skipped step must leave x(n-1) = x0 (trainit keeps its previous parameters on a
+    rejected step), so the third step's Δ(n) is x1 - x0, the last update applied, and no term of
+    the `_sum`s is lost; overwriting it with x1 made that Δ 0."""
+    run = tiny_run("train.skip_nonfinite=true", "logging.log_callback_data=true", "logging.optim_diagnostics=false",
+                   "optimizer=sgdm", "optimizer.momentum=0.0", "optimizer/lr_config=constant",
+                   "optimizer.lr_config.lr=0.5", "optimizer.lr_config.warmup=0", "train.gradient_clip_val=null")
+    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
+    _, _, state, step = T.init_training(run, mesh)
+    rng = np.random.default_rng(3)
+    batches = [{"tokens": rng.integers(0, 64, (1, 8, 17), dtype=np.int32), "loss_mask": np.ones((1, 8, 16), np.float32)}
+               for _ in range(3)]
+    batches[1]["loss_mask"][0, 0, 0] = np.nan  # the loss, so every gradient element, is NaN
+    params = lambda model: flat(eqx.filter(model, eqx.is_inexact_array))  # noqa: E731
+    grad_at = eqx.filter_jit(eqx.filter_grad(lambda m, b: T.loss_fn(m, b, None, "float32")[0]))
+    xs, metrics = [], []
+    for batch in batches:
+        xs.append(params(state.model))
+        g = flat(grad_at(state.model, jax.tree.map(lambda v: jnp.asarray(v[0]), batch)))
+        state, m = step(state, meshlib.put_batch(batch, meshlib.batch_sharding(mesh, 1)), True)
+        metrics.append(({k: float(v) for k, v in m.items()}, g))
+    x0, x1, x2 = xs
+    (m1, _), (m2, _), (m3, g3) = metrics
+    assert m2["train/skipped_steps"] == 1 and m2["grads/inf_grads"] == 1
+    np.testing.assert_array_equal(x2, x1)  # skipped
+    np.testing.assert_array_equal(flat(state.aux.last_params), x2)  # the finite step after it moved x(n-1) on
+    delta = x1 - x0
+    assert np.linalg.norm(delta) > 0.1
+    assert m3["update/norm"] == pytest.approx(np.linalg.norm(delta), rel=1e-4)
+    assert m3["update/<gn, Delta(n)>"] == pytest.approx(g3 @ delta, rel=1e-3)
+    assert m3["update/cos(gn, Delta(n))"] == pytest.approx(cos(g3, delta), rel=1e-4)
+    # step 1's Δ is 0, step 2 is left out: the sum is step 3's term alone
+    assert m3["update/<gn, Delta(n)>_sum"] == pytest.approx(g3 @ delta, rel=1e-3)
+    total = "update/<gn, Delta(n)>_sum"
+    assert m3[total] == pytest.approx(m1[total] + m3["update/<gn, Delta(n)>"], rel=1e-5)
 
 
 @pytest.mark.parametrize("overrides", [

@@ -120,6 +120,19 @@ def test_logging_only_metrics_compile_a_second_variant(tiny_run):
     assert step.plain._cache_size() == 1 and step.logging._cache_size() == 1  # no recompilation
 
 
+def test_the_vouchers_are_metrics_every_step_reports(tiny_run):
+    """check_finite reads a missing name as finite, so a voucher must be a metric that the plain
+    step (no logging-only metric, no aux hook values) reports: this step's update norm, not the
+    aux hook's update/norm (the previous update's, logging steps only)."""
+    run = tiny_run("logging.log_callback_data=true", "logging.optim_diagnostics=false")
+    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
+    _, _, state, step = T.init_training(run, mesh)
+    _, metrics = step(state, meshlib.put_batch(np.zeros((1, 8, 17), np.int32), meshlib.batch_sharding(mesh, 1)),
+                      logging=False)
+    assert set(H.VOUCHERS) <= set(metrics) and step_metrics.UPDATE_NORM in H.VOUCHERS
+    assert "update/norm" not in metrics
+
+
 def test_logging_knobs_belong_to_sinks():
     cfg = sinks.logging_config({"log_every": 5, "progress_bar": False, "metrics_file": "m.jsonl", "tensorboard": True,
                                 "wandb_project": "p", "wandb_mode": "offline"})

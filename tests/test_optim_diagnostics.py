@@ -16,13 +16,15 @@ import optax
 import pytest
 from optax.contrib import MuonState
 
+import train_jax as T
 from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import OPTIMIZERS, make_optimizer
 from optimizer.adafactor import Adafactor, implied_v
 from optimizer.adamw import AdamW
 from optimizer.diagnostics import kth_smallest_nonneg, median_nonneg, optimizer_metrics, state_bytes, state_bytes_metric
-from optimizer.muon import Muon, orthogonality_error
+from optimizer.muon import Muon, orthogonality_error, shape_factor
 from optimizer.shampoo import Shampoo, ShampooState
+from utils import mesh as meshlib
 
 # dim 32: hidden leaves (2, 32, 96), (2, 32, 32), (2, 32, 128), (2, 128, 32); untied head (32, 64).
 SMALL = GPTConfig(dim=32, num_heads=2, num_blocks=2, context_length=16, vocab_size=64, tie_embeddings=False)
@@ -374,3 +376,89 @@ def test_state_bytes_is_the_sum_of_leaf_nbytes_and_names_are_stable(name):
     shapes = jax.eval_shape(lambda s, p: optimizer_metrics(hp, s, p), states[0], params)
     assert set(shapes) == {f"optim/{g}/{stat}" for g, stats in NAMES[name].items() for stat in stats}
     assert all(x.shape == () for x in shapes.values())
+
+
+# --- through the train step: the state this update used and left --------------------------------
+
+
+def _through_the_step(tiny_run, *overrides, steps: int = 3):
+    """Logging steps of the tiny GPT with its default metrics (optim diagnostics on, the aux
+    buffers off) on batches holding every token (no embedding row with a zero gradient). Per
+    step: (metrics, grads, updates, opt_state after), the gradient and the update recomputed here
+    with the run's own `tx` from a copy of the state the step started from."""
+    run = tiny_run("logging.log_callback_data=true", "logging.store_last_params=false",
+                   "logging.store_last_grads=false", "logging.store_past_grads=false",
+                   "train.gradient_clip_val=null", "optimizer/lr_config=constant", "optimizer.lr_config.warmup=0",
+                   *overrides)
+    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
+    _, tx, state, step = T.init_training(run, mesh)
+    grad_fn = eqx.filter_jit(eqx.filter_grad(lambda m, t: T.loss_fn(m, t, None, "float32")[0]))
+    update = jax.jit(tx.update)
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(steps):
+        batch = rng.permutation(np.arange(8 * 17) % 64).reshape(1, 8, 17).astype(np.int32)
+        model, opt_state = jax.tree.map(jnp.copy, (eqx.filter(state.model, eqx.is_array), state.opt_state))
+        state, metrics = step(state, meshlib.put_batch(batch, meshlib.batch_sharding(mesh, 1)), True)  # donates
+        grads = grad_fn(eqx.combine(model, state.model), jnp.asarray(batch[0]))
+        updates, _ = update(grads, opt_state, model)
+        out.append(({k: float(v) for k, v in metrics.items()}, grads, updates,
+                    jax.tree.map(jnp.copy, state.opt_state)))
+    return run, param_labels(state.model), out
+
+
+def test_shampoo_steps_since_roots_through_the_step_counts_the_logged_update(tiny_run):
+    """Roots recomputed on updates 1, 4, 7, ... (precondition_every 3): steps 1-5 log 0, 1, 2, 0, 1
+    (the state before the update would say -1, 0, 1, 2, 0), checked against when the roots in the
+    step's own state changed."""
+    _, _, steps = _through_the_step(tiny_run, "optimizer=shampoo", "optimizer.precondition_every=3",
+                                    "optimizer.start_preconditioning_step=1", "optimizer.lr_config.lr=1e-3",
+                                    steps=5)
+    seen, last, previous = [], None, None
+    for k, (metrics, _, _, opt_state) in enumerate(steps, start=1):
+        roots = _leaves(_group_state(opt_state, "hidden")[0].left_roots)
+        if k == 1 or any(not np.array_equal(a, b) for a, b in zip(roots, previous)):  # update 1 makes the first
+            last = k
+        previous = roots
+        seen.append(int(metrics["optim/hidden/steps_since_roots"]))
+        assert seen[-1] == k - last, (k, seen)
+    assert seen == [0, 1, 2, 0, 1]
+
+
+def test_adam_sqrt_v_is_the_denominator_the_logged_update_divided_by(tiny_run):
+    """b1 = 0, no weight decay: Adam's update is -lr·g/(√v̂ + eps), so each element's √v̂ is
+    lr·g/(−u) − eps, read off the update itself. Its min/median/max per group at every step must be
+    what that step logged (before the fix: step 1 logged the fresh state's zeros, later steps the
+    previous step's √v̂). float32: u and g carry ~1e-7 relative error, so √v̂ ~(√v̂ + eps)·1e-6."""
+    run, labels, steps = _through_the_step(tiny_run, "optimizer=adamw", "optimizer.b1=0.0",
+                                           "optimizer.weight_decay=0.0", "optimizer.lr_config.lr=1e-2")
+    eps = run.optimizer.hparams.eps
+    for k, (metrics, grads, updates, _) in enumerate(steps, start=1):
+        by_group: dict[str, list] = {}
+        for g, u, label in zip(jax.tree.leaves(grads), jax.tree.leaves(updates), jax.tree.leaves(labels), strict=True):
+            g, u = np.asarray(g, np.float64).ravel(), np.asarray(u, np.float64).ravel()
+            assert np.all(g != 0), label  # every token is in the batch: no zero row, so u determines √v̂
+            by_group.setdefault(label, []).append(metrics[f"train/lr/{label}"] * g / -u - eps)
+        assert {"hidden", "embed", "scalar"} <= set(by_group) <= set(GROUPS)
+        for group, parts in by_group.items():
+            sqrt_v = np.concatenate(parts)
+            for stat, value in (("min", sqrt_v.min()), ("median", np.median(sqrt_v)), ("max", sqrt_v.max())):
+                np.testing.assert_allclose(metrics[f"optim/{group}/sqrt_v_{stat}"], value, rtol=1e-4,
+                                           atol=1e-6 * (value + eps), err_msg=f"step {k}: {group} sqrt_v_{stat}")
+
+
+def test_muon_ortho_error_is_that_of_the_logged_update(tiny_run):
+    """Without Nesterov, Muon's hidden update is -lr·shape_factor·NS(momentum after this step), so
+    the orthogonality error of u/(−lr·factor), block by block, is what the step must log (before the
+    fix: the previous momentum's, 1.0 at step 1 from the zero momentum)."""
+    run, labels, steps = _through_the_step(tiny_run, "optimizer=muon", "optimizer.nesterov=false",
+                                           "optimizer.weight_decay=0.0", "optimizer.lr_config.lr=2e-2", steps=2)
+    for k, (metrics, _, updates, _) in enumerate(steps, start=1):
+        lr = metrics["train/lr/hidden"]
+        errs = np.concatenate([
+            np.asarray(orthogonality_error(u / (-lr * shape_factor(u.shape, run.optimizer.hparams.shape_scale))))
+            for u, label in zip(jax.tree.leaves(updates), jax.tree.leaves(labels), strict=True) if label == "hidden"])
+        assert errs.size == 8  # 4 stacked hidden leaves x 2 blocks
+        # float32 Newton-Schulz of a gradient recomputed outside the step: ~1e-5 relative
+        np.testing.assert_allclose(metrics["optim/hidden/ortho_err_mean"], errs.mean(), rtol=1e-3, err_msg=f"step {k}")
+        np.testing.assert_allclose(metrics["optim/hidden/ortho_err_max"], errs.max(), rtol=1e-3, err_msg=f"step {k}")

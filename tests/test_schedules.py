@@ -4,18 +4,26 @@ A run of N updates uses step indices 0..N-1 (optax counts from 0). The warmup st
 lr/warmup (step warmup-1 uses lr) and every decaying schedule reaches exactly min_lr on step
 N-1, the last update: a schedule that got there only at step N never ran its final lr. Plus
 edge cases (decay of 0 or 1 steps, warmup filling the run, a 1-step run) and the knob checks.
-Pure functions of a step: no model, no optimizer state except one hand-checked SGD run."""
+Pure functions of a step: no model, no optimizer state except hand-checked SGD runs, and the
+schedule across a step that train.skip_nonfinite skips (it follows the step counter)."""
 
 import math
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from optimizer import make_optimizer
+import train_jax as T
+from models.gpt import param_labels
+from optimizer import OPTIMIZERS, make_optimizer
+from optimizer.diagnostics import find_states
+from optimizer.nonfinite import skip_nonfinite
 from optimizer.schedules import SCHEDULES, Constant, Cosine, Linear, PiecewiseLinear, Trapezoid
 from optimizer.sgdm import SGDM
+from utils import mesh as meshlib
 from utils.config import build_section
 from utils.errors import ConfigError
 
@@ -167,6 +175,79 @@ def test_the_last_update_of_a_run_uses_min_lr():
         u, state = update(grads, state, params)
         lrs.append(-float(u["w"]))
     np.testing.assert_allclose(lrs, [0.5, 1.0, 0.775, 0.55, 0.325, MIN_LR], rtol=1e-6)
+
+
+# --- with train.skip_nonfinite: a skipped step still moves the schedule -------------------------------
+
+
+def test_after_a_skipped_step_the_applied_lr_is_the_logged_one_and_the_last_is_min_lr(tiny_run):
+    """Four steps of cosine(0.1 -> 0.01) SGD, the second one skipped (a NaN in its loss mask makes
+    the gradient NaN). The lr each finite step applied, read off its update (u = -lr·g, no
+    momentum), is train/lr = schedule(step), and the last step applies min_lr. optax's
+    apply_if_finite alone keeps the schedule's counter on a skipped step: steps 3 and 4 applied
+    schedule(1) and schedule(2), one step behind what was logged, and min_lr was never reached."""
+    run = tiny_run("train.skip_nonfinite=true", "train.max_steps=4", "optimizer=sgdm", "optimizer.momentum=0.0",
+                   "optimizer/lr_config=cosine", "optimizer.lr_config.lr=0.1", "optimizer.lr_config.min_lr=0.01",
+                   "optimizer.lr_config.warmup=0", "train.gradient_clip_val=null")
+    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
+    schedule, _, state, step = T.init_training(run, mesh)
+    labels = jax.tree.leaves(param_labels(state.model))
+    grad_at = eqx.filter_jit(eqx.filter_grad(lambda m, b: T.loss_fn(m, b, None, "float32")[0]))
+    params = lambda model: [np.asarray(x, np.float64)  # noqa: E731
+                            for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))]
+    rng = np.random.default_rng(0)
+    applied, logged = [], []
+    for n in range(4):
+        batch = {"tokens": rng.integers(0, 64, (1, 8, 17), dtype=np.int32),
+                 "loss_mask": np.ones((1, 8, 16), np.float32)}
+        if n == 1:
+            batch["loss_mask"][0, 0, 0] = np.nan
+        grads = [np.asarray(g, np.float64) for g in jax.tree.leaves(
+            grad_at(state.model, jax.tree.map(lambda v: jnp.asarray(v[0]), batch)))]
+        before = params(state.model)
+        state, metrics = step(state, meshlib.put_batch(batch, meshlib.batch_sharding(mesh, 1)), True)
+        assert int(metrics["train/skipped_steps"]) == (n >= 1)
+        if n == 1:
+            continue
+        by_group: dict = {}
+        for x_new, x, g, label in zip(params(state.model), before, grads, labels, strict=True):
+            num, den = by_group.get(label, (0.0, 0.0))
+            by_group[label] = (num + np.sum((x - x_new) * g), den + np.sum(g * g))  # least squares: x - x_new = lr·g
+        applied.append({label: num / den for label, (num, den) in by_group.items()})
+        logged.append({label: float(metrics[f"train/lr/{label}"]) for label in by_group} | {
+            "run": float(metrics["train/lr"])})
+    expected = [float(schedule(n)) for n in (0, 2, 3)]
+    np.testing.assert_allclose(expected[-1], 0.01, rtol=1e-6)  # the last update's lr is min_lr
+    for n, got, log, want in zip((1, 3, 4), applied, logged, expected, strict=True):
+        np.testing.assert_allclose(log["run"], want, rtol=1e-6, err_msg=f"step {n}: train/lr")
+        for label, lr in got.items():
+            # float32 weights: x - x_new carries ~1e-7·|x| per element, ~1e-4 of lr·g here
+            np.testing.assert_allclose(lr, log[label], rtol=1e-3, err_msg=f"step {n}: the lr {label} applied")
+            np.testing.assert_allclose(lr, want, rtol=1e-3, err_msg=f"step {n}: the lr {label} applied")
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_optimizers_schedule_counts_a_skipped_step(name):
+    """A schedule that is 0 on step 1 only; step 1's gradient is NaN (skipped). Step 2 must use the
+    schedule at step 2 (lr > 0, so every leaf moves), not at 1 (lr 0: nothing moves): every
+    optimizer's lr goes through a counter that skip_nonfinite advances."""
+    schedule = lambda count: jnp.where(count == 1, 0.0, 1e-2)  # noqa: E731
+    shapes = {"w": ((2, 8, 12), "hidden"), "e": ((16, 8), "embed"), "h": ((8, 16), "head"), "b": ((8,), "scalar")}
+    rng = np.random.default_rng(0)
+    params = {k: jnp.asarray(rng.normal(size=shape), jnp.float32) for k, (shape, _) in shapes.items()}
+    tx = skip_nonfinite(make_optimizer(OPTIMIZERS[name](), schedule, {k: g for k, (_, g) in shapes.items()}, None,
+                                       1e-2, {}), max_consecutive_skips=3)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    for n in range(3):
+        grads = {k: jnp.asarray(rng.normal(size=p.shape), jnp.float32) * (np.nan if n == 1 else 1.0)
+                 for k, p in params.items()}
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    assert int(state.total_notfinite) == 1
+    for k, u in updates.items():
+        assert float(jnp.abs(u).max()) > 0, f"{name}: {k} did not move on step 2 (it used the lr of step 1)"
+    assert {int(s.count) for s in find_states(state, optax.ScaleByScheduleState)} == {3}
 
 
 # --- config ----------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ import pytest
 import train_jax as T
 from models.gpt import cross_entropy
 from utils import mesh as meshlib
+from utils import step_metrics
+from utils.train_step import step_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,6 +84,36 @@ def test_loss_falls_on_a_fixed_batch_with_fresh_dropout_keys(tiny_run):
     assert losses[-1] < losses[0] - 0.5, losses
     assert all(np.isfinite(losses))
     assert len({k.tobytes() for k in keys}) == len(keys)  # a new dropout key every step
+
+
+def test_dropout_is_applied_with_its_own_key_per_micro_batch(tiny_run):
+    """Dropout on, two micro-batches holding the same sequences, plain SGD (lr 1): each micro-batch
+    is the loss at its own key of `step_keys` (so the two differ: one key shared by every
+    micro-batch, or no dropout at all, would make them equal), and the update is minus the mean of
+    the two single-micro-batch gradients at those keys."""
+    run = tiny_run("model.dropout=0.5", "optimizer=sgdm", "optimizer.momentum=0.0", "optimizer/lr_config=constant",
+                   "optimizer.lr_config.lr=1.0", "optimizer.lr_config.warmup=0", "train.gradient_clip_val=null",
+                   "dataset.batch_size=4", "dataset.total_batch_size=8")
+    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
+    per_micro_batch = step_metrics.StepMetric(lambda s, g, u, aux: {"loss_A": aux["loss"]})
+    wanted = [step_metrics.StepMetric(step_metrics.loss), per_micro_batch]
+    _, _, state, step = T.init_training(run, mesh, metrics=wanted)
+    micro_BxT1 = tokens((4, 17), seed=3)
+    _, keys_A = step_keys(state.key, 2)
+    assert not np.array_equal(keys_A[0], keys_A[1])
+    model = jax.tree.map(lambda v: jnp.copy(v) if eqx.is_array(v) else v, state.model)  # the step donates
+    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, t, k: T.loss_fn(m, t, k, "float32")[0]))
+    singles = [value_and_grad(model, jnp.asarray(micro_BxT1), k) for k in keys_A]
+    no_dropout = float(value_and_grad(model, jnp.asarray(micro_BxT1), None)[0])
+
+    state, metrics = step(state, put(np.stack([micro_BxT1, micro_BxT1]), mesh))
+    loss_A = np.asarray(metrics["loss_A"])
+    np.testing.assert_allclose(loss_A, [float(loss) for loss, _ in singles], rtol=1e-5)
+    # dropout moves the loss (~4, float32 error ~1e-6) by far more, and differently per key
+    assert abs(loss_A[0] - loss_A[1]) > 1e-4 and abs(loss_A.mean() - no_dropout) > 1e-4, (loss_A, no_dropout)
+    grads = [[np.asarray(g) for g in jax.tree.leaves(grads)] for _, grads in singles]
+    for p_new, p, g0, g1 in zip(host_params(state.model), host_params(model), *grads, strict=True):
+        np.testing.assert_allclose(p_new, p - (g0 + g1) / 2, rtol=1e-5, atol=1e-6)
 
 
 def test_step_donates_state_and_reports_metrics(tiny_run):

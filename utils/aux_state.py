@@ -12,9 +12,14 @@ Why the split between every step and logging steps: the `_sum` metrics and the b
 updated at every step (a running sum over every step), so they are cheap, fused reductions; all
 other values (norms, cosines) are computed only in the train step's logging variant.
 
-A step whose gradient is not finite is counted (`grads/inf_grads`) and leaves the gradient
-buffers and the sums as they were, so one bad batch skipped by `train.skip_nonfinite` does not
-poison every later cosine.
+A step whose gradient is not finite is counted (`grads/inf_grads`) and leaves every buffer
+(x_{n−1} too, as trainit keeps its previous parameters on a rejected step) and the sums as they
+were, so one bad batch skipped by `train.skip_nonfinite` does not poison every later cosine, and
+the next finite step's Δ is the last update applied, not 0.
+
+`update/norm`, `update/norm_l1`, `update/norm_inf` are trainit's `full_log` norms of Δ_n = x_n −
+x_{n−1} (the previous step's update, so they need `store_last_params`; without it they are not
+logged). The update this step applies, Δ_{n+1}, is `train/update_norm` (utils/step_metrics.py).
 """
 
 from __future__ import annotations
@@ -133,7 +138,8 @@ class LastPoint:
 def update(cfg: AuxConfig, aux: AuxState, params, grads, updates, loss: jax.Array, last: LastPoint | None,
            logging: bool) -> tuple[AuxState, dict[str, jax.Array]]:
     """(the next AuxState, metrics): the `_sum`s and buffers at every step, every other value only
-    when `logging`. `params` is x_n, `grads` g_n, `updates` Δ(n+1), `loss` f(x_n, z_n)."""
+    when `logging`. `params` is x_n, `grads` g_n, `updates` Δ(n+1), `loss` f(x_n, z_n). A step
+    whose gradient is not finite leaves the buffers and sums as they were."""
     finite = all_finite(grads)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
     out: dict[str, jax.Array] = {}
@@ -143,11 +149,13 @@ def update(cfg: AuxConfig, aux: AuxState, params, grads, updates, loss: jax.Arra
         sums[name + "_sum"] = jnp.where(finite, sums[name + "_sum"] + value, sums[name + "_sum"])
         out[name] = value
 
+    def log_norms(prefix: str, norms: tuple[jax.Array, jax.Array, jax.Array]) -> None:
+        out.update({f"{prefix}/norm": norms[0], f"{prefix}/norm_l1": norms[1], f"{prefix}/norm_inf": norms[2]})
+
     g_norms = _norms(grads)
     if logging:
-        for prefix, tree, norms in (("params", params, _norms(params)), ("grads", grads, g_norms),
-                                    ("update", updates, _norms(updates))):
-            out.update({f"{prefix}/norm": norms[0], f"{prefix}/norm_l1": norms[1], f"{prefix}/norm_inf": norms[2]})
+        log_norms("params", _norms(params))
+        log_norms("grads", g_norms)
 
     if cfg.store_last_params:
         delta = optax.tree.sub(optax.tree.cast(params, F32), optax.tree.cast(aux.last_params, F32))
@@ -156,6 +164,7 @@ def update(cfg: AuxConfig, aux: AuxState, params, grads, updates, loss: jax.Arra
         add_sum("update/<gn, xn-x(n-1)>", g_delta)
         add_sum("update/<gn, Delta(n)>", g_delta)  # Δ(n) is x(n) - x(n-1): the same product, the seed's two names
         if logging:
+            log_norms("update", _norms(delta))  # Δ(n), as trainit's full_log; Δ(n+1) is train/update_norm
             out["params/cos(xn, x(n-1))"] = cosine(_vdot(params, aux.last_params), optax.tree.norm(
                 optax.tree.cast(params, F32)), optax.tree.norm(optax.tree.cast(aux.last_params, F32)))
             out["update/cos(gn, Delta(n))"] = cosine(g_delta, g_norms[0], delta_norm)
@@ -186,7 +195,7 @@ def update(cfg: AuxConfig, aux: AuxState, params, grads, updates, loss: jax.Arra
 
     inf_grads = aux.inf_grads + (~finite).astype(jnp.int32)
     new = AuxState(
-        last_params=jax.tree.map(jnp.copy, params) if cfg.store_last_params else None,
+        last_params=keep(params, aux.last_params) if cfg.store_last_params else None,
         last_grads=keep(optax.tree.cast_like(grads, aux.last_grads), aux.last_grads) if cfg.store_last_grads else None,
         past_grads=keep(optax.tree.add(aux.past_grads, optax.tree.cast_like(grads, aux.past_grads)), aux.past_grads)
         if cfg.store_past_grads else None,

@@ -24,6 +24,7 @@ from utils.checkpoint import step_path
 from utils.errors import DataError, TrainingError
 from utils.sinks import Sinks
 from utils.sinks.console import say
+from utils.step_metrics import UPDATE_NORM
 
 # The loop's clock (a seam: tests drive it to check the throughput arithmetic exactly).
 clock = time.perf_counter
@@ -131,7 +132,7 @@ class Hooks:
             raise error
 
 
-VOUCHERS = ("train/loss", "update/norm")
+VOUCHERS = ("train/loss", UPDATE_NORM)  # UPDATE_NORM: this step's update, Δ(n+1) (not trainit's update/norm, Δ(n))
 
 
 def check_finite(values: dict[str, float], step: int, names: Sequence[str] = VOUCHERS) -> None:

@@ -5,6 +5,12 @@ the TrainState the step started from, `grads` the averaged gradients, `updates` 
 optimizer adds to the weights, `aux` the loss's auxiliary outputs stacked over micro-batches
 (`aux["loss"]` is loss_A). Values stay on the device; the host pulls them on logging steps.
 
+A metric marked `after_update` gets the TrainState the step produced as `state` instead: its
+`opt_state` is the one this update was computed with and left behind (Adam's bias-corrected
+second moment is the denominator this update divided by, Shampoo's clock counts this update),
+its `model` the new weights and its `step` one more. What describes the step being taken from
+the state it started from (`train/lr`: the schedule at the step's own index) stays a plain metric.
+
 A metric marked `logging_only` costs nothing on other steps: the step is compiled in two
 variants and the loop calls the one that computes it only on logging steps (a second
 compilation, so it is only made when some metric asks for it).
@@ -27,6 +33,7 @@ MetricFn = Callable[[Any, Any, Any, dict], dict[str, jax.Array]]
 class StepMetric:
     fn: MetricFn
     logging_only: bool = False
+    after_update: bool = False  # fn's `state` is the state the step produced, not the one it started from
 
 
 def all_finite(tree) -> jax.Array:
@@ -38,11 +45,15 @@ def loss(state, grads, updates, aux) -> dict[str, jax.Array]:
     return {"train/loss": aux["loss"].mean()}
 
 
+UPDATE_NORM = "train/update_norm"
+
+
 def norms(state, grads, updates, aux) -> dict[str, jax.Array]:
-    """Global L2 norms of the gradient (before clipping) and of the update this step applied.
-    The update norm also vouches, before every save, that the weights a step produced are finite
-    (utils.hooks.check_finite). (params/norm and the rest: utils/aux_state.py.)"""
-    return {"train/grad_norm": optax.tree.norm(grads), "update/norm": optax.tree.norm(updates)}
+    """Global L2 norms of the gradient (before clipping) and of the update this step applies,
+    Δ(n+1) (trainit's `update/norm` is the previous one, Δ(n): utils/aux_state.py). The update
+    norm also vouches, before every save, that the weights a step produced are finite
+    (utils.hooks.check_finite)."""
+    return {"train/grad_norm": optax.tree.norm(grads), UPDATE_NORM: optax.tree.norm(updates)}
 
 
 def learning_rates(schedule: optax.Schedule, by_group: dict[str, optax.Schedule], groups: Iterable[str]) -> MetricFn:
@@ -68,11 +79,14 @@ def defaults(schedule: optax.Schedule, by_group: dict[str, optax.Schedule], grou
     return metrics + ([StepMetric(skipped_steps)] if skip_nonfinite else [])
 
 
-def compute(metrics: Sequence[StepMetric], state, grads, updates, aux, logging: bool) -> dict[str, jax.Array]:
+def compute(metrics: Sequence[StepMetric], state, new_state, grads, updates, aux, logging: bool
+            ) -> dict[str, jax.Array]:
+    """Every metric due (all when `logging`, else those not logging-only), each given `state` (the
+    step's start) or, marked `after_update`, `new_state` (what the step produced)."""
     out: dict[str, jax.Array] = {}
     for metric in metrics:
         if logging or not metric.logging_only:
-            out.update(metric.fn(state, grads, updates, aux))
+            out.update(metric.fn(new_state if metric.after_update else state, grads, updates, aux))
     return out
 
 

@@ -42,6 +42,13 @@ def with_loss_norm(batch):
     return {**batch, "loss_norm": jnp.full((accum,), norm, jnp.float32)}
 
 
+def step_keys(key: jax.Array, accum: int) -> tuple[jax.Array, jax.Array]:
+    """(the next state's key, one dropout key per micro-batch) from a state's key: every
+    micro-batch gets its own, and x(n-1) is evaluated with the same ones (utils/aux_state.py)."""
+    key, step_key = jax.random.split(key)
+    return key, jax.random.split(step_key, accum)
+
+
 def over_micro_batches(fn: Callable, batch_AxBxT1, keys_A: jax.Array):
     """(mean over micro-batches of fn's first output, fn's second output stacked): gradient
     accumulation as a scan over the batch's leading axis (the batch: a token array or a dict of
@@ -74,9 +81,8 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
     compute_dtype = jnp.dtype(compute_dtype)
 
     def train_step(state: TrainState, batch_AxBxT1: jax.Array, logging: bool):
-        key, step_key = jax.random.split(state.key)
         batch_AxBxT1 = with_loss_norm(batch_AxBxT1)
-        micro_keys = jax.random.split(step_key, num_micro_batches(batch_AxBxT1))
+        key, micro_keys = step_keys(state.key, num_micro_batches(batch_AxBxT1))
 
         def grads_at(model):
             def fn(tokens_BxT1, k):
@@ -88,7 +94,7 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
         params = eqx.filter(state.model, eqx.is_array)
         updates, opt_state = tx.update(grads, state.opt_state, params)
         new_state = TrainState(eqx.apply_updates(state.model, updates), opt_state, state.step + 1, key, state.aux)
-        out = step_metrics.compute(metrics, state, grads, updates, aux, logging)
+        aux_metrics = {}
         if state.aux is not None:
             last = None
             if aux_cfg.needs_last_point:  # this batch at x(n-1), with the same dropout keys
@@ -105,8 +111,8 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
             new_aux, aux_metrics = aux_state.update(aux_cfg, state.aux, eqx.filter(state.model, eqx.is_inexact_array),
                                                     grads, updates, aux["loss"].mean(), last, logging)
             new_state = eqx.tree_at(lambda s: s.aux, new_state, new_aux)
-            out.update(aux_metrics)
-        return new_state, out
+        out = step_metrics.compute(metrics, state, new_state, grads, updates, aux, logging)
+        return new_state, {**out, **aux_metrics}
 
     return step_metrics.compile_variants(train_step, metrics, split=aux_cfg.on, donate_argnums=0,
                                          in_shardings=(state_shardings, meshlib.batch_sharding(mesh, 1)),
