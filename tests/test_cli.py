@@ -8,11 +8,12 @@ subprocess to prove the exit code, the single `error:` line and that nothing was
 
 Time (2 cores): every subprocess the session's tests of this file need starts side by side, in
 the background from the start of the session (conftest's Background), and a test waits for its
-own. The four training smoke tests share one process: a Hydra multirun of three jobs, AdamW +
-cosine, SGD-momentum + linear and AdamW + cosine again (it must repeat the first job exactly: the
-default launcher runs every job in the one process), each set by an option of a config group
-written for it to a tmp dir on hydra.searchpath (the single-run entry point is exercised by the train_lm.sh, divergence
-and bad-input runs).
+own. The five training smoke tests share one process: a Hydra multirun of four jobs, AdamW +
+cosine, SGD-momentum + linear, a diverging SGD and AdamW + cosine again (the sweep goes on past
+the diverged job, and the last job must repeat the first exactly: the default launcher runs every
+job in the one process), each set by an option of a config group written for it to a tmp dir on
+hydra.searchpath (the single-run entry point is exercised by the train_lm.sh, divergence and
+bad-input runs).
 """
 
 from __future__ import annotations
@@ -135,10 +136,20 @@ optimizer:
   lr_config: {{lr: {SGDM_LR}, warmup: {SGDM_WARMUP}, max_steps: {SGDM_DECAY_END}}}
 train: {{max_steps: 30}}
 """,
+    "sgdm_diverge": """# @package _global_
+defaults:
+  - override /optimizer: sgdm
+  - override /optimizer/lr_config: constant
+optimizer:
+  lr_config: {lr: 1.0e30}
+train: {max_steps: 20, gradient_clip_val: null}
+""",
 }
 SWEEP_TESTS = ("test_train_40_steps_val_loss_falls", "test_sgdm_linear_schedule_decays_and_loss_falls",
-               "test_multirun_two_optimizers", "test_multirun_jobs_carry_no_state_from_one_to_the_next")
-SWEEP_JOBS = ("adamw_cosine", "sgdm_linear", "adamw_cosine")  # job 2 repeats job 0 after another optimizer
+               "test_multirun_two_optimizers", "test_multirun_jobs_carry_no_state_from_one_to_the_next",
+               "test_multirun_goes_on_past_a_diverged_job")
+# Job 2 diverges; job 3 repeats job 0 after another optimizer and a diverged run.
+SWEEP_JOBS = ("adamw_cosine", "sgdm_linear", "sgdm_diverge", "adamw_cosine")
 
 # Bad inputs through the real CLI: (overrides, extra env, knob named in the error), by test id.
 USER_ERRORS = {
@@ -153,6 +164,9 @@ USER_ERRORS = {
 }
 DIVERGED = ("train.max_steps=20", "optimizer=sgdm", "optimizer/lr_config=constant", "optimizer.lr_config.lr=1e30",
             "train.gradient_clip_val=null")
+# Optuna's TPE sampler with seed 0 (conf/hydra/sweeper/optuna_lr.yaml) draws choices 1, 3, 0 of four
+# for its first three trials: 3e-3, then 1e30 (AdamW diverges), then 1e-3.
+OPTUNA_LRS = 'optimizer.lr_config.lr: "choice(1e-3, 3e-3, 1e-2, 1e30)"'
 
 
 @dataclass
@@ -264,9 +278,10 @@ def start_background(ctx) -> Runs:
         run_dir = where / f"error_{case}"
         out.user_errors[case] = run_dir, Started(where, f"error_{case}", [f"hydra.run.dir={run_dir}", *TINY, *overrides],
                                                  cli_env(ctx.cache_dir, extra))
-    if ctx.wanted("test_optuna_sweep_minimises_the_final_val_loss"):
+    if ctx.wanted("test_optuna_sweep_minimises_the_final_val_loss_past_a_diverged_trial"):
         sweep_dir = where / "optuna"
         out.optuna = sweep_dir, Started(where, "optuna", ["-m", "hydra/sweeper=optuna_lr", "hydra.sweeper.n_trials=3",
+                                                          f"hydra.sweeper.params={{{OPTUNA_LRS}}}",
                                                           f"hydra.sweep.dir={sweep_dir}", *TINY, "train.max_steps=10",
                                                           "train.val_freq=10", "train.sample_tokens=0",
                                                           "optimizer.lr_config.warmup=2"], env)
@@ -285,9 +300,10 @@ def runs(background, request) -> Runs:
 @pytest.fixture(scope="module")
 def sweep(runs) -> tuple[subprocess.CompletedProcess, Path]:
     """The shared multirun: job 0 AdamW + cosine (40 steps, val every 20), job 1 SGD-momentum + linear
-    (30 steps), job 2 job 0 again."""
+    (30 steps), job 2 SGD at lr 1e30 (diverges), job 3 job 0 again. It exits 2 for job 2."""
     proc = runs.sweep.result()
-    assert_ok(proc)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, \
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     return proc, runs.sweep_dir
 
 
@@ -381,8 +397,8 @@ def test_multirun_two_optimizers(sweep):
 
 @pytest.mark.slow
 def test_multirun_jobs_carry_no_state_from_one_to_the_next(sweep):
-    """Hydra's default launcher runs a multirun's jobs one after another in one process. Job 2 is
-    job 0's config, run after job 1 trained another optimizer, and repeats job 0 exactly: every
+    """Hydra's default launcher runs a multirun's jobs one after another in one process. Job 3 is
+    job 0's config, run after job 1 trained another optimizer and job 2 diverged, and repeats job 0 exactly: every
     loss, norm, lr and val score, the samples, and its log (one header, no line doubled by a
     logging handler an earlier job left). Nothing of an earlier job (RNG, mesh, signal handlers,
     caches, the prefetch thread, the sinks) reaches a later one."""
@@ -393,30 +409,62 @@ def test_multirun_jobs_carry_no_state_from_one_to_the_next(sweep):
                                                                                       "train/mfu")}
                 for r in read_metrics(sweep_dir / job / "metrics.jsonl")]
 
-    first, again = deterministic("0"), deterministic("2")
+    assert (sweep_dir / "3").is_dir(), "job 3 did not run: the multirun stopped at the diverged job 2"
+    first, again = deterministic("0"), deterministic("3")
     assert [r["step"] for r in again] == list(range(0, 41, 5))
     assert again == first  # exact
-    assert (sweep_dir / "2" / "samples.jsonl").read_text() == (sweep_dir / "0" / "samples.jsonl").read_text()
-    logs = [(sweep_dir / job / "train_jax.log").read_text().splitlines() for job in ("0", "2")]
+    assert (sweep_dir / "3" / "samples.jsonl").read_text() == (sweep_dir / "0" / "samples.jsonl").read_text()
+    logs = [(sweep_dir / job / "train_jax.log").read_text().splitlines() for job in ("0", "3")]
     assert [sum("eqtrain: " in line for line in log) for log in logs] == [1, 1]
     assert len(logs[1]) == len(logs[0]) and "sgdm" not in "\n".join(logs[1])
 
 
 @pytest.mark.slow
-def test_optuna_sweep_minimises_the_final_val_loss(runs):
-    """The README's `hydra/sweeper=optuna_lr`: three trials, each its own job dir with its own lr,
-    and the best value Optuna reports is the lowest final val/loss the runs returned."""
+def test_multirun_goes_on_past_a_diverged_job(sweep):
+    """A diverged job of a multirun (job 2: SGD at lr 1e30) is one `error: job N (overrides): why`
+    line when it fails, and the sweep goes on (job 3 runs to its end); at the end the multirun lists
+    the failed jobs, by the overrides that set them apart, and exits 2 (the fixture checks it)."""
+    proc, sweep_dir = sweep
+    failed = [line for line in proc.stderr.splitlines() if line.startswith("error: job ")]
+    assert len(failed) == 1, proc.stderr[-3000:]
+    assert failed[0].startswith("error: job 2 (") and "+cli_case=sgdm_diverge" in failed[0], failed[0]
+    assert "train/loss is nan" in failed[0] and "optimizer.lr_config.lr" in failed[0]
+    summary = proc.stderr.strip().splitlines()[-2:]
+    assert summary[0] == "error: 1 of 4 jobs of the multirun failed:", proc.stderr[-3000:]
+    assert summary[1].startswith("  job 2 (+cli_case=sgdm_diverge): train/loss is nan at step 5"), summary[1]
+    diverged = read_metrics(sweep_dir / "2" / "metrics.jsonl")
+    assert not math.isfinite(diverged[-1]["train/loss"])
+    after = read_metrics(sweep_dir / "3" / "metrics.jsonl") if (sweep_dir / "3").is_dir() else []
+    assert after and after[-1]["step"] == 40 and math.isfinite(after[-1]["train/loss"]), "job 3 did not finish"
+
+
+@pytest.mark.slow
+def test_optuna_sweep_minimises_the_final_val_loss_past_a_diverged_trial(runs):
+    """The README's `hydra/sweeper=optuna_lr`: three trials, each its own job dir with its own lr; one
+    diverges, is reported in one line, counts as the worst value (+inf) and the study goes on; the
+    best value Optuna reports is the lowest final val/loss of the others, and the study exits 0."""
     sweep_dir, started = runs.optuna
-    assert_ok(started.result())
-    finals, lrs = {}, set()
+    proc = started.result()
+    assert_ok(proc)
+    finals, lrs = {}, {}
     for job in ("0", "1", "2"):
         config = yaml.safe_load((sweep_dir / job / ".hydra" / "config.yaml").read_text())
-        lrs.add(config["optimizer"]["lr_config"]["lr"])
+        lrs[job] = config["optimizer"]["lr_config"]["lr"]
         finals[job] = [r for r in read_metrics(sweep_dir / job / "metrics.jsonl") if "val/loss" in r][-1]["val/loss"]
-    assert len(lrs) == 3
+    assert len(set(lrs.values())) == 3
+    diverged = [job for job, lr in lrs.items() if lr == 1e30]
+    assert len(diverged) == 1, f"the seeded sampler drew {lrs}: no single diverging trial"
+    job = diverged[0]
+    assert not math.isfinite(read_metrics(sweep_dir / job / "metrics.jsonl")[-1]["train/loss"])
+    failed = [line for line in proc.stderr.splitlines() if line.startswith("error: job ")]
+    assert len(failed) == 1 and failed[0].startswith(f"error: job {job} (") and "train/loss is nan" in failed[0], \
+        proc.stderr[-3000:]
+    assert "1 of 3 trials diverged" in proc.stderr
     best = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
-    assert best["best_value"] == pytest.approx(min(finals.values()), rel=1e-6)
+    others = [finals[j] for j in lrs if j != job]
+    assert best["best_value"] == pytest.approx(min(others), rel=1e-6)
     assert set(best["best_params"]) == {"optimizer.lr_config.lr"}
+    assert float(best["best_params"]["optimizer.lr_config.lr"]) != 1e30
 
 
 @pytest.mark.slow
@@ -443,6 +491,30 @@ def test_train_lm_script_smoke_forwards_the_slurm_signal_and_resumes(runs):
     records = [r for r in read_metrics(smoke.second_dir / "metrics.jsonl") if "train/loss" in r]  # not optim/state_bytes
     assert records[0]["step"] == stopped_at + 1 and records[-1]["step"] == 400
     assert math.isfinite(records[-1]["train/loss"])
+
+
+def test_multirun_summary_names_the_failed_jobs_and_sets_the_exit_code(capsys):
+    """The end of a multirun (utils/cli.summarise): each failed job by the overrides that set it apart,
+    and the exit code: 0 with no failure, or under Optuna when only diverged trials failed and one
+    finished; 2 when every failure was a user error; 1 when a job crashed on a bug."""
+    from utils.cli import JobOutcome, summarise
+
+    common = ("model.dim=32", "train.max_steps=10")
+    ok = JobOutcome(0, (*common, "optimizer.lr_config.lr=0.001"))
+    diverged = JobOutcome(1, (*common, "optimizer.lr_config.lr=1e+30"), "train/loss is nan at step 5", diverged=True)
+    bad_knob = JobOutcome(2, (*common, "optimizer.lr_config.lr=-1"), "optimizer.lr_config.lr=-1 must be > 0")
+    bug = JobOutcome(3, (*common, "optimizer.lr_config.lr=0.1"), "ZeroDivisionError: division by zero", user_error=False)
+    assert summarise([ok, ok]) == 0 and capsys.readouterr().err == ""
+    assert summarise([ok, diverged]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: 1 of 2 jobs of the multirun failed:",
+        "  job 1 (optimizer.lr_config.lr=1e+30): train/loss is nan at step 5"]
+    assert summarise([ok, diverged], optuna=True) == 0
+    assert capsys.readouterr().err.startswith("eqtrain: 1 of 2 trials diverged")
+    assert summarise([diverged], optuna=True) == 2  # no trial finished: the study found nothing
+    assert summarise([ok, diverged, bad_knob], optuna=True) == 2
+    assert summarise([ok, diverged, bug]) == 1
+    assert "  job 3 (optimizer.lr_config.lr=0.1): ZeroDivisionError" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- bad inputs, in-process

@@ -1,5 +1,6 @@
 """eqtrain on a real SLURM cluster: the one-node cluster of scripts/slurm/local_cluster.sh (run it
-as root first; CI does). Skipped when `sinfo` is not on PATH or the cluster does not answer.
+as root first; CI does). Skipped when `sinfo` is not on PATH or the cluster does not answer, except
+where EQTRAIN_REQUIRE_SLURM=1 (.ci/run sets it as root with apt-get): there that fails them.
 
 - a sweep through hydra/launcher=slurm (hydra-submitit-launcher): one SLURM job per point, each
   with its own run dir, metrics.jsonl and checkpoint dir;
@@ -8,7 +9,9 @@ as root first; CI does). Skipped when `sinfo` is not on PATH or the cluster does
 - scripts/slurm/train.sbatch at a real time limit: SLURM signals the batch script, the trainer
   saves and exits 3, the script requeues the job, and the next start resumes and finishes: the
   losses equal an uninterrupted run's, bit for bit, across the stop (the reference runs to 100
-  steps past it; resumed deterministic training is then the same computation).
+  steps past it; resumed deterministic training is then the same computation);
+- train.sbatch with two tasks, signalled: both save and stop, one exiting well after the other,
+  and the job is still requeued and resumes.
 
 The jobs are submitted from the session's background (conftest.Background) while earlier tests
 run in the pytest process, one scenario after another; the tests inspect what they left. Every job
@@ -21,7 +24,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -32,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CLI_TINY, FAST_COMPILE, offline_env
+from slurm_cluster import cluster_problem, no_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 PARTITION = os.environ.get("EQTRAIN_TEST_PARTITION", "debug")
@@ -43,28 +46,14 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 def _cluster_problem() -> str | None:
     """Why the SLURM tests cannot run here, or None."""
-    if shutil.which("sinfo") is None:
-        return "no SLURM here: sinfo is not on PATH (as root, `bash scripts/slurm/local_cluster.sh` starts a local cluster)"
-    try:
-        out = subprocess.run(["sinfo", "-h", "-p", PARTITION, "-o", "%T"], capture_output=True, text=True, timeout=5)
-    except subprocess.TimeoutExpired:
-        return "the SLURM cluster does not answer: sinfo took more than 5 s"
-    if out.returncode != 0:
-        return f"sinfo failed: {out.stderr.strip()}"
-    states = out.stdout.split()
-    if not states:
-        return f"the SLURM cluster has no partition {PARTITION!r} (set EQTRAIN_TEST_PARTITION)"
-    if not any(s.rstrip("*~#") in ("idle", "mixed", "allocated", "completing") and not s.endswith("*")
-               for s in states):
-        return f"no node of partition {PARTITION!r} is up (sinfo: {' '.join(states)})"
-    return None
+    return cluster_problem(PARTITION)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _cluster():
     problem = _cluster_problem()
     if problem:
-        pytest.skip(problem)
+        no_cluster(problem)  # a skip, or a failure where EQTRAIN_REQUIRE_SLURM=1 (.ci/run as root with apt)
 
 
 def job_env(cache_dir, **extra: str) -> dict[str, str]:
@@ -79,6 +68,13 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
     """(step, train/loss) of every line of metrics.jsonl, in file order (duplicates kept)."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [(r["step"], r["train/loss"]) for r in map(json.loads, lines) if "train/loss" in r]
+
+
+def kill_wait_s() -> int:
+    """SLURM's KillWait: how long a terminated step's processes have between SIGTERM and SIGKILL."""
+    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30)
+    found = re.search(r"^KillWait\s*=\s*(\d+)", out.stdout, re.M)
+    return int(found.group(1)) if found else 30
 
 
 def job_fields(job_id: str) -> dict[str, str]:
@@ -198,6 +194,48 @@ class Scenarios:
         codes = {"two": two.wait(timeout=300), "one": one.wait(timeout=300)}
         return {"codes": codes, "where": where}
 
+    def two_tasks(self, where: Path, name: str) -> dict:
+        """train.sbatch with two tasks (srun starts them; they join by jax.distributed): once they
+        train, USR1 goes to the batch shell (`scancel --batch`, what --signal=B:USR1 does), both
+        save and stop, the script requeues the job and the next start resumes and finishes. In the
+        first start task 1 exits a few seconds more than SLURM's KillWait after task 0 (an atexit
+        sleep from a sitecustomize on PYTHONPATH), as a process 0 that finishes a wandb upload or a
+        slow save does: long enough for a step that srun terminates when task 0 exits (SIGTERM,
+        which a stopped trainer ignores, then SIGKILL after KillWait) to kill it."""
+        where.mkdir(parents=True)
+        ck, run = where / "ck", where / "run"
+        (where / "site").mkdir()
+        (where / "site" / "sitecustomize.py").write_text(
+            "import atexit, os, time\n"
+            "if os.environ.get('SLURM_PROCID') == '1' and os.environ.get('SLURM_RESTART_COUNT', '0') == '0':\n"
+            f"    atexit.register(time.sleep, {kill_wait_s() + 3})\n")
+        args = [*RUN, f"train.max_steps={TWO_TASK_STEPS}", "checkpoint.save_steps=100000"]
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the session is over")
+            submit = subprocess.run(
+                ["sbatch", "--parsable", f"--partition={PARTITION}", "--ntasks=2", "--time=10", f"--job-name={name}",
+                 f"--output={where / 'job.out'}", "scripts/slurm/train.sbatch", *args],
+                cwd=REPO, env=job_env(self.cache_dir, EQTRAIN_SAVE_PATH=str(ck), EQTRAIN_RUN_DIR=str(run),
+                                      PYTHONPATH=str(where / "site")),
+                capture_output=True, text=True, timeout=30)
+        if submit.returncode != 0:
+            return {"error": f"sbatch failed: {submit.stderr}"}
+        job_id = submit.stdout.strip().split(";")[0]
+        deadline, signalled, fields = time.monotonic() + 300, False, {}
+        while time.monotonic() < deadline and not self._closed:
+            fields = job_fields(job_id) or fields
+            metrics = run / "metrics.jsonl"
+            if not signalled and metrics.exists() and "train/loss" in metrics.read_text():
+                subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
+                signalled = True
+            if fields.get("JobState") in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY"):
+                break
+            time.sleep(0.5)
+        out = (where / "job.out").read_text() if (where / "job.out").exists() else ""
+        return {"state": fields.get("JobState"), "restarts": int(fields.get("Restarts", "0")), "signalled": signalled,
+                "out": out, "ck": ck, "run": run}
+
     def sweep(self, where: Path, name: str) -> dict:
         """Two sweep points through hydra/launcher=slurm, checkpoints on without a save_path."""
         where.mkdir(parents=True)
@@ -212,6 +250,7 @@ class Scenarios:
 
 
 SCENARIOS = {"test_time_limit_requeue_resumes_bit_identically": "time_limit",
+             "test_two_task_job_signalled_requeues_and_resumes": "two_tasks",
              "test_srun_two_processes_train_as_one": "srun",
              "test_sweep_through_the_slurm_launcher": "sweep"}
 
@@ -309,3 +348,27 @@ def test_local_cluster_script_second_run_is_quick():
     nobody = subprocess.run(["su", "nobody", "-s", "/bin/bash", "-c", "bash scripts/slurm/local_cluster.sh"],
                             cwd=REPO, capture_output=True, text=True, timeout=30)
     assert nobody.returncode == 0 and nobody.stdout.strip().count("\n") == 0 and "not root" in nobody.stdout
+
+
+TWO_TASK_STEPS = 100  # ~0.1 s a step (an all-gather and a log line each): the stop comes a few steps after the first
+
+
+def test_two_task_job_signalled_requeues_and_resumes(scenarios):
+    """A 2-task train.sbatch job (srun): USR1 to the batch shell reaches both trainers, which agree
+    on a step, save together and exit 3, task 1 some seconds after task 0. The first exit must not
+    make srun kill the other task (--kill-on-bad-exit) nor srun's status hide the 3 behind that kill:
+    the job is requeued, and its next start resumes at the saved step and finishes, every step
+    logged once."""
+    r = scenarios.result("two_tasks")
+    out, ck = r["out"], r["ck"]
+    assert r["signalled"], f"the job never logged a training step\n{out[-3000:]}"
+    assert r["state"] == "COMPLETED" and r["restarts"] == 1, f"{r['state']}, {r['restarts']} restart(s)\n{out[-4000:]}"
+    stop = STOP_LINE.search(out)
+    assert stop, out[-4000:]
+    k = int(stop.group(1))
+    assert 0 < k < TWO_TASK_STEPS, f"the job finished before the signal (raise TWO_TASK_STEPS)\n{out[-3000:]}"
+    assert "requeueing job" in out and f"resumed from {ck}/iter_{k} at step {k}" in out, out[-4000:]
+    assert "2 task(s)" in out
+    got = losses(r["run"])
+    assert [s for s, _ in got] == list(range(1, TWO_TASK_STEPS + 1))  # each step once, across the stop
+    assert all(math.isfinite(loss) for _, loss in got)

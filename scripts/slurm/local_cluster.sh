@@ -28,10 +28,13 @@ host=$(hostname -s)
 conf=/etc/slurm/slurm.conf
 marker="# Written by eqtrain's scripts/slurm/local_cluster.sh"
 
-# One run at a time (several agents or CI steps may call it together).
-exec 9>/var/lock/eqtrain-local-cluster.lock
+# One run at a time (several agents or CI steps may call it together). The lock and the apt log are
+# opened as root: never at a fixed name in a world-writable directory (/tmp, /var/lock = /run/lock),
+# where another user could plant a symlink that the redirection follows and truncates.
+lock=/run/eqtrain-local-cluster.lock  # /run: root's own
+exec 9>"$lock"
 if ! flock -w "$timeout_s" 9; then
-  echo "local_cluster.sh: another run holds /var/lock/eqtrain-local-cluster.lock for more than ${timeout_s} s"; exit 1
+  echo "local_cluster.sh: another run holds $lock for more than ${timeout_s} s"; exit 1
 fi
 
 if [[ -f $conf ]] && ! grep -qF "$marker" "$conf"; then  # a real cluster's node: change nothing
@@ -46,15 +49,17 @@ done
 if (( ${#missing[@]} )); then
   say "installing ${missing[*]} with apt (about a minute)"
   export DEBIAN_FRONTEND=noninteractive
+  apt_log=$(mktemp -t eqtrain-slurm-apt.XXXXXX)  # a new file of its own (O_EXCL, mode 600)
   # Package postinst scripts may try to start services: in a container without an init that
   # fails harmlessly, and this script starts the daemons itself below.
-  if ! apt-get install -y -q --no-install-recommends "${missing[@]}" >/tmp/eqtrain-slurm-apt.log 2>&1; then
+  if ! apt-get install -y -q --no-install-recommends "${missing[@]}" >>"$apt_log" 2>&1; then
     say "apt-get install failed; running apt-get update and trying again"
-    apt-get update -q >>/tmp/eqtrain-slurm-apt.log 2>&1 || true
-    if ! apt-get install -y -q --no-install-recommends "${missing[@]}" >>/tmp/eqtrain-slurm-apt.log 2>&1; then
-      say "apt-get install ${missing[*]} failed, see /tmp/eqtrain-slurm-apt.log"; exit 1
+    apt-get update -q >>"$apt_log" 2>&1 || true
+    if ! apt-get install -y -q --no-install-recommends "${missing[@]}" >>"$apt_log" 2>&1; then
+      say "apt-get install ${missing[*]} failed, see $apt_log"; exit 1
     fi
   fi
+  rm -f "$apt_log"
 else
   say "packages present (munge slurm-client slurmctld slurmd)"
 fi
