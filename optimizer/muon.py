@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
-from optax.contrib._muon import orthogonalize_via_newton_schulz  # what scale_by_muon calls; not re-exported
 
 from optimizer.diagnostics import adam_sqrt_v, array_leaves, find_states
 from optimizer.groups import check_non_negative, check_unit_interval
@@ -55,6 +54,16 @@ def scale_by_shape(convention: str) -> optax.GradientTransformation:
         return jax.tree.map(lambda u: u * shape_factor(u.shape, convention), updates), state
 
     return optax.GradientTransformation(lambda _params: optax.EmptyState(), update_fn)
+
+
+def newton_schulz(mu: jax.Array, ns_coeffs: jax.Array, ns_steps: int) -> jax.Array:
+    """The Newton–Schulz output scale_by_muon computes from momentum `mu` (a stack of blocks), with
+    optax's public API only (its `orthogonalize_via_newton_schulz` is not re-exported): a fresh
+    scale_by_muon with beta 0 and no Nesterov is exactly that pass (its momentum 1·mu + 0·0 and bias
+    correction /(1 − 0¹) are exact), with the same coefficients, Frobenius pre-scaling and eps."""
+    ns = scale_by_muon(ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=0.0, nesterov=False,
+                       weight_dimension_numbers=_stacked_dims)
+    return ns.update(mu, ns.init(mu))[0]
 
 
 def orthogonality_error(o_BxMxN: jax.Array) -> jax.Array:
@@ -131,8 +140,6 @@ class Muon:
         if not mus:
             return {}
         errs = jnp.concatenate([
-            orthogonality_error(orthogonalize_via_newton_schulz(
-                mu, jnp.asarray(states[0].ns_coeffs), self.ns_steps, "frobenius", 1e-8, STACKED_MATRIX)
-            ).reshape(-1)
+            orthogonality_error(newton_schulz(mu, states[0].ns_coeffs, self.ns_steps)).reshape(-1)
             for mu in mus])
         return {"ortho_err_mean": jnp.mean(errs), "ortho_err_max": jnp.max(errs)}

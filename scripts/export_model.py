@@ -23,6 +23,7 @@ from models import export
 from utils.cli import quiet_jax_probe
 from utils.files import user_path
 from utils.errors import EqtrainError
+from utils.script_errors import script_error
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,12 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         export.check_out_dir(args.out, args.force)
         source, run, model = export.restore_for_inference(args.checkpoint_dir, args.load_file)
         export.save_export(args.out, model, source.step, source.config.get("tokenizer", {}), run.context_length)
-    except EqtrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: cannot write {e.filename or args.out}: {e.strerror or e}: check --out", file=sys.stderr)
-        return 2
+    except (EqtrainError, OSError) as e:
+        return script_error(e, where=args.out, hint="check --out")
     print(f"exported {source.path} (step {source.step}) to {args.out}")
     return 0
 

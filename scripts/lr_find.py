@@ -76,6 +76,7 @@ import numpy as np
 
 from utils.cli import script_argv
 from utils.errors import ConfigError, EqtrainError, TrainingError
+from utils.script_errors import script_error
 
 PREFIX = "lr_find."
 RULE = "min/10: the lr at the minimum of the smoothed loss, divided by 10"
@@ -383,9 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             knobs = dataclasses.replace(knobs, out_dir=user_path(knobs.out_dir))
         run = compose_run(overrides)
         find(knobs, run, overrides)
-    except EqtrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (EqtrainError, OSError) as e:  # OSError: a file of lr_find.out_dir it could not write
+        return script_error(e, hint="check lr_find.out_dir and the disk")
     return 0
 
 

@@ -23,8 +23,10 @@ per run, labelled by the command-line overrides that differ between the runs
 not set a differing key, its value is read from the run's Hydra choices or resolved config. Runs
 with no differing override (and a single run) are labelled by their directory names.
 
-A resumed run appends to metrics.jsonl, so a step can appear twice: the last record of a step
-wins (it belongs to the segment that went on). Bad input (no run directory under a PATH, a
+A resumed run appends to metrics.jsonl, so a step can appear twice: the records of a step are
+merged, a later value winning per metric (the segment that went on), so the resumed segment's
+first record (`optim/state_bytes`, `data/...` at the step it resumed from) does not hide the
+`train/loss` and `val/loss` the previous segment logged at that step. Bad input (no run directory under a PATH, a
 --metric no run logged, a line of metrics.jsonl that is not JSON) exits 2 with one line on stderr.
 """
 
@@ -51,6 +53,7 @@ import yaml
 
 from utils.errors import EqtrainError
 from utils.files import atomic_write, user_path
+from utils.script_errors import script_error
 
 METRICS_FILE = "metrics.jsonl"  # logging.metrics_file's default; a run's config may name another
 TOKENS, ELAPSED = "data/tokens", "time/elapsed_sec"
@@ -63,7 +66,7 @@ class PlotError(EqtrainError):
 @dataclass
 class Run:
     path: str  # the run directory, absolute
-    records: list[dict]  # one per logged step, ascending by step; the last record of a step wins
+    records: list[dict]  # one per logged step, ascending by step; a step's records merged, later values win
     overrides: list[str] = field(default_factory=list)  # .hydra/overrides.yaml
     config: dict = field(default_factory=dict)  # .hydra/config.yaml (as saved: interpolations unresolved)
     choices: dict = field(default_factory=dict)  # hydra.runtime.choices of .hydra/hydra.yaml: group -> option
@@ -139,7 +142,8 @@ def find_runs(paths: Sequence[str]) -> list[str]:
 
 def load_metrics(path: str) -> list[dict]:
     """metrics.jsonl -> its records, ascending by step, one per step: a resumed run appends, so a
-    step logged twice keeps its last record. Raises PlotError naming file:line of a bad line."""
+    step logged twice is merged, a later value winning per key (a resumed segment's first record
+    holds only its start-up metrics). Raises PlotError naming file:line of a bad line."""
     by_step: dict[int, dict] = {}
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -153,7 +157,7 @@ def load_metrics(path: str) -> list[dict]:
                 step = record.get("step") if isinstance(record, dict) else None
                 if not isinstance(step, (int, float)) or isinstance(step, bool) or step != int(step):
                     raise PlotError(f"{path}:{number}: not a metrics record (a JSON object with an integer \"step\")")
-                by_step[int(step)] = record
+                by_step[int(step)] = {**by_step.get(int(step), {}), **record}
     except OSError as e:
         raise PlotError(f"{path}: cannot read it ({e.strerror or e})") from None
     return [by_step[s] for s in sorted(by_step)]
@@ -469,12 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             first = user_path(args.paths[0])
             out = first if os.path.isdir(first) else os.path.dirname(first)
         written = plot(runs, out, args.metric)
-    except EqtrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: cannot write {e.filename or args.out}: {e.strerror or e}: check --out", file=sys.stderr)
-        return 2
+    except (EqtrainError, OSError) as e:
+        return script_error(e, where=args.out, hint="check --out")
     for path in written:
         print(_shown(path))
     return 0

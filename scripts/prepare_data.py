@@ -20,7 +20,9 @@ into a temporary directory beside DIR and renamed at the end: a killed run leave
 Train with the same tokenizer knobs: the memmap source compares the tokenizer's fingerprint with
 meta.json's and refuses another. tokenizer=bpe is refused here: it is trained on text, which a run
 on token files does not have; use tokenizer=byte or any Hugging Face tokenizer (tokenizer=hf,
-also a local directory). A bad knob exits 2 with one line, before any document is read.
+also a local directory). dataset=chat is refused too: its loss mask (the assistant's turns only)
+does not fit token files; train on it with dataset=chat, which caches its tokens and masks itself.
+A bad knob exits 2 with one line, before any document is read.
 """
 
 from __future__ import annotations
@@ -92,6 +94,10 @@ def prepare(run, knobs: PrepareConfig, progress_stream=None) -> dict:
                           "(dataset=memmap) cannot rebuild it: use tokenizer=byte or tokenizer=hf "
                           "(any Hugging Face tokenizer, a local directory too)")
     source = run.dataset.source
+    if getattr(source, "loss_masked", False):
+        raise ConfigError(f"dataset={run.dataset.name} trains on part of each record only (its loss mask), which token "
+                          f"files cannot hold: dataset=memmap would train on every token; train it with "
+                          f"dataset={run.dataset.name} directly (its tokens are cached after the first run)")
     if not hasattr(source, "documents"):
         raise ConfigError(f"dataset={run.dataset.name} has no text documents to tokenize: choose a text source, "
                           "e.g. dataset=text_files 'dataset.paths=[data/*.txt]'")
@@ -127,13 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         knobs, overrides = split_argv(argv)
         run = compose_run(overrides)
         meta = prepare(run, knobs)
-    except EqtrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        where = e.filename or (knobs.out if knobs else "out")
-        print(f"error: cannot write {where}: {e.strerror or e}: check out= and the disk", file=sys.stderr)
-        return 2
+    except (EqtrainError, OSError) as e:
+        from utils.script_errors import script_error
+
+        return script_error(e, where=knobs.out if knobs else "out", hint="check out= and the disk")
     print(summary(meta, knobs))
     return 0
 

@@ -22,6 +22,7 @@ import argparse
 from models import export
 from utils.cli import quiet_jax_probe
 from utils.errors import CheckpointError, EqtrainError
+from utils.script_errors import script_error
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--temperature {args.temperature} must be >= 0 (0 = greedy)")
         text = sample(args)
     except EqtrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return script_error(e)
     print(text)
     return 0
 

@@ -35,9 +35,22 @@ GOLDEN = {
     "sgdm": [4.182358741760254, 4.13124418258667, 4.054842472076416, 3.9591245651245117],
     "shampoo": [4.182358741760254, 4.138559341430664, 4.025544166564941, 3.898228406906128],
 }
-# XLA's CPU kernels may reassociate sums differently across CPU generations; a real numerical
-# change (an lr, a default, an update rule) moves these losses by far more.
+# Relative tolerances from float32 error (EPS32 = 2⁻²³ ≈ 1.19e-7), since XLA's kernels on another
+# CPU reassociate sums differently. Each loss is a mean over 128 tokens of a log-softmax after a
+# 2-block forward whose dot products have <= 128 terms: ≲ √128 ≈ 11 EPS32 of rounding, and the
+# first-order updates carry relative errors through 3 steps without amplifying them (a random
+# 1-EPS32 relative change of every initial weight moves these losses by <= 1 EPS32). 2e-5 (~170
+# EPS32) leaves > 10× room; an lr 0.1% off moves the last losses by 2-4e-5, a real change far more.
 RTOL = 2e-5
+# Shampoo's losses after updates 2 and 3 are ill-conditioned: update 1 computes the roots of
+# S + 1e-6·λmax·I, damped null-space eigenvalues, and steps 2-3 reuse them (precondition_every=10)
+# on gradients that reach that null space, where an eigh error of δ·λmax changes the root by
+# δ/(4·1e-6): one rounding (δ = EPS32) is already 3%. Measured condition: the 1-EPS32 weight
+# change above moves these two losses by ~30 and ~90 EPS32 (AdamW's: <= 1), and a kernel that
+# rounds differently perturbs the statistics and eigh by ~√K roundings (K = 32..128 terms, ≈ 6-11),
+# not one: up to ~1e-4 (≈ 840 EPS32). The losses before (steps 1-2, from one root applied in
+# its range space) keep RTOL. (The table was 1.2e-5 = 62% of the former 2e-5 off on other CPUs.)
+SHAMPOO_RTOL = [RTOL, RTOL, 1e-4, 1e-4]
 
 
 def golden_run(optimizer: str, data: int = 1, fsdp: int = 1, devices=None) -> tuple[list[float], object]:
@@ -65,18 +78,16 @@ def golden_losses(optimizer: str) -> list[float]:
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_golden_losses(optimizer):
+    """The computed losses match the table and fall: each optimizer learns the batch it steps on
+    (the table alone could hold losses that rise)."""
     assert optimizer in GOLDEN, f"no golden values for {optimizer}: run `python tests/test_golden.py` and add them"
     got = golden_losses(optimizer)
-    np.testing.assert_allclose(
-        got, GOLDEN[optimizer], rtol=RTOL,
+    rtol = np.asarray(SHAMPOO_RTOL if optimizer == "shampoo" else RTOL)
+    np.testing.assert_array_less(  # |got - golden| <= rtol·|golden|, rtol per step
+        np.abs(np.subtract(got, GOLDEN[optimizer])), rtol * np.abs(GOLDEN[optimizer]),
         err_msg=f"{optimizer}: the first losses of the tiny GPT changed. Update GOLDEN only for an intended "
                 "numerical change, and say so in the commit message.")
-
-
-def test_golden_losses_fall():
-    """The table itself describes learning: every optimizer lowers the loss on the batch it steps on."""
-    for name, (first, *_, after) in GOLDEN.items():
-        assert after < first, name
+    assert all(a > b for a, b in zip(got, got[1:])), (optimizer, got)
 
 
 if __name__ == "__main__":

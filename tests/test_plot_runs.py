@@ -1,6 +1,6 @@
 """scripts/plot_runs.py on small fake run directories (no training): a two-job sweep gives valid
-PNGs, labels keep only the overrides that differ, a resumed run's repeated steps keep their last
-record, the tokens axis comes from data/tokens or the config, and bad input exits 2 with one line.
+PNGs, labels keep only the overrides that differ, a resumed run's repeated steps are merged (later
+values win), the tokens axis comes from data/tokens or the config, and bad input exits 2 with one line.
 
 Everything runs in-process through the script's functions and `main(argv)`; one subprocess checks
 the command exactly as a user types it.
@@ -136,6 +136,23 @@ def test_resumed_run_keeps_last_record_of_a_step(tmp_path):
     loaded = plot_runs.load_metrics(str(run / "metrics.jsonl"))
     assert [r["step"] for r in loaded] == [0, 10, 20, 30, 40]
     assert [r.get("train/loss") for r in loaded] == [None, 4.5, 1.2, 1.3, 1.4]
+
+
+def test_resume_boundary_keeps_the_previous_segments_losses(tmp_path):
+    """A resumed segment's first record, at the step it resumed from, holds only its start-up metrics
+    (train_jax logs optim/state_bytes and data/... there): the losses the previous segment logged at
+    that step stay on the curves. (Keeping the last record per step dropped them: step 30 vanished
+    from train/loss and val/loss.)"""
+    first = records(range(0, 31, 10))  # saved at 30, then stopped
+    start = {"step": 30, "optim/state_bytes": 4096, "data/fingerprint": "0123abcd", "data/epoch": 0}
+    run = make_run(tmp_path / "run", [], first + [start] + records(range(40, 61, 10), loss0=4.9))
+    loaded = plot_runs.load_run(str(run))
+    assert [r["step"] for r in loaded.records] == [0, 10, 20, 30, 40, 50, 60]
+    assert loaded.records[3] == {**first[3], **start}  # merged: both segments' metrics at step 30
+    xs, ys = plot_runs.series(loaded, "train/loss")
+    assert xs.tolist() == [10, 20, 30, 40, 50, 60]
+    assert ys.tolist() == pytest.approx([4.5, 4.0, 3.5, 2.9, 2.4, 1.9])
+    assert plot_runs.series(loaded, "val/loss")[0].tolist() == [0, 30, 60]
 
 
 def test_tokens_axis(tmp_path):

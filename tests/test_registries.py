@@ -2,13 +2,14 @@
 must not move (a changed fingerprint silently re-tokenizes, or worse, reuses, every cache)."""
 
 import dataclasses
+import hashlib
 import os
 import re
 
 import pytest
 import yaml
 
-from loaders import BATCH_KNOBS, SOURCES, TOKENIZERS, DatasetConfig, corpus, dataset_config, tokenizer_config
+from loaders import BATCH_KNOBS, SOURCES, TOKENIZERS, DatasetConfig, dataset_config, tokenizer_config
 from loaders.sources import Stdlib, TextFiles, stdlib
 from loaders.tokenizers import BPE, HF, Byte, ByteTokenizer, Tokenizer
 from utils.errors import ConfigError
@@ -163,14 +164,36 @@ def test_tokenizer_configs_build_tokenizers(tmp_path):
     assert BPE(vocab_size=300, sample_docs=2).build(docs, str(tmp_path)).fingerprint == tok.fingerprint
 
 
-def test_stdlib_fingerprints_are_the_old_split_documents_keys():
-    """The old `corpus.split_documents("stdlib", ...)` keyed each split by these exact arguments."""
+# Stdlib's (train, val) keys with no files (stats aside, what every stdlib cache key holds), by include_tests.
+PINNED_STDLIB_NO_FILES = {False: ("e43189044d7e57f6", "0960a7ad27c00baa"), True: ("50f25c926218d8fd", "38b334ae912c97a5")}
+
+
+def _pinned_key(files: list[str], knob_lines: str) -> str:
+    """A split's cache key, written out here rather than computed by loaders.corpus (whose code is
+    what must not move): md5 over one `path NUL size NUL mtime_ns` line per file (the only part that
+    depends on the machine), then the pinned repr lines of the recipe, split and knobs; 16 hex digits."""
+    h = hashlib.md5()
+    for path in files:
+        st = os.stat(path)
+        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    h.update(knob_lines.encode())
+    return h.hexdigest()[:16]
+
+
+def test_stdlib_fingerprints_are_the_old_split_documents_keys(monkeypatch):
+    """The old `corpus.split_documents("stdlib", ...)` keyed each split by these exact arguments,
+    pinned as literals: ('split-v1', split, 'stdlib', val_fraction, include_tests), one repr a line."""
     for include_tests in (False, True):
         files = stdlib.stdlib_files(include_tests)
         train, val = Stdlib(val_fraction=0.05, include_tests=include_tests).documents()
         for split, docs in (("train", train), ("val", val)):
-            old = corpus.corpus_fingerprint(files, corpus._SPLIT_RECIPE, split, "stdlib", 0.05, include_tests)
-            assert docs.fingerprint == old, (split, include_tests)
+            pinned = f"'split-v1'\n'{split}'\n'stdlib'\n0.05\n{include_tests}\n"
+            assert docs.fingerprint == _pinned_key(files, pinned), (split, include_tests)
+    # With no files the key is machine-independent: pinned whole, computed once (2026) from the lines above.
+    monkeypatch.setattr(stdlib, "stdlib_files", lambda include_tests=False: [])
+    keys = {t: tuple(d.fingerprint for d in Stdlib(val_fraction=0.05, include_tests=t).documents())
+            for t in (False, True)}
+    assert keys == PINNED_STDLIB_NO_FILES
 
 
 def test_text_files_fingerprints_are_the_old_split_documents_keys(tmp_path):
@@ -181,8 +204,8 @@ def test_text_files_fingerprints_are_the_old_split_documents_keys(tmp_path):
     paths = (str(tmp_path / "**" / "*.txt"), str(tmp_path / "sub" / "*.md"), str(tmp_path / "*.jsonl"))
     train, val = TextFiles(paths=paths, text_key="body", val_fraction=0.3).documents()
     files = [str(tmp_path / p) for p in ("a.txt", "sub/b.md", "c.jsonl")]
-    keys = ["a.txt", "b.md", "c.jsonl"]  # relative to each glob's literal prefix
+    # split keys relative to each glob's literal prefix; knobs pinned as literals, one repr a line
     for split, docs in (("train", train), ("val", val)):
-        old = corpus.corpus_fingerprint(files, corpus._SPLIT_RECIPE, split, "text_files", 0.3, "body", keys)
-        assert docs.fingerprint == old, split
+        pinned = f"'split-v1'\n'{split}'\n'text_files'\n0.3\n'body'\n['a.txt', 'b.md', 'c.jsonl']\n"
+        assert docs.fingerprint == _pinned_key(files, pinned), split
     assert train.fingerprint != val.fingerprint
