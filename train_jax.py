@@ -2,7 +2,7 @@
 
 Reads as the recipe it runs: validate the config; build tokenizer, data, model, schedule and
 optimizer; compile one sharded, buffer-donating train step; run the host loop, whose periodic
-jobs (logging, evaluation, checkpoints, sampling) are hooks (utils/hooks.py).
+jobs (logging, evaluation, checkpoints, sampling) are hooks (utils/train/hooks.py).
 """
 
 from __future__ import annotations
@@ -29,17 +29,20 @@ from optimizer import group_schedules, make_optimizer
 from optimizer.diagnostics import optimizer_metrics, state_bytes_metric
 from optimizer.nonfinite import skip_nonfinite
 from optimizer.restart import fresh_state
-from utils import aux_state, cli, layout, step_metrics
-from utils import hooks as H
-from utils import mesh as meshlib
-from utils.checkpoint import Checkpointer, Source, step_path
+from utils import cli
+from utils.train import aux_state
+from utils.parallel import layout
+from utils.train import step_metrics
+from utils.train import hooks as H
+from utils.parallel import mesh as meshlib
+from utils.checkpoint.storage import Checkpointer, Source, step_path
 from utils.config import RunConfig, resolve_vocab, to_dict, validate
-from utils.flops import peak_flops
-from utils.resume import merge_config, restore_state, resume_source
-from utils.signals import Preempted, StopSignals
-from utils.sinks import open_sinks
-from utils.sinks.console import say, warn
-from utils.train_step import TrainState, build_train_step
+from utils.train.flops import peak_flops
+from utils.checkpoint.resume import merge_config, restore_state, resume_source
+from utils.checkpoint.signals import Preempted, StopSignals
+from utils.logging.sinks import open_sinks
+from utils.logging.messages import say, warn
+from utils.train.step import TrainState, build_train_step
 
 
 def init_tokenizer(run: RunConfig, train_docs: Sequence[str] | None) -> Tokenizer:

@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 import train_jax as T  # noqa: E402
-from utils import mesh as meshlib  # noqa: E402
+from utils.parallel import mesh as meshlib  # noqa: E402
 from utils.config import validate  # noqa: E402
 
 FLAGS = ("store_last_params", "store_last_grads", "store_past_grads", "compute_last_loss", "compute_last_grads")

@@ -58,9 +58,9 @@ from hydra import compose, initialize_config_dir
 
 import train_jax as T
 from models.gpt import count_params
-from utils import checkpoint as ckptlib
-from utils import mesh as meshlib
-from utils.sinks.console import warn
+from utils.checkpoint import storage as ckptlib
+from utils.parallel import mesh as meshlib
+from utils.logging.messages import warn
 from utils.config import to_dict, validate
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")

@@ -182,7 +182,7 @@ def cpu_step_seconds(run, steps: int) -> float:
     """Median wall time of the real gpt2_124m train step on this CPU, synthetic tokens of the batch shape."""
     import jax
 
-    from utils import mesh as meshlib
+    from utils.parallel import mesh as meshlib
 
     trainer = T.build_trainer(run)
     shape = (run.dataset.accum_steps, run.dataset.batch_size, run.context_length + 1)

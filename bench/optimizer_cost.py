@@ -27,7 +27,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 import train_jax as T  # noqa: E402
 from optimizer import OPTIMIZERS  # noqa: E402
-from utils import mesh as meshlib  # noqa: E402
+from utils.parallel import mesh as meshlib  # noqa: E402
 from loaders.tokenizers import ByteTokenizer  # noqa: E402
 from utils.config import resolve_vocab, validate  # noqa: E402
 

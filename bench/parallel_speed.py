@@ -11,7 +11,7 @@ ZeRO-1) over the 8 host devices that XLA_FLAGS=--xla_force_host_platform_device_
 first call of the plain train step of train_jax (trace + compile + one step), the median of
 --steps timed steps on one fixed random batch (each ended by a device sync, after one untimed
 warm-up step), tokens/s, and the bytes of parameters and optimizer state held by one device
-(utils.layout.device_bytes), also as a share of their 1-device total: FSDP and ZeRO-1 hold ~1/8
+(utils.parallel.layout.device_bytes), also as a share of their 1-device total: FSDP and ZeRO-1 hold ~1/8
 of the optimizer state, data parallelism all of it. Arguments other than the flags below are Hydra
 overrides of conf/config.yaml. Strategies are built first and then timed in --rounds interleaved
 rounds, so a slow spell of a shared machine hits them alike.
@@ -42,9 +42,9 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 import train_jax as T  # noqa: E402
 from models.gpt import count_params  # noqa: E402
-from utils import mesh as meshlib  # noqa: E402
+from utils.parallel import mesh as meshlib  # noqa: E402
 from utils.config import resolve_vocab, validate  # noqa: E402
-from utils.layout import device_bytes  # noqa: E402
+from utils.parallel.layout import device_bytes  # noqa: E402
 
 # name -> (label, parallel.data, parallel.fsdp, parallel.tensor, parallel.shard_optimizer_state)
 STRATEGIES = {

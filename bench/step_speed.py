@@ -25,9 +25,9 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 import train_jax as T  # noqa: E402
 from models.gpt import count_params, flops_per_token  # noqa: E402
-from utils import mesh as meshlib  # noqa: E402
+from utils.parallel import mesh as meshlib  # noqa: E402
 from utils.config import validate  # noqa: E402
-from utils.flops import peak_flops  # noqa: E402
+from utils.train.flops import peak_flops  # noqa: E402
 
 
 def time_steps(step_fn, state, batches, steps: int, warmup: int):

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from loaders import corpus
-from utils import hooks as H
-from utils import step_metrics
+from utils.train import hooks as H
+from utils.train import step_metrics
 from utils.errors import ConfigError
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from utils.errors import ConfigError, DataError
-from utils.sinks.console import warn
+from utils.logging.messages import warn
 
 # Local file types `load_dataset` reads with a builder named after them.
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}

@@ -26,7 +26,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from models.gpt import GPT, GPTConfig
-from utils import checkpoint as ckptlib
+from utils.checkpoint import storage as ckptlib
 from utils import files
 from utils.config import RunConfig, build_section, validate
 from utils.errors import CheckpointError

@@ -298,7 +298,7 @@ def param_labels(model: GPT) -> GPT:
     return jax.tree_util.tree_map_with_path(label, model)
 
 
-# The logical name of every parameter dimension, by (module, field): utils/layout.py maps `heads`
+# The logical name of every parameter dimension, by (module, field): utils/parallel/layout.py maps `heads`
 # and `mlp` to the tensor mesh axis (attention split by heads; the MLP column- then row-parallel)
 # and lets FSDP take the largest dimension left. `layers` is the stacked-blocks axis.
 PARAM_AXES = {

@@ -149,11 +149,11 @@ def _classes(where: str) -> list[type]:
     from models.gpt import GPTConfig
     from optimizer import OPTIMIZERS
     from optimizer.schedules import SCHEDULES
-    from utils.aux_state import AuxConfig
-    from utils.checkpoint import CheckpointConfig
+    from utils.train.aux_state import AuxConfig
+    from utils.checkpoint.storage import CheckpointConfig
     from utils.config import TrainConfig
-    from utils.mesh import ParallelConfig
-    from utils.sinks import SINKS, LoggingConfig
+    from utils.parallel.mesh import ParallelConfig
+    from utils.logging.sinks import SINKS, LoggingConfig
 
     group, _, option = where.rpartition("/")
     fixed = {"train": [TrainConfig], "logging": [LoggingConfig, AuxConfig, *SINKS.values()],

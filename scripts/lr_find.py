@@ -208,7 +208,7 @@ def sweep(trainer, knobs: LRFindConfig, report=print) -> tuple[list[float], str]
     """Train from trainer.state for up to knobs.steps updates; (each step's loss, why it stopped)."""
     import jax
 
-    from utils import mesh as meshlib
+    from utils.parallel import mesh as meshlib
 
     sharding = meshlib.batch_sharding(trainer.mesh, 1)
     lrs, state, logging_step = knobs.lrs(), trainer.state, False

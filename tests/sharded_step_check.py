@@ -37,7 +37,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 import train_jax as T  # noqa: E402
 from optimizer import OPTIMIZERS  # noqa: E402
-from utils import mesh as meshlib  # noqa: E402
+from utils.parallel import mesh as meshlib  # noqa: E402
 from utils.config import validate  # noqa: E402
 from utils.errors import ConfigError  # noqa: E402
 
@@ -100,7 +100,7 @@ def train(parallel, devices, batches_SxAxBxT1, overrides=tuple(OVERRIDES), after
         "wte_shard_shape": list(state.model.wte_VxD.sharding.shard_shape(state.model.wte_VxD.shape)),
         "sharded_param_leaves": sum(map(is_split, arrays(state.model))),
         "sharded_opt_leaves": sum(map(is_split, arrays(state.opt_state))),
-        # Where the layout rules put the blocks' matrices and Adam's moments of them (utils/layout.py).
+        # Where the layout rules put the blocks' matrices and Adam's moments of them (utils/parallel/layout.py).
         "specs": {name: [str(a) for a in leaf.sharding.spec] for name, leaf in (
             ("qkv", state.model.blocks.attn_qkv.weight_IxO), ("attn_out", state.model.blocks.attn_out.weight_IxO),
             ("mlp_in", state.model.blocks.mlp_in.weight_IxO), ("mlp_out", state.model.blocks.mlp_out.weight_IxO),
@@ -130,8 +130,8 @@ def zero1_and_cross_topology(devices, batches_SxAxBxT1, directory: str):
     arrays equal the saved ones and its step 3 has the loss ZeRO-1's step 3 had."""
     import dataclasses
 
-    from utils.checkpoint import Checkpointer
-    from utils.resume import resume_source
+    from utils.checkpoint.storage import Checkpointer
+    from utils.checkpoint.resume import resume_source
 
     ck = ["checkpoint.save=true", f"checkpoint.save_path={directory}", "checkpoint.resume=auto",
           "checkpoint.async_save=false"]

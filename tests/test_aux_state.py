@@ -15,12 +15,13 @@ import train_jax as T
 from models.gpt import param_axes
 from optimizer.diagnostics import find_states
 from optimizer.restart import schedules_at
-from utils import aux_state, layout
-from utils import mesh as meshlib
-from utils.aux_state import AuxConfig
+from utils.train import aux_state
+from utils.parallel import layout
+from utils.parallel import mesh as meshlib
+from utils.train.aux_state import AuxConfig
 from utils.errors import ConfigError
-from utils.sinks import logging_config
-from utils.train_step import build_train_step, step_keys
+from utils.logging.sinks import logging_config
+from utils.train.step import build_train_step, step_keys
 
 FLAGS = ("store_last_params", "store_last_grads", "store_past_grads", "compute_last_loss", "compute_last_grads")
 ALL_ON = AuxConfig(**{f: True for f in FLAGS})
@@ -252,7 +253,7 @@ def test_a_nonfinite_gradient_is_counted_and_skipped(tiny_run):
 
     abstract = jax.eval_shape(lambda: state)
     shardings = layout.state_shardings(mesh, abstract, abstract.model, param_axes(abstract.model))
-    from utils import step_metrics
+    from utils.train import step_metrics
     metrics = step_metrics.defaults(optax.constant_schedule(1e-3), {}, [], skip_nonfinite=True)
     step = build_train_step(poisoned_loss, tx, metrics, shardings, mesh, "float32", False, run.logging.aux)
     put = lambda b: meshlib.put_batch(b, meshlib.batch_sharding(mesh, 1))  # noqa: E731

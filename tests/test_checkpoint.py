@@ -21,8 +21,8 @@ import pytest
 
 import train_jax
 from conftest import compose_config
-from utils import sinks
-from utils.checkpoint import complete_steps, open_checkpoint
+from utils.logging import sinks
+from utils.checkpoint.storage import complete_steps, open_checkpoint
 from utils.errors import CheckpointError, ConfigError
 
 # Shuffled data, dropout on (so the RNG key matters) and a log record at every step.

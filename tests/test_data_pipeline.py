@@ -17,7 +17,7 @@ from loaders.prefetch import Prefetcher
 from loaders.sources.mixture import ConcatWindows, MixtureTrain
 from models.gpt import GPT, GPTConfig, cross_entropy
 from utils.errors import CheckpointError, ConfigError
-from utils.train_step import over_micro_batches, with_loss_norm
+from utils.train.step import over_micro_batches, with_loss_norm
 
 EOT = 0
 TINY = GPTConfig(vocab_size=32, context_length=16, dim=32, num_heads=2, num_blocks=2)

@@ -66,7 +66,7 @@ def test_lines_source_registered_gives_its_documents(tmp_path, monkeypatch):
 def test_csv_sink_registered_writes_through_open_sinks(tmp_path, monkeypatch):
     from conftest import compose_config
     from utils.config import to_dict
-    from utils.sinks import SINKS, logging_config, open_sinks
+    from utils.logging.sinks import SINKS, logging_config, open_sinks
 
     monkeypatch.setitem(SINKS, "csv", ex.Csv)
     node = {**to_dict(compose_config())["logging"], "csv_file": "metrics.csv"}
@@ -83,7 +83,7 @@ def test_csv_sink_registered_writes_through_open_sinks(tmp_path, monkeypatch):
 
 def test_weight_norms_hook_adds_per_block_norms():
     from models.gpt import GPT, GPTConfig
-    from utils import hooks as H
+    from utils.train import hooks as H
 
     model = GPT(GPTConfig(dim=32, num_heads=2, num_blocks=3, context_length=16, vocab_size=64), jax.random.PRNGKey(0))
     state = SimpleNamespace(model=model)
@@ -101,8 +101,8 @@ def test_weight_norms_hook_adds_per_block_norms():
 
 def test_max_update_metric_in_a_compiled_step(tiny_run):
     import train_jax as T
-    from utils import mesh as meshlib
-    from utils import step_metrics
+    from utils.parallel import mesh as meshlib
+    from utils.train import step_metrics
 
     run = tiny_run("optimizer=sgdm", "optimizer.momentum=0.0", "optimizer.weight_decay=0.0",
                    "train.gradient_clip_val=null")

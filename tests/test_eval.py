@@ -12,7 +12,7 @@ from conftest import compose_config
 import train_jax
 from loaders.batching import WindowDataset
 from models.gpt import cross_entropy, eval_sums
-from utils import mesh as meshlib
+from utils.parallel import mesh as meshlib
 from utils.config import validate
 
 WINDOW = 17  # the tiny run's context_length 16, plus the next-token target

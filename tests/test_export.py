@@ -26,7 +26,7 @@ import train_jax
 from models import export
 from models.gpt import GPT, GPTConfig
 from conftest import load_script, compose_config
-from utils.checkpoint import open_checkpoint, restore_model
+from utils.checkpoint.storage import open_checkpoint, restore_model
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 6

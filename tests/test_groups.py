@@ -20,7 +20,7 @@ from optimizer.adamw import AdamW
 from optimizer.groups import GROUPS, group_knobs
 from optimizer.muon import Muon
 from optimizer.sgdm import SGDM
-from utils import mesh as meshlib
+from utils.parallel import mesh as meshlib
 from utils.config import to_dict, validate
 from utils.errors import ConfigError
 

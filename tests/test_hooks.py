@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import train_jax as T
-from utils import hooks as H
-from utils import mesh as meshlib
-from utils import sinks
-from utils import step_metrics
+from utils.train import hooks as H
+from utils.parallel import mesh as meshlib
+from utils.logging import sinks
+from utils.train import step_metrics
 from utils.errors import ConfigError, TrainingError
 
 

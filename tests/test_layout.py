@@ -1,4 +1,4 @@
-"""Where utils/layout.py puts each array of the train state, checked on abstract meshes (no
+"""Where utils/parallel/layout.py puts each array of the train state, checked on abstract meshes (no
 devices needed): tensor parallelism by the model's named axes, FSDP on the largest free axis,
 ZeRO-1 on the optimizer state only, and every optimizer's state following its parameters.
 The numbers (sharded losses equal one device's) are checked on 8 devices by sharded_step_check.py."""
@@ -14,10 +14,11 @@ from jax.sharding import AbstractMesh
 import train_jax as T
 from models.gpt import GPT, param_axes
 from optimizer import OPTIMIZERS
-from utils import aux_state, layout
+from utils.train import aux_state
+from utils.parallel import layout
 from utils.errors import ConfigError
-from utils.mesh import make_mesh
-from utils.train_step import TrainState
+from utils.parallel.mesh import make_mesh
+from utils.train.step import TrainState
 
 
 def _abstract_state(run, tx):

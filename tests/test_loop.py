@@ -12,9 +12,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import train_jax
-from utils import hooks
+from utils.train import hooks
 from conftest import compose_config
-from utils.checkpoint import complete_steps
+from utils.checkpoint.storage import complete_steps
 from utils.errors import TrainingError
 
 RUN = ("model.vocab_size=null", "train.max_val_steps=1", "logging.log_every=4", "optimizer/lr_config=constant")

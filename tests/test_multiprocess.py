@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 from conftest import CLI_TINY, offline_env
-from utils.checkpoint import complete_steps, open_checkpoint
-from utils.signals import EXIT_PREEMPTED
+from utils.checkpoint.storage import complete_steps, open_checkpoint
+from utils.checkpoint.signals import EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = (*CLI_TINY, "train.sample_tokens=0", "logging.log_every=1", "logging.progress_bar=false",

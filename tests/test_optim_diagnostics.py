@@ -24,7 +24,7 @@ from optimizer.adamw import AdamW
 from optimizer.diagnostics import kth_smallest_nonneg, median_nonneg, optimizer_metrics, state_bytes, state_bytes_metric
 from optimizer.muon import Muon, orthogonality_error, shape_factor
 from optimizer.shampoo import Shampoo, ShampooState
-from utils import mesh as meshlib
+from utils.parallel import mesh as meshlib
 
 # dim 32: hidden leaves (2, 32, 96), (2, 32, 32), (2, 32, 128), (2, 128, 32); untied head (32, 64).
 SMALL = GPTConfig(dim=32, num_heads=2, num_blocks=2, context_length=16, vocab_size=64, tie_embeddings=False)

@@ -40,8 +40,8 @@ import numpy as np
 import pytest
 
 from conftest import CLI_TINY, offline_env, FAST_COMPILE
-from utils.checkpoint import TMP_MARKER, complete_steps, open_checkpoint
-from utils.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from utils.checkpoint.storage import TMP_MARKER, complete_steps, open_checkpoint
+from utils.checkpoint.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "train_jax.py")

@@ -23,7 +23,7 @@ from optimizer.diagnostics import find_states
 from optimizer.nonfinite import skip_nonfinite
 from optimizer.schedules import SCHEDULES, Constant, Cosine, Linear, PiecewiseLinear, Trapezoid
 from optimizer.sgdm import SGDM
-from utils import mesh as meshlib
+from utils.parallel import mesh as meshlib
 from utils.config import build_section
 from utils.errors import ConfigError
 

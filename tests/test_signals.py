@@ -1,4 +1,4 @@
-"""utils/signals.py in-process: what a signal does while StopSignals is active, what is left
+"""utils/checkpoint/signals.py in-process: what a signal does while StopSignals is active, what is left
 installed afterwards, and the exit codes. The real thing (a training process stopped by SLURM's
 signals, then resumed) is in test_preemption.py."""
 
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from utils.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted, StopSignals, agree
+from utils.checkpoint.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted, StopSignals, agree
 
 CAUGHT = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from utils import sinks
+from utils.logging import sinks
 from utils.errors import ConfigError
 
 CONFIG = {"model": {"dim": 32, "num_blocks": 2}, "optimizer": {"name": "adamw", "lr": 3e-4},

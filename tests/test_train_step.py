@@ -15,9 +15,9 @@ import pytest
 
 import train_jax as T
 from models.gpt import cross_entropy
-from utils import mesh as meshlib
-from utils import step_metrics
-from utils.train_step import step_keys
+from utils.parallel import mesh as meshlib
+from utils.train import step_metrics
+from utils.train.step import step_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -36,7 +36,7 @@ from hydra.experimental.callback import Callback
 
 from utils.config import to_dict
 from utils.errors import EqtrainError, TrainingError
-from utils.signals import Preempted
+from utils.checkpoint.signals import Preempted
 
 
 def quiet_jax_probe() -> None:

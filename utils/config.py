@@ -25,12 +25,12 @@ from models.gpt import GPTConfig
 from optimizer import OPTIMIZERS
 from optimizer.groups import GROUPS, group_hparams, group_knobs
 from optimizer.schedules import SCHEDULES, warmup_warning
-from utils.checkpoint import CheckpointConfig
+from utils.checkpoint.storage import CheckpointConfig
 from utils.errors import ConfigError
 from utils.files import user_path
-from utils.mesh import ParallelConfig
+from utils.parallel.mesh import ParallelConfig
 from utils.sections import _coerce, build_registered, build_section
-from utils.sinks import LoggingConfig, logging_config
+from utils.logging.sinks import LoggingConfig, logging_config
 
 DTYPES = ("float32", "bfloat16")
 

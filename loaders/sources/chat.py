@@ -30,7 +30,7 @@ from loaders.records import RecordSpec, as_globs, check_record_knobs, iter_recor
 from loaders.tokenizers import Tokenizer
 from utils.errors import ConfigError, DataError
 from utils.files import atomic_write
-from utils.sinks.console import warn
+from utils.logging.messages import warn
 
 # Bumped whenever which records land in which split, or how they are packed, changes: it keys the caches.
 _CHAT_RECIPE = "chat-source-v1"

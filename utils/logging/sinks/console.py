@@ -1,10 +1,8 @@
-"""The terminal: a progress bar (or plain lines when output is a file), metric lines, and every
-message of a run. `say` is the one way text reaches the user: it goes to stdout (through the bar
-when one is drawn, so lines do not tear it) and to the run's log file, from process 0 only."""
+"""The terminal sink: a progress bar (or plain lines when output is a file) and metric lines.
+Messages (`say`, `warn`) live in utils/logging/messages.py and pass through the bar while it is drawn."""
 
 from __future__ import annotations
 
-import logging
 import math
 import sys
 from dataclasses import dataclass
@@ -13,30 +11,12 @@ from typing import ClassVar
 import jax
 from tqdm.auto import tqdm
 
-# Under Hydra this logger writes {run dir}/train_jax.log (conf/hydra/job_logging/eqtrain.yaml).
-file_log = logging.getLogger("eqtrain")
+from utils.logging.messages import attach_bar, current_bar, detach_bar, file_log, say
 
 # (metric, short name, format) shown on the console; every metric still goes to the other sinks.
 CONSOLE_KEYS = (("train/loss", "loss", "{:.4f}"), ("train/lr", "lr", "{:.2e}"),
                 ("train/tokens_per_sec", "tok/s", "{:,.0f}"), ("train/mfu", "mfu", "{:.1%}"),
                 ("val/loss", "val", "{:.4f}"))
-
-_bar: tqdm | None = None  # the open console's bar, if it draws one
-
-
-def say(text: str) -> None:
-    if jax.process_index() != 0:
-        return
-    file_log.info(text)
-    if _bar is not None:
-        _bar.write(text)
-    else:
-        print(text, flush=True)
-
-
-def warn(message: str) -> None:
-    say(f"warning: {message}")
-
 
 def short_metrics(metrics: dict[str, float]) -> dict[str, str]:
     return {short: fmt.format(metrics[k]) for k, short, fmt in CONSOLE_KEYS
@@ -55,10 +35,9 @@ class Console:
 
 class ConsoleSink:
     def __init__(self, bar: bool, total_steps: int, start_step: int):
-        global _bar
         if bar and jax.process_index() == 0:
-            _bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, unit="step")
-        self._bar = _bar
+            attach_bar(tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, unit="step"))
+        self._bar = current_bar()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         shown = short_metrics(metrics)
@@ -74,8 +53,6 @@ class ConsoleSink:
             self._bar.update(steps)
 
     def close(self) -> None:
-        global _bar
         if self._bar is not None:
             self._bar.close()
-            if _bar is self._bar:
-                _bar = None
+            detach_bar(self._bar)

@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from utils import signals
-from utils.checkpoint import step_path
+from utils.checkpoint import signals
+from utils.checkpoint.storage import step_path
 from utils.errors import DataError, TrainingError
-from utils.sinks import Sinks
-from utils.sinks.console import say
-from utils.step_metrics import UPDATE_NORM
+from utils.logging.sinks import Sinks
+from utils.logging.messages import say
+from utils.train.step_metrics import UPDATE_NORM
 
 # The loop's clock (a seam: tests drive it to check the throughput arithmetic exactly).
 clock = time.perf_counter
@@ -255,7 +255,7 @@ class Divergence(Hook):
 class Checkpoint(Hook):
     """Saves at checkpoint.save_steps (an interval or a list), at the segment's end, at a new best
     val/loss (keep_best) and when a stop signal is agreed; each save only of a finite state.
-    `saver` is a utils.checkpoint.Checkpointer; `close` waits for pending asynchronous writes."""
+    `saver` is a utils.checkpoint.storage.Checkpointer; `close` waits for pending asynchronous writes."""
 
     at_end = True
 

@@ -50,9 +50,9 @@ UPDATE_NORM = "train/update_norm"
 
 def norms(state, grads, updates, aux) -> dict[str, jax.Array]:
     """Global L2 norms of the gradient (before clipping) and of the update this step applies,
-    Δ(n+1) (trainit's `update/norm` is the previous one, Δ(n): utils/aux_state.py). The update
+    Δ(n+1) (trainit's `update/norm` is the previous one, Δ(n): utils/train/aux_state.py). The update
     norm also vouches, before every save, that the weights a step produced are finite
-    (utils.hooks.check_finite)."""
+    (utils.train.hooks.check_finite)."""
     return {"train/grad_norm": optax.tree.norm(grads), UPDATE_NORM: optax.tree.norm(updates)}
 
 

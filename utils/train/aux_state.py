@@ -5,7 +5,7 @@ Notation (the step that starts from parameters x_n): z_n its batch, g_n = ∇f(x
 averaged gradient before clipping, Δ_n = x_n − x_{n−1} the previous step's update and Δ_{n+1}
 the update this step applies, ⟨·,·⟩ the inner product over all parameters, cos the normalised
 one (0 when either norm is 0). The buffers x_{n−1}, g_{n−1} and Σ g_{1..n−1} live in the train
-state (`AuxState`), shard like the parameters (utils.mesh gives every leaf of one shape the same
+state (`AuxState`), shard like the parameters (utils.parallel.mesh gives every leaf of one shape the same
 layout) and are saved in checkpoints, so a resumed run's diagnostics continue exactly.
 
 Why the split between every step and logging steps: the `_sum` metrics and the buffers must be
@@ -19,7 +19,7 @@ the next finite step's Δ is the last update applied, not 0.
 
 `update/norm`, `update/norm_l1`, `update/norm_inf` are trainit's `full_log` norms of Δ_n = x_n −
 x_{n−1} (the previous step's update, so they need `store_last_params`; without it they are not
-logged). The update this step applies, Δ_{n+1}, is `train/update_norm` (utils/step_metrics.py).
+logged). The update this step applies, Δ_{n+1}, is `train/update_norm` (utils/train/step_metrics.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from utils.errors import ConfigError
-from utils.step_metrics import all_finite
+from utils.train.step_metrics import all_finite
 
 F32 = jnp.float32
 

@@ -1,6 +1,6 @@
 """Where a run starts from, and which config it trains with when that is a checkpoint.
 
-The policy on top of `utils.checkpoint`'s storage: `resume_source` picks the checkpoint
+The policy on top of `utils.checkpoint.storage`'s storage: `resume_source` picks the checkpoint
 (resume=auto in this run's save_path, else load=true), `merge_config` decides, knob by knob,
 whether the checkpoint's saved config or this command line wins, and `restore_state` reads it
 into the run's shards.
@@ -13,9 +13,9 @@ from typing import Any, Callable
 
 import jax
 
-from utils.checkpoint import CheckpointConfig, Source, complete_steps, open_checkpoint, remove_incomplete, restore
+from utils.checkpoint.storage import CheckpointConfig, Source, complete_steps, open_checkpoint, remove_incomplete, restore
 from utils.errors import ConfigError
-from utils.train_step import TrainState
+from utils.train.step import TrainState
 
 # Top-level config keys that describe this machine or this invocation, not the run being
 # trained: a run that starts from a checkpoint always takes them from its own command line

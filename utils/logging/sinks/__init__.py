@@ -25,13 +25,13 @@ from typing import Any, Protocol
 
 import jax
 
-from utils.aux_state import AuxConfig
+from utils.train.aux_state import AuxConfig
 from utils.errors import ConfigError
 from utils.sections import build_section
-from utils.sinks.console import Console
-from utils.sinks.jsonl import Jsonl
-from utils.sinks.tensorboard import TensorBoard
-from utils.sinks.wandb import Wandb
+from utils.logging.sinks.console import Console
+from utils.logging.sinks.jsonl import Jsonl
+from utils.logging.sinks.tensorboard import TensorBoard
+from utils.logging.sinks.wandb import Wandb
 
 SINKS = {"console": Console, "jsonl": Jsonl, "tensorboard": TensorBoard, "wandb": Wandb}
 
@@ -47,7 +47,7 @@ class LoggingConfig:
     log_every: int = 10  # pull metrics from the device every N steps (no host sync in between)
     sample_prompts: tuple[str, ...] = ("def ", "import ")  # sampled from at each evaluation; [] = none
     sample_tokens: int = 32  # tokens per evaluation sample
-    aux: AuxConfig = AuxConfig()  # the aux-state hook's flags (utils/aux_state.py)
+    aux: AuxConfig = AuxConfig()  # the aux-state hook's flags (utils/train/aux_state.py)
     sinks: tuple = ()  # one built config per entry of SINKS, in its order
 
     def check(self, prefix: str) -> None:

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from utils import aux_state
-from utils import mesh as meshlib
-from utils import step_metrics
+from utils.train import aux_state
+from utils.parallel import mesh as meshlib
+from utils.train import step_metrics
 
 
 class TrainState(eqx.Module):
@@ -44,7 +44,7 @@ def with_loss_norm(batch):
 
 def step_keys(key: jax.Array, accum: int) -> tuple[jax.Array, jax.Array]:
     """(the next state's key, one dropout key per micro-batch) from a state's key: every
-    micro-batch gets its own, and x(n-1) is evaluated with the same ones (utils/aux_state.py)."""
+    micro-batch gets its own, and x(n-1) is evaluated with the same ones (utils/train/aux_state.py)."""
     key, step_key = jax.random.split(key)
     return key, jax.random.split(step_key, accum)
 

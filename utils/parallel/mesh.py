@@ -2,7 +2,7 @@
 
 Three mesh axes: `data` (batch split, parameters replicated), `fsdp` (batch split too, and every
 parameter and optimizer-state array split along one of its axes) and `tensor` (the same batch,
-attention heads and MLP columns split: see utils/layout.py, which places the train state). On one
+attention heads and MLP columns split: see utils/parallel/layout.py, which places the train state). On one
 device all are size 1 and every rule degenerates to "replicated".
 """
 

@@ -17,7 +17,7 @@ returns once the arrays are copied off the device, and the files are written whi
 goes on.
 
 This module is storage only: which checkpoint a run starts from and which config it then trains
-with is `utils/resume.py`; stopping on a signal (and the exit codes) is `utils/signals.py`.
+with is `utils/checkpoint/resume.py`; stopping on a signal (and the exit codes) is `utils/checkpoint/signals.py`.
 """
 
 from __future__ import annotations
