@@ -7,11 +7,11 @@ API and calling the same `validate` / `init_*` functions `main` calls; a few go 
 subprocess to prove the exit code, the single `error:` line and that nothing was compiled.
 
 Time (2 cores): every subprocess the session's tests of this file need starts side by side, in
-the background from the start of the session (conftest's Background), and a test waits for its
-own. The five training smoke tests share one process: a Hydra multirun of four jobs, AdamW +
-cosine, SGD-momentum + linear, a diverging SGD and AdamW + cosine again (the sweep goes on past
-the diverged job, and the last job must repeat the first exactly: the default launcher runs every
-job in the one process), each set by an option of a config group written for it to a tmp dir on
+the background from the start of the session (background set-ups, tests/background.py), and a
+test waits for its own. The five training smoke tests share one process: a Hydra multirun of four
+jobs, AdamW + cosine, SGD-momentum + linear, a diverging SGD and AdamW + cosine again (the sweep
+goes on past the diverged job, and the last job must repeat the first exactly: the default launcher
+runs every job in the one process), each set by an option of a config group written for it to a tmp dir on
 hydra.searchpath (the single-run entry point is exercised by the train_lm.sh, divergence and
 bad-input runs).
 """
@@ -35,7 +35,8 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from conftest import CLI_TINY, offline_env
+import background
+from helpers import CLI_TINY, offline_env
 from utils.config import validate
 from utils.errors import ConfigError, DataError
 
@@ -86,7 +87,9 @@ class Started:
     """`python train_jax.py *args` (or `argv + args`) started in the background from the repo root,
     its output going to files; result() waits and gives a CompletedProcess."""
 
-    def __init__(self, where: Path, name: str, args, env: dict[str, str], argv: list[str] | None = None):
+    def __init__(self, where: Path, name: str, args, env: dict[str, str], argv: list[str] | None = None,
+                 run_dir: Path | None = None):
+        self.name, self.run_dir = name, run_dir
         self._out, self._err = where / f"{name}.stdout", where / f"{name}.stderr"
         self.cmd = (argv or [sys.executable, TRAIN]) + list(args)
         with open(self._out, "w") as out, open(self._err, "w") as err:
@@ -108,6 +111,11 @@ class Started:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    def wait(self) -> None:  # a background handle (tests/background.py)
+        self.proc.wait()
+
+    close = stop
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
@@ -145,9 +153,6 @@ optimizer:
 train: {max_steps: 20, gradient_clip_val: null}
 """,
 }
-SWEEP_TESTS = ("test_train_40_steps_val_loss_falls", "test_sgdm_linear_schedule_decays_and_loss_falls",
-               "test_multirun_two_optimizers", "test_multirun_jobs_carry_no_state_from_one_to_the_next",
-               "test_multirun_goes_on_past_a_diverged_job")
 # Job 2 diverges; job 3 repeats job 0 after another optimizer and a diverged run.
 SWEEP_JOBS = ("adamw_cosine", "sgdm_linear", "sgdm_diverge", "adamw_cosine")
 
@@ -171,15 +176,17 @@ OPTUNA_LRS = 'optimizer.lr_config.lr: "choice(1e-3, 3e-3, 1e-2, 1e30)"'
 
 @dataclass
 class Smoke:
-    """scripts/train_lm.sh twice: stopped by SIGUSR1 after its first logged step, then again."""
+    """scripts/train_lm.sh twice: stopped by SIGUSR1 after its first logged step, then again; a
+    thread drives them."""
     first_dir: Path
     second_dir: Path
     first: subprocess.CompletedProcess | None = None
     second: subprocess.CompletedProcess | None = None
     error: str | None = None
     started: list[Started] = field(default_factory=list)
-    closed: bool = False  # the module is over: start nothing more
+    closed: bool = False  # the session is over: start nothing more
     lock: threading.Lock = field(default_factory=threading.Lock)
+    thread: threading.Thread | None = None
 
     def start(self, *args, **kwargs) -> Started:
         with self.lock:
@@ -187,6 +194,9 @@ class Smoke:
                 raise RuntimeError("the module's tests are over")
             self.started.append(Started(*args, **kwargs))
             return self.started[-1]
+
+    def wait(self) -> None:
+        self.thread.join()
 
     def close(self) -> None:
         with self.lock:
@@ -223,88 +233,76 @@ def _smoke_runs(where: Path, env: dict[str, str], smoke: Smoke) -> None:
                                    argv=script).result()
 
 
-@dataclass
-class Runs:
-    """This module's subprocess runs, for the tests the session runs; conftest's Background starts
-    them all side by side (start_background) while earlier tests run in the pytest process."""
-    sweep_dir: Path | None = None
-    sweep: Started | None = None
-    smoke: Smoke | None = None
-    smoke_thread: threading.Thread | None = None
-    user_errors: dict[str, tuple[Path, Started]] = field(default_factory=dict)
-    unknown_group: tuple[Path, Started] | None = None
-    diverged: tuple[Path, Started] | None = None
-    optuna: tuple[Path, Started] | None = None
-
-    def processes(self) -> list[Started]:
-        return [*([self.sweep] if self.sweep else []), *([self.optuna[1]] if self.optuna else []),
-                *(s for _, s in self.user_errors.values()),
-                *(pair[1] for pair in (self.unknown_group, self.diverged) if pair)]
-
-    def wait(self) -> None:
-        if self.smoke_thread is not None:
-            self.smoke_thread.join()
-        for started in self.processes():
-            started.proc.wait()
-
-    def close(self) -> None:
-        if self.smoke is not None:
-            self.smoke.close()
-        for started in self.processes():
-            started.stop()
+# The subprocess runs of this module's tests, as background set-ups (tests/background.py): each
+# starts at the beginning of the session, side by side with the others, if a selected test
+# requests its fixture; the tests inspect what the runs left.
 
 
-def start_background(ctx) -> Runs:
-    where = ctx.tmp_path_factory.mktemp("cli")
-    env, out = cli_env(ctx.cache_dir), Runs()
-    if ctx.wanted(*SWEEP_TESTS):
-        cases = where / "cases"
-        (cases / "cli_case").mkdir(parents=True)
-        for name, text in CASES.items():
-            (cases / "cli_case" / f"{name}.yaml").write_text(text)
-        out.sweep_dir = where / "sweep"
-        out.sweep = Started(where, "sweep", ["-m", f"hydra.sweep.dir={out.sweep_dir}", f"hydra.searchpath=[file://{cases}]",
-                                             *TINY, f"+cli_case={','.join(SWEEP_JOBS)}"], env)
-    if ctx.wanted("test_train_lm_script_smoke_forwards_the_slurm_signal_and_resumes"):
-        (where / "smoke").mkdir()
-        out.smoke = Smoke(where / "smoke_first", where / "smoke_second")
-        out.smoke_thread = threading.Thread(target=smoke_chain, args=(where / "smoke", env, out.smoke), daemon=True)
-        out.smoke_thread.start()
-    if ctx.wanted("test_diverged_run_exits_2_with_the_loss_and_the_fix"):
-        run_dir = where / "diverged"
-        out.diverged = run_dir, Started(where, "diverged", [f"hydra.run.dir={run_dir}", *TINY, *DIVERGED], env)
-    for case in ctx.params("test_cli_user_error_exits_2_with_one_line", "case"):
-        overrides, extra, _ = USER_ERRORS[case]
-        run_dir = where / f"error_{case}"
-        out.user_errors[case] = run_dir, Started(where, f"error_{case}", [f"hydra.run.dir={run_dir}", *TINY, *overrides],
-                                                 cli_env(ctx.cache_dir, extra))
-    if ctx.wanted("test_optuna_sweep_minimises_the_final_val_loss_past_a_diverged_trial"):
-        sweep_dir = where / "optuna"
-        out.optuna = sweep_dir, Started(where, "optuna", ["-m", "hydra/sweeper=optuna_lr", "hydra.sweeper.n_trials=3",
-                                                          f"hydra.sweeper.params={{{OPTUNA_LRS}}}",
-                                                          f"hydra.sweep.dir={sweep_dir}", *TINY, "train.max_steps=10",
-                                                          "train.val_freq=10", "train.sample_tokens=0",
-                                                          "optimizer.lr_config.warmup=2"], env)
-    if ctx.wanted("test_cli_unknown_group_option_exits_1"):
-        run_dir = where / "unknown_group"
-        out.unknown_group = run_dir, Started(where, "unknown_group", [f"hydra.run.dir={run_dir}", *TINY, "optimizer=nope"],
-                                             env)
+def cli_run(ctx, name: str, *args: str, extra_env: dict[str, str] | None = None) -> Started:
+    """`python train_jax.py *args` in its own run dir."""
+    where = ctx.tmp_path_factory.mktemp(f"cli_{name}")
+    return Started(where, name, [f"hydra.run.dir={where / 'run'}", *TINY, *args], cli_env(ctx.cache_dir, extra_env),
+                   run_dir=where / "run")
+
+
+@background.setup
+def sweep_run(ctx) -> Started:
+    """The shared multirun (see `sweep`), its jobs in run_dir/0 ... run_dir/3."""
+    where = ctx.tmp_path_factory.mktemp("cli_sweep")
+    cases = where / "cases"
+    (cases / "cli_case").mkdir(parents=True)
+    for name, text in CASES.items():
+        (cases / "cli_case" / f"{name}.yaml").write_text(text)
+    return Started(where, "sweep", ["-m", f"hydra.sweep.dir={where / 'sweep'}", f"hydra.searchpath=[file://{cases}]",
+                                    *TINY, f"+cli_case={','.join(SWEEP_JOBS)}"], cli_env(ctx.cache_dir),
+                   run_dir=where / "sweep")
+
+
+@background.setup
+def smoke(ctx) -> Smoke:
+    """scripts/train_lm.sh stopped by SIGUSR1, then run again (smoke_chain)."""
+    where = ctx.tmp_path_factory.mktemp("cli_smoke")
+    (where / "runs").mkdir()
+    out = Smoke(where / "first", where / "second")
+    out.thread = threading.Thread(target=smoke_chain, args=(where / "runs", cli_env(ctx.cache_dir), out), daemon=True)
+    out.thread.start()
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(background, request) -> Runs:
-    return background.handle(request.module)
+@background.setup
+def diverged(ctx) -> Started:
+    return cli_run(ctx, "diverged", *DIVERGED)
+
+
+@background.setup(params=list(USER_ERRORS))
+def user_error(ctx, case: str) -> Started:
+    """One bad input of USER_ERRORS; the handle's name is the case."""
+    overrides, extra, _ = USER_ERRORS[case]
+    return cli_run(ctx, case, *overrides, extra_env=extra)
+
+
+@background.setup
+def optuna_sweep(ctx) -> Started:
+    where = ctx.tmp_path_factory.mktemp("cli_optuna")
+    return Started(where, "optuna", ["-m", "hydra/sweeper=optuna_lr", "hydra.sweeper.n_trials=3",
+                                     f"hydra.sweeper.params={{{OPTUNA_LRS}}}", f"hydra.sweep.dir={where / 'sweep'}",
+                                     *TINY, "train.max_steps=10", "train.val_freq=10", "train.sample_tokens=0",
+                                     "optimizer.lr_config.warmup=2"], cli_env(ctx.cache_dir), run_dir=where / "sweep")
+
+
+@background.setup
+def unknown_group(ctx) -> Started:
+    return cli_run(ctx, "unknown_group", "optimizer=nope")
 
 
 @pytest.fixture(scope="module")
-def sweep(runs) -> tuple[subprocess.CompletedProcess, Path]:
+def sweep(sweep_run) -> tuple[subprocess.CompletedProcess, Path]:
     """The shared multirun: job 0 AdamW + cosine (40 steps, val every 20), job 1 SGD-momentum + linear
     (30 steps), job 2 SGD at lr 1e30 (diverges), job 3 job 0 again. It exits 2 for job 2."""
-    proc = runs.sweep.result()
+    proc = sweep_run.result()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, \
         f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    return proc, runs.sweep_dir
+    return proc, sweep_run.run_dir
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -439,12 +437,11 @@ def test_multirun_goes_on_past_a_diverged_job(sweep):
 
 
 @pytest.mark.slow
-def test_optuna_sweep_minimises_the_final_val_loss_past_a_diverged_trial(runs):
-    """The README's `hydra/sweeper=optuna_lr`: three trials, each its own job dir with its own lr; one
+def test_optuna_sweep_minimises_the_final_val_loss_past_a_diverged_trial(optuna_sweep):
+    """The docs' `hydra/sweeper=optuna_lr`: three trials, each its own job dir with its own lr; one
     diverges, is reported in one line, counts as the worst value (+inf) and the study goes on; the
     best value Optuna reports is the lowest final val/loss of the others, and the study exits 0."""
-    sweep_dir, started = runs.optuna
-    proc = started.result()
+    sweep_dir, proc = optuna_sweep.run_dir, optuna_sweep.result()
     assert_ok(proc)
     finals, lrs = {}, {}
     for job in ("0", "1", "2"):
@@ -468,12 +465,11 @@ def test_optuna_sweep_minimises_the_final_val_loss_past_a_diverged_trial(runs):
 
 
 @pytest.mark.slow
-def test_train_lm_script_smoke_forwards_the_slurm_signal_and_resumes(runs):
+def test_train_lm_script_smoke_forwards_the_slurm_signal_and_resumes(smoke):
     """SMOKE=1 bash scripts/train_lm.sh, with checkpoints: SIGUSR1 sent to the script's shell (what
     `#SBATCH --signal=B:USR1@120` does) must reach the trainer, which saves and exits 3; the same
     command again resumes and finishes."""
-    runs.smoke_thread.join(3 * SUBPROCESS_TIMEOUT_S)
-    smoke = runs.smoke
+    smoke.thread.join(3 * SUBPROCESS_TIMEOUT_S)
     assert smoke.error is None, smoke.error
     first = smoke.first
     out, err = first.stdout, first.stderr
@@ -593,11 +589,9 @@ def assert_failed_before_compiling(proc: subprocess.CompletedProcess, run_dir: P
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(USER_ERRORS))
-def test_cli_user_error_exits_2_with_one_line(runs, case):
-    knob = USER_ERRORS[case][2]
-    run_dir, started = runs.user_errors[case]
-    proc = started.result()
+def test_cli_user_error_exits_2_with_one_line(user_error):  # one case per USER_ERRORS entry
+    knob = USER_ERRORS[user_error.name][2]
+    run_dir, proc = user_error.run_dir, user_error.result()
     assert proc.returncode == 2, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
@@ -606,9 +600,8 @@ def test_cli_user_error_exits_2_with_one_line(runs, case):
 
 
 @pytest.mark.slow
-def test_cli_unknown_group_option_exits_1(runs):
-    run_dir, started = runs.unknown_group
-    proc = started.result()
+def test_cli_unknown_group_option_exits_1(unknown_group):
+    run_dir, proc = unknown_group.run_dir, unknown_group.result()
     assert proc.returncode == 1
     assert "Could not find 'optimizer/nope'" in proc.stderr
     assert "adamw" in proc.stderr and "sgdm" in proc.stderr  # Hydra lists the available options
@@ -616,9 +609,8 @@ def test_cli_unknown_group_option_exits_1(runs):
 
 
 @pytest.mark.slow
-def test_diverged_run_exits_2_with_the_loss_and_the_fix(runs):
-    run_dir, started = runs.diverged
-    proc = started.result()
+def test_diverged_run_exits_2_with_the_loss_and_the_fix(diverged):
+    run_dir, proc = diverged.run_dir, diverged.result()
     assert proc.returncode == 2, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: train/loss is nan"), proc.stderr

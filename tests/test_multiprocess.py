@@ -8,8 +8,8 @@ that one saved restored by 2 processes again.
 Time (2 cores): each process of a job compiles what the other compiles, ~10 s of CPU each. So only
 the stopped job compiles; the resume and the uninterrupted reference start once it has exited
 (both processes' executables in the session's compilation cache) and run side by side. The jobs
-run in the background from the start of the session (conftest's Background), while earlier tests
-run in the pytest process; the test inspects what they left.
+run in the background from the start of the session (a background set-up, tests/background.py),
+while earlier tests run in the pytest process; the test inspects what they left.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI_TINY, offline_env
+import background
+from helpers import CLI_TINY, offline_env
 from utils.checkpoint.storage import complete_steps, open_checkpoint
 from utils.checkpoint.signals import EXIT_PREEMPTED
 
@@ -142,15 +143,10 @@ class Jobs:
                     p.wait()
 
 
-def start_background(ctx) -> Jobs | None:
-    if ctx.wanted("test_sigterm_to_one_process_stops_both_and_the_resume_is_bit_identical"):
-        return Jobs(ctx.tmp_path_factory.mktemp("two_processes"), offline_env(ctx.cache_dir))
-    return None
-
-
-@pytest.fixture(scope="module")
-def jobs(background, request) -> Jobs:
-    return background.handle(request.module)
+@background.setup
+def jobs(ctx) -> Jobs:
+    """The two-process jobs, started at the beginning of the session (tests/background.py)."""
+    return Jobs(ctx.tmp_path_factory.mktemp("two_processes"), offline_env(ctx.cache_dir))
 
 
 def finish(procs: list[subprocess.Popen]) -> list[int]:

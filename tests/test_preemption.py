@@ -13,8 +13,8 @@ dropout is on, so the restored RNG key matters as much as the weights and the da
 Time (2 cores): a process costs ~3 s of CPU once its executables are in the JAX compilation cache
 this file shares between its runs, ~12 s (8 devices: ~17 s) when it compiles them. So each
 configuration is compiled by one run, every scenario is a chain of runs that a thread drives in the
-background from the start of the session (conftest's Background, while earlier tests run in the
-pytest process; the runs that compile start at once, the others once the reference has filled the
+background from the start of the session (background set-ups, tests/background.py, while earlier
+tests run in the pytest process; the runs that compile start at once, the others once the reference has filled the
 cache), and the tests only inspect what the chains left behind. Runs are shared where one run can
 show several things: the SIGTERM run is sent SIGTERM every 2 ms (the
 repeated-signal case), one `kill -9` lands in a save with training steps after the newest complete
@@ -39,7 +39,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from conftest import CLI_TINY, offline_env, FAST_COMPILE
+import background
+from helpers import CLI_TINY, offline_env, FAST_COMPILE
 from utils.checkpoint.storage import TMP_MARKER, complete_steps, open_checkpoint
 from utils.checkpoint.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
@@ -70,7 +71,7 @@ VARIANTS = {"plain": (), "accumulation": ("dataset.total_batch_size=16",)}  # ba
 
 def base_env(cache_dir) -> dict[str, str]:
     """Offline, W&B off, the session's tokenized-corpus cache, and the session's JAX compilation cache
-    (conftest's): a resumed run loads the executables its interrupted run compiled (the same
+    (tests/conftest.py's): a resumed run loads the executables its interrupted run compiled (the same
     executables: the numbers compared are unaffected; a resumed program that differed would have
     another cache key)."""
     return {**offline_env(cache_dir), "JAX_PLATFORMS": "cpu", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
@@ -140,6 +141,14 @@ class Run:
         assert "Traceback" not in self.stderr, self.tail()
 
 
+def close_all() -> None:
+    """Kill every run of this module still going; a chain still going fails at its next wait or start."""
+    with _LOCK:
+        _CLOSED.set()
+        for run in _STARTED:
+            run.stop()
+
+
 def wait_for(ready: Callable[[], object], runs: list[Run], what: str, every_s: float = 0.005) -> None:
     """Until ready(); raises ChainFailed (killing `runs`) if one of them exits first or the
     deadline passes. Used in the chains' threads, where pytest.fail would be lost."""
@@ -192,6 +201,12 @@ class Chain:
         except Exception as e:  # noqa: BLE001 - reported by result()
             self._error = f"{type(e).__name__}: {e}"
 
+    def wait(self) -> None:  # a background handle (tests/background.py)
+        self._thread.join()
+
+    def close(self) -> None:
+        close_all()
+
     def result(self):
         self._thread.join(4 * TIMEOUT_S)
         if self._thread.is_alive():
@@ -217,6 +232,13 @@ class Reference:
         self.runs[steps] = Run(self.where, f"reference_{steps}", (*TINY, *EXACT, f"train.max_steps={steps}",
                                *save_args(self.where / f"ck_{steps}", f"checkpoint.save_steps={LONG}")), self.env)
 
+    def wait(self) -> None:  # a background handle (tests/background.py)
+        for run in list(self.runs.values()):
+            run.proc.wait()
+
+    def close(self) -> None:
+        close_all()
+
     def wait_warm(self) -> None:
         """Until the first reference run has exited: its executables are in the cache."""
         exit_code(self.runs[REFERENCE_STEPS])
@@ -236,6 +258,7 @@ class Reference:
 
 @dataclass
 class Stopped:
+    sig: str
     ck: Path
     stopped: Run  # trained "forever" until the signal
     code: int  # its exit code
@@ -270,7 +293,7 @@ def signal_chain(where: Path, env: dict[str, str], reference: Reference, sig: st
     resumed = start("resumed", "checkpoint.num_steps=3", "checkpoint.resume=auto") if code == SIGNALS[sig] and n else None
     if resumed is not None:
         exit_code(resumed)
-    return Stopped(ck, run, code, n, on_disk, resumed)
+    return Stopped(sig, ck, run, code, n, on_disk, resumed)
 
 
 @dataclass
@@ -337,77 +360,41 @@ def eight_device_chain(where: Path, env: dict[str, str], variant: str) -> Segmen
     return s
 
 
-@dataclass
-class Chains:
-    """This module's background runs (conftest's Background starts them): the reference and the
-    8-device straight runs at once (they compile), the signal and kill runs once the reference has
-    exited (cache warm); for the tests the session runs."""
-    reference: Reference | None = None
-    signals: dict[str, Chain] = field(default_factory=dict)
-    kill: Chain | None = None
-    eight_devices: dict[str, Chain] = field(default_factory=dict)
-
-    def all(self) -> list[Chain]:
-        return [*self.eight_devices.values(), *self.signals.values(), *([self.kill] if self.kill else [])]
-
-    def wait(self) -> None:
-        for chain in self.all():
-            chain._thread.join()
-        if self.reference is not None:
-            for run in list(self.reference.runs.values()):
-                run.proc.wait()
-
-    def close(self) -> None:
-        """Kill any run still going; a chain still going fails at its next wait or start."""
-        with _LOCK:
-            _CLOSED.set()
-            for run in _STARTED:
-                run.stop()
+# The background set-ups (tests/background.py): each starts at the beginning of the session if a
+# selected test requests its fixture. The reference and the 8-device chains start runs at once
+# (they compile); the signal and kill chains wait for the reference to exit (cache warm).
 
 
-KILL_TESTS = ("test_kill_9_between_saves_resumes_from_the_newest_complete_checkpoint",
-              "test_kill_9_during_a_save_leaves_a_tmp_dir_that_resume_removes")
+@background.setup
+def reference(ctx) -> Reference:
+    return Reference(ctx.tmp_path_factory.mktemp("reference"), base_env(ctx.cache_dir))
 
 
-def start_background(ctx) -> Chains:
-    env, mktemp = base_env(ctx.cache_dir), ctx.tmp_path_factory.mktemp
-    signals = [s for s in SIGNALS if s in ctx.params("test_signal_saves_the_last_step_exits_and_resumes_exactly",
-                                                     "signame")]
-    if ctx.wanted("test_repeated_sigterm_does_not_kill_the_save_it_started") and STORM not in signals:
-        signals.append(STORM)
-    kills = ctx.wanted(*KILL_TESTS)
-    variants = [v for v in VARIANTS if v in ctx.params("test_8_devices_segmented_run_is_bit_identical", "variant")]
-    out = Chains()
-    if signals or kills:
-        out.reference = Reference(mktemp("reference"), env)
-    for variant in variants:
-        out.eight_devices[variant] = Chain(f"8 devices, {variant}",
-                                           lambda w=mktemp(f"eight_devices_{variant}"), v=variant: eight_device_chain(w, env, v))
-    for sig in signals:
-        out.signals[sig] = Chain(sig, lambda w=mktemp(f"signal_{sig}"), s=sig: signal_chain(w, env, out.reference, s))
-    if kills:
-        out.kill = Chain("kill -9", lambda w=mktemp("kill_9"): kill_chain(w, env, out.reference))
-    return out
+@background.setup(params=list(VARIANTS))
+def eight_devices(ctx, variant: str) -> Chain:
+    where, env = ctx.tmp_path_factory.mktemp(f"eight_devices_{variant}"), base_env(ctx.cache_dir)
+    return Chain(f"8 devices, {variant}", lambda: eight_device_chain(where, env, variant))
 
 
-@pytest.fixture(scope="module")
-def chains(background, request) -> Chains:
-    return background.handle(request.module)
+@background.setup(params=list(SIGNALS))
+def signal_run(ctx, sig: str) -> Chain:
+    where, env, ref = ctx.tmp_path_factory.mktemp(f"signal_{sig}"), base_env(ctx.cache_dir), ctx.setup("reference")
+    return Chain(sig, lambda: signal_chain(where, env, ref, sig))
 
 
-@pytest.fixture(scope="module")
-def reference(chains) -> Reference:
-    return chains.reference
+@background.setup
+def kill_run(ctx) -> Chain:
+    where, env, ref = ctx.tmp_path_factory.mktemp("kill_9"), base_env(ctx.cache_dir), ctx.setup("reference")
+    return Chain("kill -9", lambda: kill_chain(where, env, ref))
 
 
 # ----------------------------------------------------------------------------- signals
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signame", list(SIGNALS))
-def test_signal_saves_the_last_step_exits_and_resumes_exactly(chains, reference, signame):
-    s = chains.signals[signame].result()
-    run, ck, n = s.stopped, s.ck, s.n
+def test_signal_saves_the_last_step_exits_and_resumes_exactly(signal_run, reference):  # one case per signal
+    s = signal_run.result()
+    signame, run, ck, n = s.sig, s.stopped, s.ck, s.n
     assert s.code == SIGNALS[signame], run.tail()
 
     before = run.losses()
@@ -429,12 +416,13 @@ def test_signal_saves_the_last_step_exits_and_resumes_exactly(chains, reference,
 
 
 @pytest.mark.slow
-def test_repeated_sigterm_does_not_kill_the_save_it_started(chains):
+@pytest.mark.parametrize("signal_run", [STORM], indirect=True)
+def test_repeated_sigterm_does_not_kill_the_save_it_started(signal_run):
     """SIGTERM every 2 ms until the process exits (a launcher that re-sends it, or the scheduler
     signalling again): the save the first one started must still complete, and the exit code stay 3.
     The STORM run of the signal test: that test also checks its single stderr line, its manifest and
     its exact resume; SIGUSR1, handled by the same code, is the case of a single signal."""
-    s = chains.signals[STORM].result()
+    s = signal_run.result()
     assert s.on_disk == [f"iter_{s.n}"], f"exit {s.code}; {s.ck} holds {s.on_disk}"
     assert s.code == EXIT_PREEMPTED, s.stopped.tail()
 
@@ -443,8 +431,8 @@ def test_repeated_sigterm_does_not_kill_the_save_it_started(chains):
 
 
 @pytest.mark.slow
-def test_kill_9_between_saves_resumes_from_the_newest_complete_checkpoint(chains, reference):
-    k = chains.kill.result()
+def test_kill_9_between_saves_resumes_from_the_newest_complete_checkpoint(kill_run, reference):
+    k = kill_run.result()
     ck, killed, newest = k.ck, k.killed, k.newest
     assert newest % KILL_SAVE_STEPS == 0 and max(killed) >= newest + 3  # steps trained after the newest save
     k.resumed.assert_ok()
@@ -458,10 +446,10 @@ def test_kill_9_between_saves_resumes_from_the_newest_complete_checkpoint(chains
 
 
 @pytest.mark.slow
-def test_kill_9_during_a_save_leaves_a_tmp_dir_that_resume_removes(chains, reference):
+def test_kill_9_during_a_save_leaves_a_tmp_dir_that_resume_removes(kill_run, reference):
     """The same run: SIGKILL landed while a save was being written (the directory is polled every
     1 ms; even this tiny model's save keeps its tmp dir for ~200 ms)."""
-    k = chains.kill.result()
+    k = kill_run.result()
     ck, killed, newest = k.ck, k.killed, k.newest
     assert k.left and max(killed) > newest  # the step whose save was cut off was trained and logged
     k.resumed.assert_ok()
@@ -493,12 +481,11 @@ def arrays(ckpt_dir: Path, item: str) -> list[np.ndarray]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_8_devices_segmented_run_is_bit_identical(chains, variant):
+def test_8_devices_segmented_run_is_bit_identical(eight_devices):  # one case per variant
     """4 data x 2 fsdp on 8 forced host devices: resume=auto from the iter_4 of a straight 8-step run
     (in a save_path of its own) to 8 equals the straight steps 5-8, losses and final arrays alike
     (model, optimizer state, step and RNG key)."""
-    s = chains.eight_devices[variant].result()
+    s = eight_devices.result()
     s.full.assert_ok()
     assert s.second is not None, f"no iter_4 in {s.full_ck}: {sorted(os.listdir(s.full_ck))}"
     s.second.assert_ok()

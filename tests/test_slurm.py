@@ -13,7 +13,7 @@ where EQTRAIN_REQUIRE_SLURM=1 (.ci/run sets it as root with apt-get): there that
 - train.sbatch with two tasks, signalled: both save and stop, one exiting well after the other,
   and the job is still requeued and resumes.
 
-The jobs are submitted from the session's background (conftest.Background) while earlier tests
+The jobs are submitted from the session's background (tests/background.py) while earlier tests
 run in the pytest process, one scenario after another; the tests inspect what they left. Every job
 gets a unique name; whatever is still queued when the session ends is cancelled by that name.
 """
@@ -33,7 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI_TINY, FAST_COMPILE, offline_env
+import background
+from helpers import CLI_TINY, FAST_COMPILE, offline_env
 from slurm_cluster import cluster_problem, no_cluster
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,25 +85,40 @@ def job_fields(job_id: str) -> dict[str, str]:
 
 
 class Scenarios:
-    """The SLURM jobs of the session's tests, submitted one scenario after another by a thread that
-    the session's background (conftest.Background) starts while earlier tests run in the pytest
-    process: the time-limit scenario spends most of its two minutes waiting on SLURM's clock. Each
-    scenario records what its test checks, or the error that stopped it; every job is named
-    `eqtrain-test-<scenario>-<random>` and cancelled by that name when the session closes."""
+    """The SLURM jobs of the session's tests, one scenario after another in the order submitted, by
+    a thread started from the session's background (tests/background.py) while earlier tests run in
+    the pytest process: the time-limit scenario spends most of its two minutes waiting on SLURM's
+    clock. Each scenario records what its test checks, or the error that stopped it; every job is
+    named `eqtrain-test-<scenario>-<random>` and cancelled by that name when the session closes."""
 
-    def __init__(self, where: Path, cache_dir, wanted: list[str]):
+    def __init__(self, where: Path, cache_dir):
         self.where, self.cache_dir = where, cache_dir
         self.results: dict[str, dict] = {}
-        self.names = {scenario: f"eqtrain-test-{scenario}-{uuid.uuid4().hex[:6]}" for scenario in wanted}
+        self.names: dict[str, str] = {}
         self._procs: list[subprocess.Popen] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._done = {scenario: threading.Event() for scenario in wanted}
-        self._thread = threading.Thread(target=self._run, name="slurm scenarios", daemon=True)
-        self._thread.start()
+        self._done: dict[str, threading.Event] = {}
+        self._pending: list[str] = []
+        self._thread: threading.Thread | None = None  # running while scenarios are pending
+
+    def submit(self, scenario: str) -> "Submitted":
+        with self._lock:
+            self.names[scenario] = f"eqtrain-test-{scenario}-{uuid.uuid4().hex[:6]}"
+            self._done[scenario] = threading.Event()
+            self._pending.append(scenario)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="slurm scenarios", daemon=True)
+                self._thread.start()
+        return Submitted(self, scenario)
 
     def _run(self) -> None:
-        for scenario in self._done:  # the longest first: its waits overlap the others' compiles
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._thread = None
+                    return
+                scenario = self._pending.pop(0)
             try:
                 self.results[scenario] = getattr(self, scenario)(self.where / scenario, self.names[scenario])
             except BaseException as e:  # noqa: BLE001 - the scenario's test reports it
@@ -126,11 +142,14 @@ class Scenarios:
         assert "error" not in found, found["error"]
         return found
 
-    def wait(self) -> None:
-        self._thread.join()
+    def wait(self) -> None:  # a background handle (tests/background.py)
+        for done in list(self._done.values()):
+            done.wait()
 
     def close(self) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
         for name in self.names.values():
             subprocess.run(["scancel", "--name", name], capture_output=True, timeout=30)
@@ -249,28 +268,45 @@ class Scenarios:
         return {"code": code, "sweep": sweep, "out": (where / "sweep.log").read_text(), "logs": logs}
 
 
-SCENARIOS = {"test_time_limit_requeue_resumes_bit_identically": "time_limit",
-             "test_two_task_job_signalled_requeues_and_resumes": "two_tasks",
-             "test_srun_two_processes_train_as_one": "srun",
-             "test_sweep_through_the_slurm_launcher": "sweep"}
+class Submitted:
+    """One scenario of Scenarios: a background handle (tests/background.py)."""
+
+    def __init__(self, scenarios: Scenarios, scenario: str):
+        self.scenarios, self.scenario = scenarios, scenario
+
+    def result(self) -> dict:
+        return self.scenarios.result(self.scenario)
+
+    def wait(self) -> None:
+        self.scenarios._done[self.scenario].wait()
+
+    def close(self) -> None:
+        self.scenarios.close()
 
 
-def start_background(ctx) -> Scenarios | None:
-    wanted = [scenario for test, scenario in SCENARIOS.items() if ctx.wanted(test)]
-    if not wanted or _cluster_problem():
+# The background set-ups: `slurm_job` once per scenario that a selected test names (indirect
+# parametrization), submitted in the order of `params` (the longest first: its waits overlap the
+# others' compiles) to the one Scenarios of the session.
+
+
+@background.setup
+def slurm_scenarios(ctx) -> Scenarios | None:
+    if _cluster_problem():
         return None  # the module's autouse fixture skips its tests
-    return Scenarios(ctx.tmp_path_factory.mktemp("slurm"), ctx.cache_dir, wanted)
+    return Scenarios(ctx.tmp_path_factory.mktemp("slurm"), ctx.cache_dir)
 
 
-@pytest.fixture(scope="module")
-def scenarios(background, request) -> Scenarios:
-    return background.handle(request.module)
+@background.setup(params=["time_limit", "two_tasks", "srun", "sweep"])
+def slurm_job(ctx, scenario: str) -> Submitted | None:
+    scenarios = ctx.setup("slurm_scenarios")
+    return None if scenarios is None else scenarios.submit(scenario)
 
 
-def test_sweep_through_the_slurm_launcher(scenarios):
+@pytest.mark.parametrize("slurm_job", ["sweep"], indirect=True)
+def test_sweep_through_the_slurm_launcher(slurm_job):
     """Two sweep points become two SLURM jobs (an array); each writes its own run dir with its
     metrics and its own checkpoint dir under it."""
-    r = scenarios.result("sweep")
+    r = slurm_job.result()
     sweep = r["sweep"]
     assert r["code"] == 0, f"{r['out'][-3000:]}\n{r['logs'][-3000:]}"
     runs = {}
@@ -287,11 +323,12 @@ def test_sweep_through_the_slurm_launcher(scenarios):
     assert "Submitit 'slurm' sweep output dir" in r["out"]
 
 
-def test_srun_two_processes_train_as_one(scenarios):
+@pytest.mark.parametrize("slurm_job", ["srun"], indirect=True)
+def test_srun_two_processes_train_as_one(slurm_job):
     """`srun --ntasks=2 python train_jax.py`: jax.distributed starts from SLURM's environment, each
     process feeds half of every global batch, and the losses are those of one process with the same
     two-device mesh (XLA's forced host devices), bit for bit."""
-    r = scenarios.result("srun")
+    r = slurm_job.result()
     where = r["where"]
     for name, code in r["codes"].items():
         assert code == 0, (where / f"{name}.log").read_text()[-3000:]
@@ -307,13 +344,14 @@ AFTER_STOP = 100  # steps of the second segment that the reference covers
 STOP_LINE = re.compile(r"stopped by SIGUSR1 after step (\d+): saved (\S+);")
 
 
-def test_time_limit_requeue_resumes_bit_identically(scenarios):
+@pytest.mark.parametrize("slurm_job", ["time_limit"], indirect=True)
+def test_time_limit_requeue_resumes_bit_identically(slurm_job):
     """train.sbatch with a 1-minute limit and the signal 30 s before it: SLURM signals the batch
     script (its clock ticks every ~30 s, so anywhere in the first half minute), the trainer saves
     and exits 3, the script requeues the job; the test then lifts the limit so that the second start
     finishes the run. Its metrics.jsonl (both segments) has every step once and equals an
     uninterrupted run's, bit for bit, up to AFTER_STOP steps after the stop."""
-    r = scenarios.result("time_limit")
+    r = slurm_job.result()
     out, ck = r["out"], r["ck"]
     assert r["state"] == "COMPLETED", f"{r['state']}\n{out[-4000:]}"
     assert r["lifted"], f"the job finished without a requeue (the signal came after it: raise STEPS)\n{out[-3000:]}"
@@ -353,13 +391,14 @@ def test_local_cluster_script_second_run_is_quick():
 TWO_TASK_STEPS = 100  # ~0.1 s a step (an all-gather and a log line each): the stop comes a few steps after the first
 
 
-def test_two_task_job_signalled_requeues_and_resumes(scenarios):
+@pytest.mark.parametrize("slurm_job", ["two_tasks"], indirect=True)
+def test_two_task_job_signalled_requeues_and_resumes(slurm_job):
     """A 2-task train.sbatch job (srun): USR1 to the batch shell reaches both trainers, which agree
     on a step, save together and exit 3, task 1 some seconds after task 0. The first exit must not
     make srun kill the other task (--kill-on-bad-exit) nor srun's status hide the 3 behind that kill:
     the job is requeued, and its next start resumes at the saved step and finishes, every step
     logged once."""
-    r = scenarios.result("two_tasks")
+    r = slurm_job.result()
     out, ck = r["out"], r["ck"]
     assert r["signalled"], f"the job never logged a training step\n{out[-3000:]}"
     assert r["state"] == "COMPLETED" and r["restarts"] == 1, f"{r['state']}, {r['restarts']} restart(s)\n{out[-4000:]}"

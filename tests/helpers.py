@@ -1,0 +1,78 @@
+"""What the tests share besides fixtures: the tiny run overrides, a subprocess environment, the
+config composer and the scripts loader. `from helpers import ...` (tests/ is on sys.path:
+pyproject's [tool.pytest.ini_options] pythonpath; tests/sharded_step_check.py inserts it).
+
+Importing this module sets the process's BLAS and XLA flags (below); tests/conftest.py imports it
+first, so that happens before anything in the session imports jax.
+"""
+
+import os
+
+from hydra import compose, initialize_config_dir
+
+# NumPy references in tests call BLAS; on a 2-core machine its threads fight XLA's for cores.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# The tests' tiny models spend their time compiling, not running. LLVM's optimisation of the CPU
+# kernels XLA emits does not change what the programs compute (the HLO, its SPMD partitioning and
+# its fusions are the same; golden losses agree well inside their tolerance), and at level 0 the
+# suite's CPU time falls by about a third. Benchmarks (bench/) and real runs keep the default.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+# A model small enough to compile and step in well under a second on a CPU core.
+TINY_OVERRIDES = (
+    "model.dim=32",
+    "model.num_heads=2",
+    "model.num_blocks=2",
+    "model.context_length=16",
+    "model.vocab_size=64",
+    "dataset.batch_size=8",
+    "train.max_steps=20",
+    "train.sample_tokens=0",
+    "logging.sample_prompts=[]",
+    "logging.log_callback_data=false",  # diagnostics double the compile time; their tests switch them on
+    "logging.progress_bar=false",
+)
+
+# The model of end-to-end runs through `python train_jax.py` (byte tokens: vocab 257 -> 320).
+CLI_TINY = (
+    "model.dim=32",
+    "model.num_heads=2",
+    "model.num_blocks=2",
+    "model.context_length=32",
+    "dataset.batch_size=8",
+    "train.max_val_steps=2",
+    "logging.log_callback_data=false",  # compiled once, not twice; train_lm.sh's smoke run keeps them on
+)
+
+
+def offline_env(cache_dir) -> dict[str, str]:
+    """os.environ for a subprocess run of train_jax.py: offline, W&B off, the session's caches
+    (what conftest's _offline_env gives a test; a background run starts outside any test)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "HYDRA_FULL_ERROR", "SMOKE")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", EQTRAIN_CACHE=str(cache_dir),
+               XLA_FLAGS=FAST_COMPILE)  # no forced device count: each run says how many devices it wants
+    return env
+
+
+def compose_config(*overrides: str):
+    """conf/config.yaml composed with TINY_OVERRIDES then `overrides` (later ones win)."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=[*TINY_OVERRIDES, *overrides])
+
+
+def load_script(name: str):
+    """scripts/<name>.py imported as a module, to call its functions and main(argv) in-process.
+    Registered in sys.modules before it runs: its dataclasses look their module up while built."""
+    import importlib.util
+    import sys
+
+    path = os.path.join(os.path.dirname(CONF_DIR), "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
