@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from loaders.batching import BATCH_KNOBS, DatasetConfig
+from loaders.config import BATCH_KNOBS, DatasetConfig
 from loaders.sources import SOURCES
 from loaders.tokenizers import TOKENIZERS
 from utils.sections import build_registered, build_section

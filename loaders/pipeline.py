@@ -9,8 +9,11 @@ import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
-from loaders.batching import BatchIterator, DataRequest, DatasetConfig, WindowDataset, batch_tokens, cached_windows
+from loaders.batching import BatchIterator
+from loaders.config import DataRequest, DatasetConfig
 from loaders.prefetch import Prefetcher
+from loaders.tokens import cached_windows
+from loaders.windows import WindowDataset, batch_tokens
 from utils.errors import CheckpointError, ConfigError
 
 # Batches hashed into data/fingerprint: enough to tell two orders apart, cheap to read twice.
@@ -88,6 +91,11 @@ class Data:
     tokens_per_step: int
     fingerprint: str  # data/fingerprint
     info: dict  # numbers a source reports (e.g. data/truncated), logged once
+
+    def close(self) -> None:
+        """Stop the train iterator's prefetch thread, if it has one."""
+        if hasattr(self.train, "close"):
+            self.train.close()
 
 
 def build_data(d: DatasetConfig, req: DataRequest, seed: int, process_index: int, process_count: int,

@@ -1,5 +1,6 @@
-"""A trained model out of its checkpoint: restored alone (no optimizer state) for sampling, or
-written as `model.safetensors` + `config.json` for tools that do not speak orbax.
+"""The export format: a model written as `model.safetensors` + `config.json` for tools that do not
+speak orbax, and read back (`load_export`). Opening a run's checkpoint for export or sampling (the
+scripts' command line, the saved run config) is `utils.checkpoint.inference`'s.
 
 Export layout of an OUT_DIR:
 
@@ -23,23 +24,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from omegaconf import OmegaConf
 
 from models.gpt import GPT, GPTConfig
-from utils.checkpoint import storage as ckptlib
 from utils import files
-from utils.config import RunConfig, build_section, validate
+from utils.checkpoint import storage as ckptlib
 from utils.errors import CheckpointError
+from utils.sections import build_section
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-_ROOT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "config.yaml")
-
-
-def local_cache_dir() -> str:
-    """This machine's cache_dir, resolved exactly as conf/config.yaml does (EQTRAIN_CACHE or its
-    default): the one saved in a checkpoint may name a directory on another machine."""
-    return str(OmegaConf.load(_ROOT_CONFIG).cache_dir)
 
 
 def model_tensors(model: GPT) -> dict[str, np.ndarray]:
@@ -58,52 +51,6 @@ def abstract_model(model_cfg: GPTConfig, param_dtype: str) -> GPT:
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x, shapes)
 
-
-# ----------------------------------------------------------------------------- from a checkpoint
-
-
-def checkpoint_parser(doc: str) -> "argparse.ArgumentParser":
-    """The command line both scripts start with: CHECKPOINT_DIR and --load-file."""
-    import argparse
-
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    # type=user_path: resolved once here, like checkpoint.save_path in a run (orbax needs absolute paths).
-    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=files.user_path,
-                   help="a run's checkpoint.save_path (the directory holding iter_N/ checkpoints)")
-    p.add_argument("--load-file", default="latest",
-                   help="which checkpoint: iter_N, iter_N.ckpt or latest (the newest complete one; default)")
-    return p
-
-
-def open_for_inference(directory: str, load_file: str) -> tuple[ckptlib.Source, RunConfig]:
-    """The checkpoint and its run config, validated, with this machine's cache_dir and the
-    checkpoint's resolved model config (vocab_size filled in)."""
-    source = ckptlib.open_checkpoint(directory, load_file, with_opt_state=False,
-                                     names=("CHECKPOINT_DIR ", "--load-file "))
-    config = dict(source.config)
-    config["cache_dir"] = local_cache_dir()
-    config["checkpoint"] = {}  # that run's save/resume settings; they say nothing about the model
-    run = validate(config)
-    model_cfg = build_section(GPTConfig, source.manifest["model"], "model")
-    return source, dataclasses.replace(run, model=model_cfg)
-
-
-def restore_for_inference(directory: str, load_file: str) -> tuple[ckptlib.Source, RunConfig, GPT]:
-    """`open_for_inference` plus the model's arrays (the optimizer state is never read)."""
-    source, run = open_for_inference(directory, load_file)
-    model = ckptlib.restore_model(source, abstract_model(run.model, run.train.param_dtype))
-    return source, run, model
-
-
-# ----------------------------------------------------------------------------- safetensors
-
-
-def check_out_dir(out_dir: str, force: bool) -> None:
-    """Refuse, before anything is restored, to write into a non-empty directory without --force."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise CheckpointError(f"--out {out_dir} is a file: give a directory")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
-        raise CheckpointError(f"--out {out_dir} exists and is not empty: choose a new directory or pass --force")
 
 
 def save_export(out_dir: str, model: GPT, step: int, tokenizer: dict, trained_context_length: int) -> None:

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse
 
 from models import export
+from utils.checkpoint import inference
 from utils.cli import quiet_jax_probe
 from utils.files import user_path
 from utils.errors import EqtrainError
@@ -27,7 +28,7 @@ from utils.script_errors import script_error
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = export.checkpoint_parser(__doc__)
+    p = inference.checkpoint_parser(__doc__)
     p.add_argument("--out", required=True, metavar="OUT_DIR", type=user_path,
                    help="directory to write model.safetensors and config.json into; created if missing, "
                         "must be empty unless --force")
@@ -40,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_jax_probe()
     try:
-        export.check_out_dir(args.out, args.force)
-        source, run, model = export.restore_for_inference(args.checkpoint_dir, args.load_file)
+        inference.check_out_dir(args.out, args.force)
+        source, run, model = inference.restore_for_inference(args.checkpoint_dir, args.load_file)
         export.save_export(args.out, model, source.step, source.config.get("tokenizer", {}), run.context_length)
     except (EqtrainError, OSError) as e:
         return script_error(e, where=args.out, hint="check --out")

@@ -19,14 +19,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
 
-from models import export
+from utils.checkpoint import inference
 from utils.cli import quiet_jax_probe
 from utils.errors import CheckpointError, EqtrainError
 from utils.script_errors import script_error
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = export.checkpoint_parser(__doc__)
+    p = inference.checkpoint_parser(__doc__)
     p.add_argument("--prompt", default="def ", help="text the generation continues (default: %(default)r)")
     p.add_argument("--tokens", type=int, default=200,
                    help="tokens to generate at most; stops early at end-of-text (default: %(default)s)")
@@ -57,7 +57,7 @@ def sample(args: argparse.Namespace) -> str:
     import train_jax
     from models.sample import sample_text
 
-    source, run, model = export.restore_for_inference(args.checkpoint_dir, args.load_file)
+    source, run, model = inference.restore_for_inference(args.checkpoint_dir, args.load_file)
     # Only a trained tokenizer needs the corpus (and reads it only if its cached file is gone).
     docs = run.dataset.source.documents()[0] if run.tokenizer.needs_documents else []
     tokenizer = train_jax.init_tokenizer(run, docs)

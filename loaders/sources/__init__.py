@@ -2,12 +2,12 @@
 
 Adding a source: one file here with a frozen dataclass (`name: ClassVar[str]`, its own knobs as
 fields, `check(prefix)` raising ConfigError), one yaml in `conf/dataset/` holding its knobs plus the
-batch knobs every source shares (`loaders.batching.BATCH_KNOBS`), one line below. The dataclass
+batch knobs every source shares (`loaders.config.BATCH_KNOBS`), one line below. The dataclass
 gives its data in one of two ways:
 
 - `documents() -> (train, val)`: text documents (`corpus.Documents`, usually through
   `corpus.lazy_splits`); the pipeline tokenizes them, caches the token stream and cuts windows.
-- `windows(req: batching.DataRequest) -> (train, val)`: sources that tokenize themselves or read
+- `windows(req: config.DataRequest) -> (train, val)`: sources that tokenize themselves or read
   token ids (memmap files, chat records with loss masks, streams). `val` is a `WindowDataset`;
   `train` is a `WindowDataset` (the pipeline's BatchIterator shuffles it) or a stream: any object
   with `batches(batch_shape, seed, process_index, process_count)` returning an iterator that has

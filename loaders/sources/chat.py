@@ -25,9 +25,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from loaders import chat, corpus
-from loaders.batching import DataRequest, WindowDataset, token_dtype
+from loaders.config import DataRequest
 from loaders.records import RecordSpec, as_globs, check_record_knobs, iter_records, load_records, local_files
 from loaders.tokenizers import Tokenizer
+from loaders.tokens import token_dtype
+from loaders.windows import WindowDataset
 from utils.errors import ConfigError, DataError
 from utils.files import atomic_write
 from utils.logging.messages import warn

@@ -29,7 +29,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from loaders import corpus
-from loaders.batching import DataRequest, WindowDataset, local_slots, tokenize_documents
+from loaders.batching import local_slots
+from loaders.config import DataRequest
 from loaders.records import (
     check_record_knobs,
     BadRecord,
@@ -44,6 +45,8 @@ from loaders.records import (
     shown_keys,
     text_fields,
 )
+from loaders.tokens import tokenize_documents
+from loaders.windows import WindowDataset
 from utils.errors import CheckpointError, ConfigError, DataError
 
 # Bumped whenever which records land in which split changes: it keys the token caches.

@@ -7,8 +7,8 @@ parallel, can be copied between machines, and a run reads only the windows it tr
 
 The format, version `FORMAT_VERSION`, one directory:
 - `train.bin`, `val.bin`: every document's ids followed by the tokenizer's eot id (exactly the
-  stream `loaders.batching.tokenize_documents` builds), raw little-endian uint16 when the
-  vocabulary fits (`loaders.batching.token_dtype`), else uint32; no header.
+  stream `loaders.tokens.tokenize_documents` builds), raw little-endian uint16 when the
+  vocabulary fits (`loaders.tokens.token_dtype`), else uint32; no header.
 - `meta.json`: the tokenizer (name, fingerprint, its config section), vocab_size, eot_id, dtype,
   tokens and documents per split, the dataset section it came from.
 
@@ -34,8 +34,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from loaders.batching import DataRequest, WindowDataset, token_dtype, tokenize_documents
+from loaders.config import DataRequest
 from loaders.tokenizers import Tokenizer
+from loaders.tokens import token_dtype, tokenize_documents
+from loaders.windows import WindowDataset
 from utils.errors import ConfigError, DataError
 from utils.files import atomic_write, user_path
 

@@ -17,7 +17,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from loaders.batching import DataRequest, WindowDataset, WindowOrder, local_slots, read_slots
+from loaders.batching import local_slots, read_slots
+from loaders.config import DataRequest
+from loaders.order import WindowOrder
+from loaders.windows import WindowDataset
 from utils.errors import CheckpointError, ConfigError
 
 

@@ -1,0 +1,72 @@
+"""A run's checkpoint opened for inference, as scripts/export_model.py and scripts/sample.py do:
+their shared command line, the checkpoint with its saved run config validated on this machine, and
+the model restored alone (never the optimizer state).
+
+The export format itself (model.safetensors + config.json) is `models.export`'s; this module is the
+glue between a checkpoint directory and that format. Like `utils.config`, it is a validation
+boundary (a saved run's config becomes a RunConfig), so it may import upward into `models`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from omegaconf import OmegaConf
+
+from models.export import abstract_model
+from models.gpt import GPT, GPTConfig
+from utils import files
+from utils.checkpoint import storage as ckptlib
+from utils.config import RunConfig, validate
+from utils.errors import CheckpointError
+from utils.sections import build_section
+
+_ROOT_CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf", "config.yaml")
+
+
+def local_cache_dir() -> str:
+    """This machine's cache_dir, resolved exactly as conf/config.yaml does (EQTRAIN_CACHE or its
+    default): the one saved in a checkpoint may name a directory on another machine."""
+    return str(OmegaConf.load(_ROOT_CONFIG).cache_dir)
+
+
+def checkpoint_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line both scripts start with: CHECKPOINT_DIR and --load-file."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    # type=user_path: resolved once here, like checkpoint.save_path in a run (orbax needs absolute paths).
+    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=files.user_path,
+                   help="a run's checkpoint.save_path (the directory holding iter_N/ checkpoints)")
+    p.add_argument("--load-file", default="latest",
+                   help="which checkpoint: iter_N, iter_N.ckpt or latest (the newest complete one; default)")
+    return p
+
+
+def open_for_inference(directory: str, load_file: str) -> tuple[ckptlib.Source, RunConfig]:
+    """The checkpoint and its run config, validated, with this machine's cache_dir and the
+    checkpoint's resolved model config (vocab_size filled in)."""
+    source = ckptlib.open_checkpoint(directory, load_file, with_opt_state=False,
+                                     names=("CHECKPOINT_DIR ", "--load-file "))
+    config = dict(source.config)
+    config["cache_dir"] = local_cache_dir()
+    config["checkpoint"] = {}  # that run's save/resume settings; they say nothing about the model
+    run = validate(config)
+    model_cfg = build_section(GPTConfig, source.manifest["model"], "model")
+    return source, dataclasses.replace(run, model=model_cfg)
+
+
+def restore_for_inference(directory: str, load_file: str) -> tuple[ckptlib.Source, RunConfig, GPT]:
+    """`open_for_inference` plus the model's arrays (the optimizer state is never read)."""
+    source, run = open_for_inference(directory, load_file)
+    model = ckptlib.restore_model(source, abstract_model(run.model, run.train.param_dtype))
+    return source, run, model
+
+
+def check_out_dir(out_dir: str, force: bool) -> None:
+    """Refuse, before anything is restored, to write into a non-empty directory without --force."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"--out {out_dir} is a file: give a directory")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
+        raise CheckpointError(f"--out {out_dir} exists and is not empty: choose a new directory or pass --force")
