@@ -20,28 +20,29 @@ import jax.numpy as jnp
 import optax
 from omegaconf import DictConfig
 
-from loaders.batching import DataRequest, WindowDataset, eval_batches
+from loaders.batching import eval_batches
+from loaders.config import DataRequest
 from loaders.pipeline import Data, build_data, source_documents
 from loaders.tokenizers import Tokenizer
-from models.gpt import GPT, count_params, cross_entropy, eval_sums, flops_per_token, param_axes, param_labels
-from models.sample import sample_text
+from loaders.windows import WindowDataset
+from models.gpt import GPT, count_params, eval_sums, flops_per_token, loss_fn, param_axes, param_labels
+from models.sample import sampler
 from optimizer import group_schedules, make_optimizer
-from optimizer.diagnostics import optimizer_metrics, state_bytes_metric
+from optimizer import diagnostics
 from optimizer.nonfinite import skip_nonfinite
 from optimizer.restart import fresh_state
 from utils import cli
-from utils.train import aux_state
-from utils.parallel import layout
-from utils.train import step_metrics
-from utils.train import hooks as H
-from utils.parallel import mesh as meshlib
-from utils.checkpoint.storage import Checkpointer, Source, step_path
-from utils.config import RunConfig, resolve_vocab, to_dict, validate
-from utils.train.flops import peak_flops
 from utils.checkpoint.resume import merge_config, restore_state, resume_source
 from utils.checkpoint.signals import Preempted, StopSignals
-from utils.logging.sinks import open_sinks
+from utils.checkpoint.storage import Checkpointer, Source, step_path
+from utils.config import RunConfig, resolve_vocab, to_dict, validate
 from utils.logging.messages import say, warn
+from utils.logging.sinks import open_sinks
+from utils.parallel import layout
+from utils.parallel import mesh as meshlib
+from utils.train import aux_state, step_metrics
+from utils.train import hooks as H
+from utils.train.flops import peak_flops
 from utils.train.step import TrainState, build_train_step
 
 
@@ -51,9 +52,8 @@ def init_tokenizer(run: RunConfig, train_docs: Sequence[str] | None) -> Tokenize
 
 def init_data(run: RunConfig, tokenizer: Tokenizer, docs=None, state: dict | None = None) -> Data:
     """Batches in data_seed's order (prefetched, this process's rows), resumed at `state`."""
-    d = run.dataset
-    req = DataRequest(tokenizer, run.cache_dir, run.context_length + 1, d.document_mask)
-    return build_data(d, req, run.data_seed, jax.process_index(), jax.process_count(), docs, state)
+    req = DataRequest(tokenizer, run.cache_dir, run.context_length + 1, run.dataset.document_mask)
+    return build_data(run.dataset, req, run.data_seed, jax.process_index(), jax.process_count(), docs, state)
 
 
 def init_model(run: RunConfig, key: jax.Array) -> GPT:
@@ -73,32 +73,25 @@ def init_optimizer(run: RunConfig, schedule: optax.Schedule, labels) -> optax.Gr
     return skip_nonfinite(tx, t.max_consecutive_skips) if t.skip_nonfinite else tx
 
 
-def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, source: Source | None = None):
+def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, metrics=(), source: Source | None = None):
     """(state, its shardings): built directly into its shards (no host copy of the full model), or
-    restored from `source` straight into the same shards."""
+    restored from `source` straight into the same shards; `metrics`' states beside it."""
+    init_metrics = lambda m: step_metrics.init_states(metrics, eqx.filter(m, eqx.is_inexact_array))  # noqa: E731
 
     def build() -> TrainState:
         model_key, train_key = jax.random.split(jax.random.PRNGKey(run.random_seed))
         model = init_model(run, model_key)
         return TrainState(model, tx.init(eqx.filter(model, eqx.is_array)), jnp.zeros((), jnp.int32), train_key,
-                          aux_state.init(run.logging.aux, eqx.filter(model, eqx.is_inexact_array)))
+                          init_metrics(model))
 
     abstract = jax.eval_shape(build)
     shardings = layout.state_shardings(mesh, abstract, abstract.model, param_axes(abstract.model),
                                        zero1=run.parallel.shard_optimizer_state)
     if source is None:
         return jax.jit(build, out_shardings=shardings)(), shardings
-    fresh_opt_state = lambda m, step: fresh_state(tx, eqx.filter(m, eqx.is_array), step, shardings.opt_state)  # noqa: E731
-    init_aux = jax.jit(lambda m: aux_state.init(run.logging.aux, eqx.filter(m, eqx.is_inexact_array)),
-                       out_shardings=shardings.aux)
-    model_config = dataclasses.asdict(run.model)
-    return restore_state(source, abstract, shardings, model_config, fresh_opt_state, init_aux), shardings
-
-
-def loss_fn(model: GPT, batch_BxT1, key: jax.Array | None, compute_dtype) -> tuple[jax.Array, dict]:
-    """(mean loss, aux): aux holds what step metrics may read, per micro-batch."""
-    loss, correct = cross_entropy(model, batch_BxT1, key, compute_dtype)
-    return loss, {"loss": loss, "correct": correct}
+    return restore_state(source, abstract, shardings, dataclasses.asdict(run.model),
+                         lambda m, step: fresh_state(tx, eqx.filter(m, eqx.is_array), step, shardings.opt_state),
+                         jax.jit(init_metrics, out_shardings=shardings.metric_states)), shardings
 
 
 def make_evaluate(run: RunConfig, val: WindowDataset, mesh, eval_step: Callable | None = None
@@ -107,17 +100,9 @@ def make_evaluate(run: RunConfig, val: WindowDataset, mesh, eval_step: Callable 
     each once, drawn by a fixed seed (not random_seed): the same windows at every evaluation, resume
     and seed of a sweep, so evaluations compare; random, so not just the first files'."""
     eval_step = eval_step or eqx.filter_jit(functools.partial(eval_sums, compute_dtype=run.train.compute_dtype))
-    tokens_sharding = meshlib.batch_sharding(mesh, 0)
-    weights_sharding = meshlib.row_sharding(tokens_sharding)
-
-    def batches():
-        for batch_BxT1, weights_B in eval_batches(val, run.dataset.batch_size, run.train.max_val_steps,
-                                                   process_index=jax.process_index(),
-                                                   process_count=jax.process_count()):
-            yield meshlib.put_batch(batch_BxT1, tokens_sharding), meshlib.put_batch(weights_B, weights_sharding)
-
-    return lambda model: H.evaluate(eval_step, model, batches())
-
+    return H.evaluator(eval_step, mesh, functools.partial(
+        eval_batches, val, run.dataset.batch_size, run.train.max_val_steps, process_index=jax.process_index(),
+        process_count=jax.process_count()))
 
 
 @dataclass
@@ -151,22 +136,27 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
     model.vocab_size must be resolved. `metrics` (StepMetric list) defaults to loss, norms and lrs;
     `schedule` replaces optimizer.lr_config's (the LR finder's exponential sweep)."""
     labels = param_labels(eqx.filter_eval_shape(GPT, run.model, jax.random.PRNGKey(0)))
-    schedule, o = schedule or init_scheduler(run), run.optimizer
+    schedule = schedule or init_scheduler(run)
     tx = init_optimizer(run, schedule, labels)
-    state, shardings = init_state(run, tx, mesh, source)
-    if metrics is None:
-        by_group = group_schedules(o.hparams, schedule, o.schedule.lr, o.group_overrides)
-        metrics = step_metrics.defaults(schedule, by_group, jax.tree.leaves(labels), run.train.skip_nonfinite)
-        aux = run.logging.aux
-        if aux.on and aux.per_layer:
-            metrics.append(step_metrics.StepMetric(aux_state.per_layer(lambda tree: tree.blocks, run.model.num_blocks),
-                                                   logging_only=True))
-        if aux.on and aux.optim_diagnostics:  # of the state this update used and left, not the one before it
-            metrics.append(step_metrics.StepMetric(lambda s, g, u, a: optimizer_metrics(
-                o.hparams, s.opt_state, eqx.filter(s.model, eqx.is_array), o.group_overrides), logging_only=True,
-                after_update=True))
+    metrics = default_metrics(run, schedule, labels) if metrics is None else metrics
+    state, shardings = init_state(run, tx, mesh, metrics, source)
     return schedule, tx, state, build_train_step(loss_fn, tx, metrics, shardings, mesh, run.train.compute_dtype,
-                                                 use_dropout=run.model.dropout > 0, aux_cfg=run.logging.aux)
+                                                 use_dropout=run.model.dropout > 0)
+
+
+def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[step_metrics.StepMetric]:
+    """Loss, norms, lrs; with logging.log_callback_data the aux-state hook, per-block norms and the
+    optimizer's diagnostics (of the state this update used and left, not the one before it)."""
+    o, aux = run.optimizer, run.logging.aux
+    by_group = group_schedules(o.hparams, schedule, o.schedule.lr, o.group_overrides)
+    metrics = step_metrics.defaults(schedule, by_group, jax.tree.leaves(labels), run.train.skip_nonfinite)
+    if aux.on:
+        metrics.append(aux_state.AuxHook(aux))
+    if aux.on and aux.per_layer:
+        metrics.append(aux_state.per_layer(lambda tree: tree.blocks, run.model.num_blocks))
+    if aux.on and aux.optim_diagnostics:
+        metrics.append(diagnostics.step_metric(o.hparams, o.group_overrides))
+    return metrics
 
 
 def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: StopSignals | None,
@@ -187,9 +177,7 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
     if saver:
         saver.add_to_manifest("sinks", sinks.state_dict)
     vouchers = (step_metrics.UPDATE_NORM,) if t.skip_nonfinite else H.VOUCHERS  # a skipped step's loss is NaN
-    sample = lambda model, prompt, tokens: sample_text(  # noqa: E731
-        model, trainer.tokenizer, prompt, tokens, jax.random.PRNGKey(run.random_seed), t.sample_temperature,
-        run.context_length)
+    sample = sampler(trainer.tokenizer, jax.random.PRNGKey(run.random_seed), t.sample_temperature, run.context_length)
     hooks.append(H.Log(sinks))
     if not t.skip_validation and run.logging.sample_prompts:
         hooks.append(H.EvalSamples(sample, run.logging.sample_prompts, run.logging.sample_tokens, sinks))
@@ -237,7 +225,7 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
         return dict(source.manifest.get("metrics", {})) if source else {}
     ctx = H.LoopContext(start, end, trainer.state, trainer.data.train)
     # Logged once, with the first record: the data stream's fingerprint and what the source counted.
-    ctx.add({**state_bytes_metric(trainer.state.opt_state), "data/fingerprint": trainer.data.fingerprint,
+    ctx.add({**diagnostics.state_bytes_metric(trainer.state.opt_state), "data/fingerprint": trainer.data.fingerprint,
              **trainer.data.info})
     with StopSignals(catch_interrupt=ck.save_on_interrupt) if ck.save else contextlib.nullcontext() as stop_signals:
         hooks = make_hooks(run, trainer, run_dir, stop_signals, source)
@@ -245,8 +233,7 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
             train_loop(trainer, hooks, ctx)
         finally:  # inside the handlers: a second SIGTERM cannot kill a save that is still being written
             hooks.close()
-            if hasattr(trainer.data.train, "close"):
-                trainer.data.train.close()  # the prefetch thread
+            trainer.data.close()
         if ctx.stop:
             raise Preempted(ctx.stop, ctx.step, step_path(ck.save_path, ctx.step))
     return ctx.last

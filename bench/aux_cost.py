@@ -1,6 +1,6 @@
 """What the aux-state diagnostics cost: step time and memory per logging.* flag.
 
-    python bench/aux_cost.py                                  # gpt_bench, batch 16 (the README's table)
+    python bench/aux_cost.py                                  # gpt_bench, batch 16 (docs/performance.md's table)
     python bench/aux_cost.py model=gpt_tiny --steps 20        # quick
     python bench/aux_cost.py --only off,defaults              # a subset of the configurations
 
@@ -86,7 +86,7 @@ def main() -> None:
         jax.block_until_ready(m)
         compile_s = time.perf_counter() - t0
         built[name] = {"step": step, "state": state, "batch": batch, "compile": compile_s, "plain": [],
-                       "logging": [], "aux_copies": nbytes(state.aux) / param_bytes if state.aux is not None else 0.0,
+                       "logging": [], "aux_copies": nbytes(state.metric_states) / param_bytes,
                        "temp_mib": getattr(temp, "temp_size_in_bytes", 0) / 2**20, "params": param_bytes}
         print(f"built {name}: compile {compile_s:.1f} s", flush=True)
 

@@ -1,6 +1,6 @@
 """Sharding strategies side by side on 8 forced CPU devices: step time and per-device memory.
 
-    python bench/parallel_speed.py                                  # gpt_bench, batch 16 (the README's table)
+    python bench/parallel_speed.py                                  # gpt_bench, batch 16 (docs/performance.md's table)
     python bench/parallel_speed.py --small                          # gpt_tiny: the same table in ~a minute
     python bench/parallel_speed.py --strategies data8,zero1 --steps 10
     python bench/parallel_speed.py --strategies single,data8 logging.log_callback_data=false
@@ -110,7 +110,7 @@ def build(name: str, overrides: list[str]) -> dict:
             "first": first_s, "times": [], "tokens": int(np.prod(shape[:2])) * run.context_length,
             "params": device_bytes(state.model), "params_total": total_bytes(state.model),
             "opt": device_bytes(state.opt_state), "opt_total": total_bytes(state.opt_state),
-            "aux": device_bytes(state.aux) if state.aux is not None else 0}
+            "aux": device_bytes(state.metric_states)}
 
 
 def main() -> None:
@@ -158,7 +158,7 @@ def main() -> None:
           f"model={model}: {count_params(first['state'].model) / 1e6:.1f}M params = "
           f"{first['params_total'] / mib:.1f} MiB, optimizer {args.optimizer} state {first['opt_total'] / mib:.1f} "
           f"MiB (1-device totals) | batch {args.batch_size} x {run.context_length} = {first['tokens']:,} tokens/step "
-          f"| {run.train.compute_dtype} | aux buffers {'on' if first['state'].aux is not None else 'off'}")
+          f"| {run.train.compute_dtype} | aux buffers {'on' if first['state'].metric_states else 'off'}")
     print(f"median of {args.rounds}x{args.steps} steps after 1 warm-up; 8 devices share the host's cores: "
           "the table compares layouts, not scaling\n")
     print("| strategy | mesh (data x fsdp x tensor) | first call (compile + 1 step) | step (median) | tokens/s | "

@@ -6,7 +6,7 @@
 
 Arguments other than --steps/--warmup/--data are Hydra overrides of conf/config.yaml, so the
 step measured is exactly the one `train_jax.py` compiles. MFU is printed two ways: 6·N (the
-parameter count convention of the README's table) and 6·N + attention (what train/mfu logs).
+parameter count convention of docs/performance.md's table) and 6·N + attention (what train/mfu logs).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The README's extension examples ("Extending eqtrain"), as code that runs: each README block
+"""The extension examples of docs/extending.md, as code that runs: each of its blocks
 is copied verbatim from here, and tests/test_docs_examples.py registers and calls every one.
 
-A data source, a logging sink, a periodic job (hook) and a step metric. (The optimizer example is
+A data source, a logging sink, a periodic job (hook), a step metric and a stateful one. (The optimizer example is
 optimizer/lion.py itself.)
 """
 
@@ -83,4 +83,22 @@ def max_update(state, grads, updates, aux):
     return {"optim/max_abs_update": jnp.stack([jnp.abs(u).max() for u in jax.tree.leaves(updates)]).max()}
 
 
-MAX_UPDATE = step_metrics.StepMetric(max_update, logging_only=True)
+MAX_UPDATE = step_metrics.FnMetric(max_update, logging_only=True)
+
+
+# --- a stateful step metric: its state lives in TrainState.metric_states["loss_ema"] ----------
+
+@dataclass(frozen=True)
+class LossEMA:                                 # an exponential moving average of the train loss
+    decay: float = 0.9
+    name: ClassVar[str] = "loss_ema"           # the state's key (saved in checkpoints, resumed exactly)
+    logging_only: ClassVar[bool] = False       # updated at every step, not only on logging steps
+
+    def init(self, params):
+        return {"ema": jnp.zeros((), jnp.float32), "steps": jnp.zeros((), jnp.int32)}
+
+    def update(self, state, inputs, logging):
+        steps = state["steps"] + 1
+        ema = self.decay * state["ema"] + (1 - self.decay) * inputs.aux["loss"].mean()
+        unbiased = ema / (1 - self.decay ** steps)                     # Adam's bias correction
+        return {"ema": ema, "steps": steps}, {"train/loss_ema": unbiased}

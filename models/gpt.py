@@ -376,6 +376,12 @@ def cross_entropy(model: GPT, batch, key: jax.Array | None, compute_dtype: jnp.d
     return jnp.sum(nll_BxT * mask_BxT) / norm, jnp.sum(hit_BxT * mask_BxT)
 
 
+def loss_fn(model: GPT, batch, key: jax.Array | None, compute_dtype) -> tuple[jax.Array, dict]:
+    """The train step's loss: (mean loss, aux), aux holding what step metrics may read, per micro-batch."""
+    loss, correct = cross_entropy(model, batch, key, compute_dtype)
+    return loss, {"loss": loss, "correct": correct}
+
+
 def eval_sums(model: GPT, batch, weights_B: jax.Array, compute_dtype: jnp.dtype
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(sum of counted targets' losses, of their correct predictions, count of counted targets).

@@ -55,3 +55,9 @@ def sample_text(model: GPT, tokenizer, prompt: str, num_tokens: int, key: jax.Ar
     ids = generate(model, prompt_ids, num_tokens, key, temperature, stop_id=tokenizer.eot_id,
                    context_length=context_length)
     return printable(tokenizer.decode(ids))
+
+
+def sampler(tokenizer, key: jax.Array, temperature: float, context_length: int | None = None):
+    """(model, prompt, num_tokens) -> text: `sample_text` with the run's tokenizer, key and temperature."""
+    return lambda model, prompt, num_tokens: sample_text(model, tokenizer, prompt, num_tokens, key, temperature,
+                                                         context_length)

@@ -4,7 +4,7 @@ Adding an optimizer: one file here with a frozen dataclass (its hyperparameters 
 `GROUP_KNOBS` naming those a parameter group may override, or `group_knobs(group)` where groups
 differ, `check(prefix)` raising ConfigError, `transform(group, schedule)` returning the optax
 update of one group, its `weight_decay` decoupled and times the lr), one yaml in
-`conf/optimizer/`, one line below. See README, "Add your own optimizer".
+`conf/optimizer/`, one line below. See docs/extending.md, "An optimizer".
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def _prose(lines: list[str]) -> str:
 
 def _classes(where: str) -> list[type]:
     """The config dataclasses that read the knobs of `where` (a section or "group/option")."""
-    from loaders.batching import DatasetConfig
+    from loaders.config import DatasetConfig
     from loaders.sources import SOURCES
     from loaders.tokenizers import TOKENIZERS
     from models.gpt import GPTConfig

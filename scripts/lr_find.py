@@ -35,7 +35,7 @@ reads a derivative, which a long shallow descent leaves poorly determined (SGDM'
 spans three decades, and there the two rules differ by 7x), and it marks where the loss fell
 fastest at that point of the sweep, which depends on the lrs before it as much as on the lr. It
 is printed and saved as a secondary figure (left of the minimum). On AdamW and Muon the two
-agree within 1.3x (README, "Finding a learning rate"). Neither is exact: short small-batch sweeps
+agree within 1.3x (docs/optimizers.md, "Finding a learning rate"). Neither is exact: short small-batch sweeps
 move either by up to ~6x between seeds (60 steps, batch 8, context 64: min/10 from 5.2e-4 to
 3.0e-3 over three seeds).
 

@@ -42,7 +42,7 @@ from utils.config import validate  # noqa: E402
 from utils.errors import ConfigError  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from conftest import compose_config  # noqa: E402
+from helpers import compose_config  # noqa: E402
 from test_golden import GOLDEN  # noqa: E402
 from test_golden import STEPS as GOLDEN_STEPS  # noqa: E402
 

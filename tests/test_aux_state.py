@@ -231,9 +231,9 @@ def test_x_n_minus_1_is_evaluated_with_the_steps_dropout_keys(tiny_run, last_gra
 
 def test_log_callback_data_false_leaves_no_aux_leaves(tiny_run):
     _, _, state, step, mesh = assemble(tiny_run, "logging.log_callback_data=false")
-    assert state.aux is None
+    assert state.metric_states.get("aux") is None
     state, metrics = step(state, meshlib.put_batch(np.zeros((1, 8, 17), np.int32), meshlib.batch_sharding(mesh, 1)))
-    assert state.aux is None and not any(k.startswith(("params/", "grads/")) for k in metrics)
+    assert state.metric_states.get("aux") is None and not any(k.startswith(("params/", "grads/")) for k in metrics)
     assert step.plain is step.logging  # no logging-only work: one program
 
 
@@ -255,14 +255,15 @@ def test_a_nonfinite_gradient_is_counted_and_skipped(tiny_run):
     shardings = layout.state_shardings(mesh, abstract, abstract.model, param_axes(abstract.model))
     from utils.train import step_metrics
     metrics = step_metrics.defaults(optax.constant_schedule(1e-3), {}, [], skip_nonfinite=True)
-    step = build_train_step(poisoned_loss, tx, metrics, shardings, mesh, "float32", False, run.logging.aux)
+    metrics.append(aux_state.AuxHook(run.logging.aux))
+    step = build_train_step(poisoned_loss, tx, metrics, shardings, mesh, "float32", False)
     put = lambda b: meshlib.put_batch(b, meshlib.batch_sharding(mesh, 1))  # noqa: E731
     good = np.ones((1, 8, 17), np.int32)
     bad = good.copy()
     bad[0, 0, 0] = 63
     state, _ = step(state, put(good), True)
     kept = lambda s: [np.array(x) for x in jax.tree.leaves(eqx.filter(  # noqa: E731
-        (s.model, schedules_at(s.opt_state.inner_state, 0), s.aux.last_params), eqx.is_array))]
+        (s.model, schedules_at(s.opt_state.inner_state, 0), s.metric_states["aux"].last_params), eqx.is_array))]
     counters = lambda s: {int(x.count) for x in find_states(s.opt_state, optax.ScaleByScheduleState)}  # noqa: E731
     assert counters(state) == {1}
     before = kept(state)
@@ -277,7 +278,7 @@ def test_a_nonfinite_gradient_is_counted_and_skipped(tiny_run):
     state, m = step(state, put(good), True)
     assert all(math.isfinite(float(v)) for k, v in m.items() if k != "train/loss")
     assert float(m["train/skipped_steps"]) == 1 and float(m["grads/inf_grads"]) == 1
-    assert np.isfinite(flat(state.aux.last_grads)).all() and np.isfinite(flat(state.aux.past_grads)).all()
+    assert np.isfinite(flat(state.metric_states["aux"].last_grads)).all() and np.isfinite(flat(state.metric_states["aux"].past_grads)).all()
 
 
 def test_a_skipped_step_keeps_x_n_minus_1_so_the_next_delta_is_the_last_update(tiny_run):
@@ -306,7 +307,7 @@ def test_a_skipped_step_keeps_x_n_minus_1_so_the_next_delta_is_the_last_update(t
     (m1, _), (m2, _), (m3, g3) = metrics
     assert m2["train/skipped_steps"] == 1 and m2["grads/inf_grads"] == 1
     np.testing.assert_array_equal(x2, x1)  # skipped
-    np.testing.assert_array_equal(flat(state.aux.last_params), x2)  # the finite step after it moved x(n-1) on
+    np.testing.assert_array_equal(flat(state.metric_states["aux"].last_params), x2)  # the finite step after it moved x(n-1) on
     delta = x1 - x0
     assert np.linalg.norm(delta) > 0.1
     assert m3["update/norm"] == pytest.approx(np.linalg.norm(delta), rel=1e-4)

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from loaders import chat, corpus, dataset_config, tokenizers
-from loaders.batching import DataRequest, WindowDataset, segment_ids
+from loaders.config import DataRequest
 from loaders.sources import SOURCES
 from loaders.sources import chat as chat_source
 from loaders.sources.chat import Chat, pack
 from loaders.tokenizers import bpe
+from loaders.windows import WindowDataset, segment_ids
 from utils.errors import ConfigError, DataError
 
 CONVERSATION = [("system", "be brief"), ("user", "hi there"), ("assistant", "hello!"),

@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import train_jax
-from conftest import compose_config
+from helpers import compose_config
 from utils.logging import sinks
 from utils.checkpoint.storage import complete_steps, open_checkpoint
 from utils.errors import CheckpointError, ConfigError
@@ -33,7 +33,7 @@ RUN = ("model.vocab_size=null", "train.max_steps=12", "logging.log_every=1", "tr
 @pytest.fixture(autouse=True)
 def _in_tmp_path(tmp_path, monkeypatch):
     """Every run starts in its own directory and names its checkpoints relative to it, as the
-    README's commands do (`checkpoint.save_path=ckpt/run1`)."""
+    docs' commands do (`checkpoint.save_path=ckpt/run1`)."""
     monkeypatch.chdir(tmp_path)
 
 
@@ -113,12 +113,23 @@ def test_keep_best_holds_the_lowest_val_loss(tmp_path):
 # ----------------------------------------------------------------------------- exact resume
 
 
-@pytest.mark.parametrize("extra", [(), ("dataset.total_batch_size=16",)], ids=["plain", "accumulation"])
-def test_resume_is_bit_identical(tmp_path, extra):
+def as_legacy_aux_checkpoint(step_dir: Path) -> None:
+    """Rewrite a checkpoint the way eqtrain saved it before step metrics kept their states by name:
+    the aux hook's state alone, as the item `aux`, and no `metric_states` item."""
+    states = ocp.StandardCheckpointer().restore(os.fspath((step_dir / "metric_states").resolve()))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(os.fspath((step_dir / "aux").resolve()), states["aux"])
+    shutil.rmtree(step_dir / "metric_states")
+
+
+@pytest.mark.parametrize("extra,legacy", [((), False), (("dataset.total_batch_size=16",), True)],
+                         ids=["plain", "accumulation-legacy-aux-item"])
+def test_resume_is_bit_identical(tmp_path, extra, legacy):
     """Stop at step 5 and resume: losses at every step and the final weights and optimizer state
     equal an uninterrupted run's exactly (data order and dropout keys included), and so do the
-    aux-state diagnostics, whose buffers and running sums the checkpoint carries."""
-    full_ck, seg_ck = Path("ckpt/full"), Path("ckpt/seg")  # relative, as in the README
+    aux-state diagnostics, whose buffers and running sums the checkpoint carries. The second case
+    resumes a checkpoint written before metric_states (the aux hook's state as the item `aux`)."""
+    full_ck, seg_ck = Path("ckpt/full"), Path("ckpt/seg")  # relative, as in the docs
     # The aux diagnostics' buffers must resume exactly too; the optimizer's own diagnostics carry no
     # state (and double the compile), so they stay off.
     extra = (*extra, "logging.log_callback_data=true", "logging.optim_diagnostics=false")
@@ -126,6 +137,8 @@ def test_resume_is_bit_identical(tmp_path, extra):
     _, first = train(tmp_path, "first", *extra, "checkpoint.save=true", f"checkpoint.save_path={seg_ck}",
                      "checkpoint.num_steps=5")
     assert complete_steps(str(seg_ck)) == [5]
+    if legacy:
+        as_legacy_aux_checkpoint(tmp_path / seg_ck / "iter_5")
     _, second = train(tmp_path, "second", *extra, "checkpoint.save=true", f"checkpoint.save_path={seg_ck}",
                       "checkpoint.resume=auto")
 
@@ -134,7 +147,7 @@ def test_resume_is_bit_identical(tmp_path, extra):
     assert sorted(resumed) == list(range(1, 13))
     assert resumed == full  # exact float equality, step by step
     assert 0 not in losses(second) and min(losses(second)) == 6
-    for item in ("model", "opt_state", "progress", "aux"):
+    for item in ("model", "opt_state", "progress", "metric_states"):
         assert_same_arrays(full_ck / "iter_12", seg_ck / "iter_12", item)
     for name in ("update/<gn, Delta(n)>_sum", "grads/cos(gn, g(n-1))", "grads/cos(gn, g(1:n-1))",
                  "update/cos(Delta(n+1), Delta(n))"):

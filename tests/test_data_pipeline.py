@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loaders.batching import BatchIterator, WindowDataset, segment_ids
+from loaders.batching import BatchIterator
 from loaders.prefetch import Prefetcher
 from loaders.sources.mixture import ConcatWindows, MixtureTrain
+from loaders.windows import WindowDataset, segment_ids
 from models.gpt import GPT, GPTConfig, cross_entropy
 from utils.errors import CheckpointError, ConfigError
 from utils.train.step import over_micro_batches, with_loss_norm
@@ -225,7 +226,7 @@ def test_mixture_process_shares_concatenate_and_masked_components_mix_with_plain
 
 
 def test_mixture_honours_shuffle_false_each_component_in_its_own_order():
-    from loaders.batching import DatasetConfig
+    from loaders.config import DatasetConfig
     from loaders.pipeline import batch_maker
 
     def component_windows(shuffle):
@@ -257,7 +258,7 @@ def test_a_mixture_of_two_sources_builds_through_the_config(tiny_run, tmp_path):
 
     corpus = _corpus(tmp_path)
     (tmp_path / "notes.jsonl").write_text("".join(json.dumps({"text": f"note {i} " * 30}) + "\n" for i in range(20)))
-    # As the README writes it: drop the yaml's example components, give your own.
+    # As docs/data.md writes it: drop the yaml's example components, give your own.
     run = tiny_run("dataset=mixture", f"cache_dir={tmp_path / 'cache'}", "dataset.prefetch=0", "~dataset.components",
                    f"+dataset.components={{words: {{name: text_files, paths: ['{corpus}'], val_fraction: 0.2, "
                    f"weight: 3}}, notes: {{name: text_files, paths: ['{tmp_path}/notes.jsonl'], val_fraction: 0.2, "
@@ -268,14 +269,14 @@ def test_a_mixture_of_two_sources_builds_through_the_config(tiny_run, tmp_path):
     assert batch.shape == (1, 8, 17) and len(data.fingerprint) == 12
 
 
-# --- whole runs on the new sources, typed the way the README writes them -----------------------------
+# --- whole runs on the new sources, typed the way docs/data.md writes them -----------------------------
 
 
 def test_training_on_chat_and_memmap_data_with_relative_paths(tmp_path, monkeypatch):
     """Masked dict batches through the jitted step and the evaluation, token files read by
     memmap; each run logs its data fingerprint (and chat its truncation count) in the first record."""
     import train_jax
-    from conftest import compose_config
+    from helpers import compose_config
     from loaders.sources.memmap import write_dataset
     from loaders.tokenizers.byte import ByteTokenizer
 

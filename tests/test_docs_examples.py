@@ -1,5 +1,5 @@
-"""The README's extension examples run: docs/examples.py holds them, each README block is a
-verbatim copy of it (Lion's of optimizer/lion.py), and every example is registered as the README
+"""docs/extending.md's extension examples run: docs/examples.py holds them, each block of the page
+is a verbatim copy of it (Lion's of optimizer/lion.py), and every example is registered as the page
 says and called: the source yields its documents, the sink writes its file through open_sinks,
 the hook adds its norms, the metric comes out of a real compiled step on logging steps only."""
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+EXTENDING = (ROOT / "docs" / "extending.md").read_text()
 
 
 def _load_examples():
@@ -32,18 +32,19 @@ ex = _load_examples()
 
 
 def _python_blocks(heading: str) -> list[str]:
-    """The ```python blocks of the README section `heading` (up to the next ## heading)."""
-    section = README.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    """The ```python blocks of docs/extending.md's section `heading` (up to the next ## heading)."""
+    section = EXTENDING.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
-def test_readme_examples_are_verbatim_copies():
-    blocks = _python_blocks("## Extending eqtrain")
-    assert len(blocks) == 4  # source, sink, hook, metric
+def test_extending_examples_are_verbatim_copies():
+    headings = ("## A data source", "## A logging sink", "## A periodic job (a hook)", "## A step metric")
+    blocks = [block for heading in headings for block in _python_blocks(heading)]
+    assert len(blocks) == 5  # source, sink, hook, metric, stateful metric
     examples = (ROOT / "docs" / "examples.py").read_text()
     for block in blocks:
-        assert block in examples, f"README block not in docs/examples.py:\n{block}"
-    (lion,) = _python_blocks("## Add your own optimizer")
+        assert block in examples, f"docs/extending.md block not in docs/examples.py:\n{block}"
+    (lion,) = _python_blocks("## An optimizer")
     assert lion in (ROOT / "optimizer" / "lion.py").read_text()
 
 
@@ -64,7 +65,7 @@ def test_lines_source_registered_gives_its_documents(tmp_path, monkeypatch):
 
 
 def test_csv_sink_registered_writes_through_open_sinks(tmp_path, monkeypatch):
-    from conftest import compose_config
+    from helpers import compose_config
     from utils.config import to_dict
     from utils.logging.sinks import SINKS, logging_config, open_sinks
 
@@ -107,7 +108,7 @@ def test_max_update_metric_in_a_compiled_step(tiny_run):
     run = tiny_run("optimizer=sgdm", "optimizer.momentum=0.0", "optimizer.weight_decay=0.0",
                    "train.gradient_clip_val=null")
     mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
-    _, _, state, step = T.init_training(run, mesh, metrics=[step_metrics.StepMetric(step_metrics.loss),
+    _, _, state, step = T.init_training(run, mesh, metrics=[step_metrics.FnMetric(step_metrics.loss),
                                                              ex.MAX_UPDATE])
     batch = meshlib.put_batch(np.random.default_rng(0).integers(0, 64, (1, 8, 17), dtype=np.int32),
                               meshlib.batch_sharding(mesh, 1))
@@ -126,3 +127,29 @@ def eqx_params(model):
     import equinox as eqx
 
     return eqx.filter(model, eqx.is_inexact_array)
+
+
+def test_stateful_loss_ema_metric_keeps_its_state_in_the_train_state(tiny_run):
+    """LossEMA's state is carried by the step in metric_states["loss_ema"], and the value it logs is
+    the bias-corrected EMA of the losses the step reported (the NumPy recurrence)."""
+    import train_jax as T
+    from utils.parallel import mesh as meshlib
+    from utils.train import step_metrics
+
+    run = tiny_run()
+    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
+    metric = ex.LossEMA(decay=0.5)
+    _, _, state, step = T.init_training(run, mesh, metrics=[step_metrics.FnMetric(step_metrics.loss), metric])
+    assert set(state.metric_states) == {"loss_ema"} and int(state.metric_states["loss_ema"]["steps"]) == 0
+    rng = np.random.default_rng(0)
+    ema, losses, logged = 0.0, [], []
+    for _ in range(3):
+        batch = meshlib.put_batch(rng.integers(0, 64, (1, 8, 17), dtype=np.int32), meshlib.batch_sharding(mesh, 1))
+        state, metrics = step(state, batch, logging=False)  # a stateful metric updates on every step
+        losses.append(float(metrics["train/loss"]))
+        logged.append(float(metrics["train/loss_ema"]))
+    for t, loss in enumerate(losses, start=1):
+        ema = 0.5 * ema + 0.5 * loss
+        # a 2-term float32 recurrence and one division: a few EPS32 of the loss
+        assert logged[t - 1] == pytest.approx(ema / (1 - 0.5 ** t), rel=8 * float(np.finfo(np.float32).eps))
+    assert int(state.metric_states["loss_ema"]["steps"]) == 3

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import compose_config
+from helpers import compose_config
 
 import train_jax
-from loaders.batching import WindowDataset
+from loaders.windows import WindowDataset
 from models.gpt import cross_entropy, eval_sums
 from utils.parallel import mesh as meshlib
 from utils.config import validate

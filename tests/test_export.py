@@ -25,7 +25,7 @@ from safetensors.numpy import load_file
 import train_jax
 from models import export
 from models.gpt import GPT, GPTConfig
-from conftest import load_script, compose_config
+from helpers import load_script, compose_config
 from utils.checkpoint.storage import open_checkpoint, restore_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def ckpt(tmp_path_factory, _cache_dir) -> Path:
     with pytest.MonkeyPatch.context() as mp:  # _offline_env is per test; a module fixture needs its own
         mp.setenv("EQTRAIN_CACHE", str(_cache_dir))
         mp.setenv("WANDB_MODE", "disabled")
-        mp.chdir(tmp)  # paths relative to the working directory, as the README writes them
+        mp.chdir(tmp)  # paths relative to the working directory, as the docs write them
         overrides = [*RUN, "dataset.paths=[corpus.jsonl]", "checkpoint.save_path=ck"]
         (tmp / "run").mkdir()
         train_jax.train(compose_config(*overrides), str(tmp / "run"))

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import train_jax as T  # noqa: E402
-from conftest import compose_config  # noqa: E402
+from helpers import compose_config  # noqa: E402
 from optimizer import OPTIMIZERS  # noqa: E402
 from utils.parallel import mesh as meshlib  # noqa: E402
 from utils.config import validate  # noqa: E402

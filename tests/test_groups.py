@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import train_jax as T
-from conftest import compose_config
+from helpers import compose_config
 from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import OPTIMIZERS, make_optimizer
 from optimizer.adamw import AdamW

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from loaders import dataset_config, records
-from loaders.batching import DataRequest, batch_tokens
+from loaders.config import DataRequest
 from loaders.pipeline import source_windows
 from loaders.sources import HF, Jsonl
 from loaders.tokenizers import byte_tokenizer
+from loaders.windows import batch_tokens
 from utils.errors import CheckpointError, ConfigError, DataError
 
 TOK = byte_tokenizer()

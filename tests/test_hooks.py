@@ -108,8 +108,8 @@ def test_logging_only_metrics_compile_a_second_variant(tiny_run):
     plain_only = T.init_training(run, mesh)[3]
     assert plain_only.plain is plain_only.logging
 
-    _, _, state, step = T.init_training(run, mesh, metrics=[step_metrics.StepMetric(step_metrics.loss),
-                                                           step_metrics.StepMetric(max_abs_update, logging_only=True)])
+    _, _, state, step = T.init_training(run, mesh, metrics=[step_metrics.FnMetric(step_metrics.loss),
+                                                           step_metrics.FnMetric(max_abs_update, logging_only=True)])
     assert step.plain is not step.logging
     state, plain_metrics = step(state, batch, logging=False)
     state, logging_metrics = step(state, batch, logging=True)
@@ -117,7 +117,7 @@ def test_logging_only_metrics_compile_a_second_variant(tiny_run):
     assert set(logging_metrics) == {"train/loss", "optim/max_abs_update"}
     assert float(logging_metrics["optim/max_abs_update"]) > 0
     state, _ = step(state, batch, logging=False)
-    assert step.plain._cache_size() == 1 and step.logging._cache_size() == 1  # no recompilation
+    assert step.compiled() == 2  # each variant traced once: no recompilation
 
 
 def test_the_vouchers_are_metrics_every_step_reports(tiny_run):
@@ -196,3 +196,32 @@ def test_eval_samples_go_to_samples_jsonl_at_each_evaluation(tmp_path):
         (s, p, p + "xxx") for s in (0, 2, 4) for p in ("def ", "import ")]
     assert set(calls) == {("def ", 3), ("import ", 3)}
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_hook_before_the_producer_of_what_it_needs_is_an_error_naming_both():
+    """Hooks declare what they read: the sinks must log this step's val/loss, so Log after Evaluation."""
+    evaluation = H.Evaluation(lambda model: {"val/loss": 1.0}, val_freq=1, max_steps=2, at_start=False)
+    log = H.Log(sinks.Sinks())
+    with pytest.raises(ValueError, match=r"Log needs 'val/loss', which Evaluation produces after it"):
+        H.Hooks([log, evaluation])
+    with pytest.raises(ValueError, match=r"Divergence needs .*step's metrics.*Throughput"):
+        H.Hooks([H.Divergence(), H.Throughput(1, 1, 1.0, None)])
+    H.Hooks([H.Throughput(1, 1, 1.0, None), evaluation, log, H.Divergence()])  # the run's order
+
+
+def test_the_runs_hooks_are_in_a_valid_order(tiny_run, tmp_path):
+    """make_hooks builds every hook a run can have (evaluation, samples, checkpoints) in an order
+    that satisfies every declared need."""
+    run = tiny_run("model.vocab_size=null", "checkpoint.save=true", f"checkpoint.save_path={tmp_path}/ck",
+                   "checkpoint.keep_best=true",
+                   "logging.sample_prompts=[a]", "train.sample_tokens=2")
+    trainer = T.build_trainer(run)
+    with T.StopSignals(catch_interrupt=False) as stop_signals:
+        hooks = T.make_hooks(trainer.run, trainer, str(tmp_path), stop_signals)
+        try:
+            names = [type(h).__name__ for h in hooks.hooks]
+            assert names == ["Throughput", "Evaluation", "Log", "EvalSamples", "Divergence", "Checkpoint",
+                             "StopOnSignal", "Sample"]
+        finally:
+            hooks.close()
+            trainer.data.train.close()

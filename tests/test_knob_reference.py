@@ -6,7 +6,7 @@ import dataclasses
 import os
 import typing
 
-from conftest import load_script
+from helpers import load_script
 
 ref = load_script("knob_reference")
 

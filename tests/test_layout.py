@@ -26,7 +26,7 @@ def _abstract_state(run, tx):
         model_key, key = jax.random.split(jax.random.PRNGKey(0))
         model = T.init_model(run, model_key)
         return TrainState(model, tx.init(eqx.filter(model, eqx.is_array)), jax.numpy.zeros((), "int32"), key,
-                          aux_state.init(run.logging.aux, eqx.filter(model, eqx.is_inexact_array)))
+                          {"aux": aux_state.init(run.logging.aux, eqx.filter(model, eqx.is_inexact_array))})
 
     return jax.eval_shape(build)
 
@@ -93,9 +93,10 @@ def test_every_optimizers_state_follows_its_parameters_and_zero1_splits_only_it(
     opt_split = sum(1 for n, s in specs.items() if n.startswith("opt_state.") and any(s))
     assert opt_split > 0
     # the aux-state buffers are laid out like the parameters
-    for name, spec in specs.items():
-        if name.startswith("aux.") and name.endswith("mlp_in.weight_IxO"):
-            assert spec == params["model.blocks.mlp_in.weight_IxO"]
+    buffers = {n: s for n, s in specs.items() if n.startswith("metric_states.aux.") and n.endswith("mlp_in.weight_IxO")}
+    assert len(buffers) == 3, sorted(specs)  # x(n-1), g(n-1), sum g(1..n-1)
+    for name, spec in buffers.items():
+        assert spec == params["model.blocks.mlp_in.weight_IxO"], name
 
 
 def _per_device_share(shape, spec, mesh_shape) -> float:

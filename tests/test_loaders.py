@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from loaders import corpus, tokenizers
-from loaders.batching import BatchIterator, WindowDataset, eval_batches, eval_indices, tokenize_documents
+from loaders.batching import BatchIterator, eval_batches, eval_indices
 from loaders.sources import Stdlib, TextFiles, stdlib, text_files
 from loaders.tokenizers import bpe
+from loaders.tokens import tokenize_documents
+from loaders.windows import WindowDataset
 from utils.errors import CheckpointError, ConfigError, DataError
 
 UNICODE_TEXT = "naïve café — 日本語 🐍 def f(x):\n\treturn x ** 2\n"

@@ -13,7 +13,7 @@ import pytest
 
 import train_jax
 from utils.train import hooks
-from conftest import compose_config
+from helpers import compose_config
 from utils.checkpoint.storage import complete_steps
 from utils.errors import TrainingError
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import load_script
+from helpers import load_script
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent

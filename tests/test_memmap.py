@@ -3,7 +3,7 @@ to the corpus, do not depend on the number of workers, give the same windows as 
 and are refused with one line (naming the knob or file) whenever they cannot be this run's data.
 
 Offline and tiny: a dozen text files, the byte tokenizer and a 300-id HF tokenizer saved locally.
-The script is called in-process (conftest.load_script), except one run of the real command line.
+The script is called in-process (helpers.load_script), except one run of the real command line.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import load_script, offline_env
+from helpers import load_script, offline_env
 
 from loaders import tokenizers
-from loaders.batching import DataRequest, cached_windows
+from loaders.config import DataRequest
 from loaders.sources import SOURCES
 from loaders.sources.memmap import Memmap, write_dataset
 from loaders.tokenizers import bpe
 from loaders.tokenizers.byte import ByteTokenizer
+from loaders.tokens import cached_windows
 from utils.errors import ConfigError, DataError
 
 prepare_data = load_script("prepare_data")

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import load_script
+from helpers import load_script
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 import train_jax
-from loaders.batching import DataRequest, batch_tokens
+from loaders.config import DataRequest
 from loaders.pipeline import build_data, source_documents
 from loaders.sources.memmap import write_dataset
 from loaders.tokenizers.byte import ByteTokenizer
+from loaders.windows import batch_tokens
 from utils.errors import CheckpointError
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()

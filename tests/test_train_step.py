@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import background
 import train_jax as T
 from models.gpt import cross_entropy
 from utils.parallel import mesh as meshlib
@@ -95,8 +96,8 @@ def test_dropout_is_applied_with_its_own_key_per_micro_batch(tiny_run):
                    "optimizer.lr_config.lr=1.0", "optimizer.lr_config.warmup=0", "train.gradient_clip_val=null",
                    "dataset.batch_size=4", "dataset.total_batch_size=8")
     mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
-    per_micro_batch = step_metrics.StepMetric(lambda s, g, u, aux: {"loss_A": aux["loss"]})
-    wanted = [step_metrics.StepMetric(step_metrics.loss), per_micro_batch]
+    per_micro_batch = step_metrics.FnMetric(lambda s, g, u, aux: {"loss_A": aux["loss"]})
+    wanted = [step_metrics.FnMetric(step_metrics.loss), per_micro_batch]
     _, _, state, step = T.init_training(run, mesh, metrics=wanted)
     micro_BxT1 = tokens((4, 17), seed=3)
     _, keys_A = step_keys(state.key, 2)
@@ -146,16 +147,10 @@ def test_step_donates_state_and_reports_metrics(tiny_run):
 # --- 8 forced host devices (subprocess: XLA_FLAGS must be set before jax is imported) ------------
 
 
-SHARDED_TESTS = ("test_sharded_step_matches_single_device",
-                 "test_tensor_parallel_and_zero1_match_one_device_with_the_expected_layouts",
-                 "test_a_checkpoint_saved_under_one_layout_restores_under_another",
-                 "test_batch_not_divisible_by_devices_is_a_config_error",
-                 "test_every_optimizer_runs_sharded_and_matches_one_device")
-
-
 class ShardedCheck:
-    """tests/sharded_step_check.py started by the session's background thread (conftest.Background):
-    its minute and more of XLA compiling overlaps the in-process tests instead of following them."""
+    """tests/sharded_step_check.py started at the beginning of the session (a background set-up,
+    tests/background.py): its minute and more of XLA compiling overlaps the in-process tests instead
+    of following them."""
 
     def __init__(self, where, cache_dir):
         self._out, self._err = where / "sharded.stdout", where / "sharded.stderr"
@@ -184,15 +179,14 @@ class ShardedCheck:
         return json.loads(self._out.read_text().strip().splitlines()[-1])
 
 
-def start_background(ctx) -> ShardedCheck | None:
-    if not ctx.wanted(*SHARDED_TESTS):
-        return None
+@background.setup
+def sharded_check(ctx) -> ShardedCheck:
     return ShardedCheck(ctx.tmp_path_factory.mktemp("sharded"), ctx.tmp_path_factory.mktemp("sharded_cache"))
 
 
 @pytest.fixture(scope="module")
-def sharded_result(background, request):
-    return background.handle(request.module).result()
+def sharded_result(sharded_check) -> dict:
+    return sharded_check.result()
 
 
 def test_sharded_step_matches_single_device(sharded_result):

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from loaders import dataset_config, tokenizer_config
-from loaders.batching import DatasetConfig
+from loaders.config import DatasetConfig
 from models.gpt import GPTConfig
 from optimizer import OPTIMIZERS
 from optimizer.groups import GROUPS, group_hparams, group_knobs

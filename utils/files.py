@@ -16,7 +16,7 @@ from collections.abc import Iterator
 def user_path(path: str | None) -> str | None:
     """A path as the user typed it (relative to the working directory, `~` allowed) -> absolute.
     Applied once, at the config boundary: orbax's metadata reader finds nothing under a relative
-    path, and every README example uses one (`checkpoint.save_path=ckpt/run1`)."""
+    path, and every example in the docs uses one (`checkpoint.save_path=ckpt/run1`)."""
     return None if path is None else os.path.abspath(os.path.expanduser(str(path)))
 
 

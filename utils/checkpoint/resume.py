@@ -94,16 +94,18 @@ def merge_config(source: Source, current: dict, cfg: CheckpointConfig, warn: Cal
 
 
 def restore_state(source: Source, abstract, shardings, model_config: dict, fresh_opt_state: Callable,
-                  init_aux: Callable):
+                  init_metrics: Callable):
     """The TrainState saved in `source`, read straight into `shardings` (no host copy of the whole
     state; any mesh shape, any process count). `abstract`: the state's shapes. What the checkpoint
     lacks is made anew: the optimizer state (`fresh_opt_state(model, step)`, for
-    overwrite_optimizer) and the diagnostics' buffers (`init_aux(model)`, when a run switches them on)."""
+    overwrite_optimizer) and the step metrics' states (`init_metrics(model)`, when a run switches
+    them on or changes them)."""
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
     restored = restore(source, target, model_config)
     model, progress = restored["model"], restored["progress"]
     opt_state = restored["opt_state"] if "opt_state" in restored else fresh_opt_state(model, progress["step"])
-    aux = restored.get("aux") if abstract.aux is not None else None
-    if abstract.aux is not None and aux is None:
-        aux = init_aux(model)
-    return TrainState(model, opt_state, progress["step"], progress["key"], aux)
+    metric_states = restored["metric_states"] if "metric_states" in restored else (
+        {"aux": restored["aux"]} if "aux" in restored else None)
+    if metric_states is None:
+        metric_states = init_metrics(model) if abstract.metric_states else {}
+    return TrainState(model, opt_state, progress["step"], progress["key"], metric_states)

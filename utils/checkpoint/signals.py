@@ -3,7 +3,7 @@
 SIGTERM and SIGUSR1 (what SLURM sends before a time limit) and, with
 `checkpoint.save_on_interrupt`, Ctrl-C only ask the loop to stop: it finishes its step, saves,
 and the process exits with `EXIT_PREEMPTED` (or `EXIT_INTERRUPTED` for Ctrl-C), so a requeue of
-the same command with `checkpoint.resume=auto` continues where it left off (README "Checkpoints").
+the same command with `checkpoint.resume=auto` continues where it left off (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import signal
 import jax
 import numpy as np
 
-# Exit codes of a run stopped by a signal after saving (README "Checkpoints"): resume with
+# Exit codes of a run stopped by a signal after saving (docs/checkpoints.md): resume with
 # checkpoint.resume=auto. 130 is the shell's own code for Ctrl-C.
 EXIT_PREEMPTED = 3
 EXIT_INTERRUPTED = 130

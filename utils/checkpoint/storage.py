@@ -48,7 +48,9 @@ from utils.files import user_path
 STEP_PREFIX = "iter"
 TMP_MARKER = ".orbax-checkpoint-tmp"
 ARRAY_ITEMS = ("model", "opt_state", "progress")  # every checkpoint has these
-OPTIONAL_ITEMS = ("aux",)  # the aux-state hook's buffers, when the run keeps them
+# The stateful step metrics' states ({name: state}: the aux-state hook's buffers, ...) when the
+# run has any; "aux" is where checkpoints written before metric_states kept the aux hook's alone.
+OPTIONAL_ITEMS = ("metric_states", "aux")
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.yaml"
 # 2: the fused attention projection's columns are head-major (models/gpt.py `_head_major`); a
@@ -104,7 +106,7 @@ class CheckpointConfig:
     def resolved(self) -> "CheckpointConfig":
         """save_path and load_path made absolute against this process's working directory, once,
         at the config boundary: orbax's metadata reader finds nothing under a relative path, and
-        every README example uses one (`checkpoint.save_path=ckpt/run1`)."""
+        every example in the docs uses one (`checkpoint.save_path=ckpt/run1`)."""
         return dataclasses.replace(self, save_path=user_path(self.save_path), load_path=user_path(self.load_path))
 
     @property
@@ -343,9 +345,11 @@ def _restore_error(source: Source, e: Exception) -> CheckpointError:
 
 def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str, Any]:
     """Arrays of `source` placed straight into the shardings of `abstract_state` (a TrainState of
-    ShapeDtypeStructs): {"model", "progress"}, "opt_state" unless overwrite_optimizer, and "aux"
-    when the run keeps an aux state, the checkpoint has one of the same layout, and it continues
-    the optimizer state (a fresh optimizer starts fresh diagnostics)."""
+    ShapeDtypeStructs): {"model", "progress"}, "opt_state" unless overwrite_optimizer, and
+    "metric_states" when the run keeps some, the checkpoint has them in the same layout, and it
+    continues the optimizer state (a fresh optimizer starts fresh diagnostics). A checkpoint from
+    before metric_states gives its "aux" item, the aux hook's state alone, when that is all the
+    run keeps."""
     _quiet_orbax()
     abstract_model = _arrays(abstract_state.model)
     _check_model_fits(source, abstract_model, model_config)
@@ -353,9 +357,12 @@ def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str
              "progress": _restore_args({"step": abstract_state.step, "key": abstract_state.key})}
     if source.with_opt_state:
         items["opt_state"] = _restore_args(_arrays(abstract_state.opt_state))
-        abstract_aux = getattr(abstract_state, "aux", None)
-        if abstract_aux is not None and _same_layout(os.path.join(source.path, "aux"), _arrays(abstract_aux)):
-            items["aux"] = _restore_args(_arrays(abstract_aux))
+        abstract_metrics = _arrays(abstract_state.metric_states)
+        if abstract_metrics and _same_layout(os.path.join(source.path, "metric_states"), abstract_metrics):
+            items["metric_states"] = _restore_args(abstract_metrics)
+        elif set(abstract_metrics) == {"aux"} and _same_layout(os.path.join(source.path, "aux"),
+                                                                abstract_metrics["aux"]):
+            items["aux"] = _restore_args(abstract_metrics["aux"])
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             restored = checkpointer.restore(source.path, args=ocp.args.Composite(**items))
@@ -438,15 +445,16 @@ class Checkpointer:
             "versions": _versions(),
             **{name: value() for name, value in self._extra.items()},
         }
-        # The aux state (diagnostics' buffers) when the run keeps one: its diagnostics resume exactly too.
-        aux = {} if getattr(state, "aux", None) is None else {"aux": ocp.args.PyTreeSave(_arrays(state.aux))}
+        # The step metrics' states (the diagnostics' buffers) when the run keeps some: they resume exactly too.
+        metric_states = _arrays(state.metric_states)
+        extra = {"metric_states": ocp.args.PyTreeSave(metric_states)} if metric_states else {}
         return ocp.args.Composite(
             model=ocp.args.PyTreeSave(_arrays(state.model)),
             opt_state=ocp.args.PyTreeSave(_arrays(state.opt_state)),
             progress=ocp.args.PyTreeSave({"step": state.step, "key": state.key}),
             manifest=ocp.args.JsonSave(manifest),
             config=YamlSave(self._config),
-            **aux,
+            **extra,
         )
 
     def save(self, step: int, state, data_state: dict, metrics: dict, reason: str) -> bool:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from utils.errors import ConfigError
-from utils.train.step_metrics import all_finite
+from utils.train.step_metrics import FnMetric, StepInputs, all_finite
 
 F32 = jnp.float32
 
@@ -81,7 +81,7 @@ class AuxConfig:
         return tuple(names) if self.on else ()
 
     def buffer_copies(self) -> int:
-        """Parameter-sized buffers the state carries (the README's memory figure)."""
+        """Parameter-sized buffers the state carries (docs/metrics.md's memory figure)."""
         return (self.store_last_params + self.store_last_grads + self.store_past_grads) if self.on else 0
 
 
@@ -207,10 +207,33 @@ def update(cfg: AuxConfig, aux: AuxState, params, grads, updates, loss: jax.Arra
     return new, {}
 
 
+@dataclass(frozen=True)
+class AuxHook:
+    """The aux-state hook as a step metric (utils/train/step_metrics.py): its state is the
+    AuxState, under `metric_states["aux"]`; x(n-1) is evaluated on this step's batch with the
+    step's own dropout keys (`inputs.loss_at`) when compute_last_loss/compute_last_grads ask."""
+
+    cfg: AuxConfig
+    name = "aux"
+    logging_only = False
+
+    def init(self, params) -> AuxState | None:
+        return init(self.cfg, params)
+
+    def update(self, aux: AuxState, inputs: StepInputs, logging: bool) -> tuple[AuxState, dict[str, jax.Array]]:
+        model = inputs.state.model
+        last = None
+        if self.cfg.needs_last_point:
+            last_model = eqx.combine(aux.last_params, eqx.filter(model, eqx.is_inexact_array, inverse=True))
+            last = LastPoint(*inputs.loss_at(last_model, self.cfg.compute_last_grads))
+        return update(self.cfg, aux, eqx.filter(model, eqx.is_inexact_array), inputs.grads, inputs.updates,
+                      inputs.aux["loss"].mean(), last, logging)
+
+
 # ----------------------------------------------------------------------------- per-block norms
 
 
-def per_layer(blocks_of: Callable[[Any], Any], num_blocks: int):
+def per_layer(blocks_of: Callable[[Any], Any], num_blocks: int) -> FnMetric:
     """A step metric (logging steps only): `layers/<i>/{params,grads,update}/norm` for each block
     i of the stacked blocks `blocks_of(tree)` picks out (every leaf's leading axis is the block)."""
 
@@ -226,4 +249,4 @@ def per_layer(blocks_of: Callable[[Any], Any], num_blocks: int):
             out.update({f"layers/{i}/{name}/norm": norms_L[i] for i in range(num_blocks)})
         return out
 
-    return metric
+    return FnMetric(metric, logging_only=True)

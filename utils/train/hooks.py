@@ -8,8 +8,17 @@ overridden for anything else. `on_stop` runs when a stop signal is agreed (the c
 `close` always runs when the loop ends, however it ends.
 
 Hooks share one `LoopContext`: the step's device metrics, the values pulled or computed at this
-step (`record`, what the sinks log), and the latest value of every metric (`last`, what a
-checkpoint's manifest keeps). Nothing here knows the model: hooks that need it get a function.
+step (`record`, what the sinks log), the latest value of every metric (`last`, what a
+checkpoint's manifest keeps), and what the loop measured of this step (the wait for its batch,
+the compilation its dispatch waited for). Nothing here knows the model: hooks that need it get a
+function.
+
+A hook declares what it puts into `record` that other hooks read (`produces`) and what it reads
+(`needs`): `Hooks` checks at construction that every producer of a need runs before the hook
+that needs it, and names both when one does not (a need nobody produces is fine: e.g. no
+Evaluation hook, so no val/loss). A hook that spends wall time that is not training (an
+evaluation, sampling) says so with `off_the_clock`: the hooks that time training are told
+(`restart_clock`) once it has run.
 """
 
 from __future__ import annotations
@@ -24,10 +33,15 @@ from utils.checkpoint.storage import step_path
 from utils.errors import DataError, TrainingError
 from utils.logging.sinks import Sinks
 from utils.logging.messages import say
+from utils.parallel import mesh as meshlib
 from utils.train.step_metrics import UPDATE_NORM
 
 # The loop's clock (a seam: tests drive it to check the throughput arithmetic exactly).
 clock = time.perf_counter
+
+
+# What Throughput puts into `record` on logging steps: this step's device metrics, pulled.
+STEP_VALUES = "the step's metrics"
 
 
 @dataclass
@@ -40,11 +54,10 @@ class LoopContext:
     metrics: dict | None = None  # this step's metrics, device arrays (None before the first step)
     record: dict[str, float] = field(default_factory=dict)  # values of this step, logged by the sinks
     last: dict[str, float] = field(default_factory=dict)  # latest value of every metric so far
-    clock_mark: tuple[float, int] = (0.0, 0)  # (time, step) the next throughput interval starts from
     stop: str | None = None  # a stop signal every process agreed on
     pulled: bool = False  # this step's metrics are in `record` already
-    data_wait: float = 0.0  # seconds the loop waited for batches since the clock mark
-    compile_sec: float = 0.0  # seconds the loop waited for compilations not yet logged
+    data_wait: float = 0.0  # seconds the loop waited for this step's batch
+    compile_sec: float = 0.0  # seconds this step's dispatch waited for a compilation
 
     def __post_init__(self) -> None:
         self.step = self.start
@@ -66,31 +79,28 @@ class LoopContext:
         return {k: float(self.metrics[k]) for k in names if k in self.metrics}
 
     def fetch(self, next_batch: Callable[[], Any]) -> Any:
-        """The next batch, the time waited for it counted in time/data_wait_sec."""
+        """The next batch, the time waited for it in `data_wait`."""
         began = clock()
         batch = next_batch()
-        self.data_wait += clock() - began
+        self.data_wait = clock() - began
         return batch
 
     def dispatch(self, step_fn, batch, logging: bool) -> tuple[Any, dict]:
         """`step_fn(state, batch, logging)` dispatched (it returns before the device is done); a call
-        that traced and compiled a variant made the host wait, counted in time/compile_sec."""
+        that traced and compiled a variant made the host wait: `compile_sec`."""
         compiled, began = step_fn.compiled(), clock()
         out = step_fn(self.state, batch, logging)
-        if step_fn.compiled() > compiled:
-            self.compile_sec += clock() - began
+        self.compile_sec = clock() - began if step_fn.compiled() > compiled else 0.0
         return out
-
-    def restart_clock(self) -> None:
-        """Time spent from here on until the next step is not training (an evaluation, a save)."""
-        self.clock_mark = (clock(), self.step)
-        self.data_wait = 0.0
 
 
 class Hook:
     every: int | None = None
     at_start: bool = False
     at_end: bool = False
+    produces: tuple[str, ...] = ()  # keys of `record` this hook adds that other hooks read
+    needs: tuple[str, ...] = ()  # keys of `record` this hook reads: their producers must run first
+    off_the_clock: bool = False  # its wall time is not training (the throughput clock restarts after it)
 
     def due(self, ctx: LoopContext) -> bool:
         if ctx.step == ctx.start:
@@ -100,6 +110,9 @@ class Hook:
     def __call__(self, ctx: LoopContext) -> None:
         raise NotImplementedError
 
+    def restart_clock(self, ctx: LoopContext) -> None:
+        """Time spent from here on until the next step is not training (an off-the-clock hook ran)."""
+
     def on_stop(self, ctx: LoopContext) -> None:
         pass
 
@@ -108,13 +121,26 @@ class Hook:
 
 
 class Hooks:
+    """A run's hooks in the order they run after each step, checked: a hook that needs a value
+    runs after the hook that produces it."""
+
     def __init__(self, hooks: Sequence[Hook]):
         self.hooks = list(hooks)
+        for i, hook in enumerate(self.hooks):
+            for key in hook.needs:
+                later = [h for h in self.hooks[i + 1:] if key in h.produces]
+                if later:
+                    raise ValueError(f"hook {type(hook).__name__} needs {key!r}, which {type(later[0]).__name__} "
+                                     f"produces after it: put {type(later[0]).__name__} before "
+                                     f"{type(hook).__name__} in the hook list")
 
     def run(self, ctx: LoopContext) -> None:
         for hook in self.hooks:
             if hook.due(ctx):
                 hook(ctx)
+                if hook.off_the_clock:
+                    for other in self.hooks:
+                        other.restart_clock(ctx)
 
     def stop(self, ctx: LoopContext) -> None:
         for hook in self.hooks:
@@ -151,35 +177,48 @@ class Throughput(Hook):
     """On logging steps: pull the step's metrics and add step time, tokens/s, MFU and the time
     spent waiting for data, averaged over the steps since the last mark, plus the tokens consumed
     and the wall time since the run began (`elapsed` carries earlier segments' over a resume).
-    The first interval holds compilation, so it is not reported unless it is all there is."""
+    The first interval holds compilation, so it is not reported unless it is all there is. Called
+    every step: it sums the loop's per-step data waits and compilation waits itself."""
 
     at_start = at_end = True
+    every = 1
+    produces = (STEP_VALUES,)
 
     def __init__(self, log_every: int, tokens_per_step: int, flops_per_step: float, peak: float | None,
                  elapsed: float = 0.0):
-        self.every, self.tokens_per_step = log_every, tokens_per_step
+        self.log_every, self.tokens_per_step = log_every, tokens_per_step
         self.flops_per_step, self.peak = flops_per_step, peak
         self.elapsed, self.began = elapsed, 0.0
+        self.mark: tuple[float, int] = (0.0, 0)  # (time, step) the current interval starts from
+        self.data_wait = 0.0  # seconds waited for batches since the mark
+        self.compile_sec = 0.0  # seconds waited for compilations not yet logged
+
+    def restart_clock(self, ctx: LoopContext) -> None:
+        self.mark, self.data_wait = (clock(), ctx.step), 0.0
 
     def __call__(self, ctx: LoopContext) -> None:
         if ctx.step == ctx.start:
             self.began = clock()
-            ctx.restart_clock()
+            self.restart_clock(ctx)
+            return
+        self.data_wait += ctx.data_wait
+        self.compile_sec += ctx.compile_sec
+        if ctx.step % self.log_every and ctx.step != ctx.end:
             return
         ctx.pull()
-        now, (then, step_then) = clock(), ctx.clock_mark
+        now, (then, step_then) = clock(), self.mark
         if step_then > ctx.start or ctx.step == ctx.end:
             steps = ctx.step - step_then
             seconds = (now - then) / steps
             ctx.add({"time/step_sec": seconds, "train/tokens_per_sec": self.tokens_per_step / seconds,
                      "train/mfu": self.flops_per_step / seconds / self.peak if self.peak else float("nan"),
-                     "time/data_wait_sec": ctx.data_wait / steps})
+                     "time/data_wait_sec": self.data_wait / steps})
         ctx.add({"data/tokens": float(ctx.step * self.tokens_per_step),
                  "time/elapsed_sec": self.elapsed + now - self.began})
-        if ctx.compile_sec:
-            ctx.add({"time/compile_sec": ctx.compile_sec})
-            ctx.compile_sec = 0.0
-        ctx.clock_mark, ctx.data_wait = (now, ctx.step), 0.0
+        if self.compile_sec:
+            ctx.add({"time/compile_sec": self.compile_sec})
+            self.compile_sec = 0.0
+        self.mark, self.data_wait = (now, ctx.step), 0.0
 
 
 def evaluate(eval_step: Callable, model: Any, batches: Iterable[tuple]) -> dict[str, float]:
@@ -195,9 +234,25 @@ def evaluate(eval_step: Callable, model: Any, batches: Iterable[tuple]) -> dict[
     return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0)), "val/accuracy": correct_sum / targets}
 
 
+def evaluator(eval_step: Callable, mesh, batches: Callable[[], Iterable[tuple]]) -> Callable[[Any], dict[str, float]]:
+    """model -> `evaluate` over `batches()` (host (tokens, weights) pairs), each placed on `mesh`
+    with its rows split over the data axes."""
+    tokens_sharding = meshlib.batch_sharding(mesh, 0)
+    weights_sharding = meshlib.row_sharding(tokens_sharding)
+
+    def placed():
+        for batch_BxT1, weights_B in batches():
+            yield meshlib.put_batch(batch_BxT1, tokens_sharding), meshlib.put_batch(weights_B, weights_sharding)
+
+    return lambda model: evaluate(eval_step, model, placed())
+
+
 class Evaluation(Hook):
     """Every `val_freq` steps and at train.max_steps (not at a segment's end: a resumed run
     evaluates where an unbroken one would), plus the untrained baseline at step 0."""
+
+    produces = ("val/loss",)
+    off_the_clock = True  # evaluation time is not training throughput
 
     def __init__(self, evaluate: Callable[[Any], dict[str, float]], val_freq: int, max_steps: int, at_start: bool):
         self.evaluate, self.every, self.max_steps, self.at_start = evaluate, val_freq, max_steps, at_start
@@ -211,7 +266,6 @@ class Evaluation(Hook):
         began = clock()
         ctx.add(self.evaluate(ctx.state.model))
         ctx.add({"time/eval_sec": clock() - began})
-        ctx.restart_clock()  # evaluation time is not training throughput
 
 
 class Log(Hook):
@@ -219,6 +273,7 @@ class Log(Hook):
 
     at_start = True
     every = 1
+    needs = (STEP_VALUES, "val/loss")  # logged at the step they belong to
 
     def __init__(self, sinks: Sinks):
         self.sinks = sinks
@@ -236,6 +291,8 @@ class Log(Hook):
 class Divergence(Hook):
     """Stops the run (TrainingError) at the first logged non-finite loss or update norm; with
     train.skip_nonfinite, says when steps were skipped since the last log."""
+
+    needs = (STEP_VALUES,)
 
     def __init__(self, vouchers: Sequence[str] = VOUCHERS):
         self.vouchers, self.skipped = vouchers, 0
@@ -258,6 +315,7 @@ class Checkpoint(Hook):
     `saver` is a utils.checkpoint.storage.Checkpointer; `close` waits for pending asynchronous writes."""
 
     at_end = True
+    needs = ("val/loss",)  # the best-checkpoint policy ranks by it
 
     def __init__(self, saver, save_path: str, vouchers: Sequence[str] = VOUCHERS):
         self.saver, self.save_path, self.vouchers = saver, save_path, vouchers
@@ -307,6 +365,9 @@ class EvalSamples(Hook):
     TensorBoard, wandb): how the same prompts read as training goes on. Every process samples
     (the model is sharded), only process 0's sinks write."""
 
+    needs = ("val/loss",)
+    off_the_clock = True  # sampling time is not training throughput
+
     def __init__(self, sample: Callable[[Any, str, int], str], prompts: Sequence[str], tokens: int, sinks: Sinks):
         self.sample, self.prompts, self.tokens, self.sinks = sample, tuple(prompts), tokens, sinks
 
@@ -315,7 +376,6 @@ class EvalSamples(Hook):
 
     def __call__(self, ctx: LoopContext) -> None:
         self.sinks.log_samples(ctx.step, [(p, self.sample(ctx.state.model, p, self.tokens)) for p in self.prompts])
-        ctx.restart_clock()  # sampling time is not training throughput
 
 
 class Sample(Hook):

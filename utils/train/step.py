@@ -1,7 +1,8 @@
 """The train step, whatever the model: a state, gradients through the model's loss with gradient
-accumulation, the optimizer update, the aux-state diagnostics and the step metrics, jitted with
-shardings and buffer donation (the old state's buffers become the new state's). The model and
-its loss come from train_jax; nothing here knows what they are.
+accumulation, the optimizer update and the step metrics (utils/train/step_metrics.py: stateful
+ones, like the aux-state hook, keep their state in the TrainState), jitted with shardings and
+buffer donation (the old state's buffers become the new state's). The model, its loss and the
+metrics come from train_jax; nothing here knows what they are.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from utils.train import aux_state
 from utils.parallel import mesh as meshlib
 from utils.train import step_metrics
 
@@ -23,7 +23,7 @@ class TrainState(eqx.Module):
     opt_state: optax.OptState
     step: jax.Array  # int32 scalar: optimizer updates done
     key: jax.Array  # uint32[2]: dropout randomness, split once per step
-    aux: aux_state.AuxState | None = None  # diagnostics' buffers; None when logging.log_callback_data=false
+    metric_states: dict = eqx.field(default_factory=dict)  # {name: state} of the stateful step metrics
 
 
 def num_micro_batches(batch) -> int:
@@ -70,15 +70,15 @@ def over_micro_batches(fn: Callable, batch_AxBxT1, keys_A: jax.Array):
 
 
 def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metrics: Sequence[step_metrics.StepMetric],
-                     state_shardings, mesh, compute_dtype, use_dropout: bool,
-                     aux_cfg: aux_state.AuxConfig = aux_state.AuxConfig(log_callback_data=False)
-                     ) -> step_metrics.TrainStep:
+                     state_shardings, mesh, compute_dtype, use_dropout: bool) -> step_metrics.TrainStep:
     """One jitted update: gradient accumulation as a scan over micro-batches, clipping and the
-    optimizer inside `tx`, the aux state updated, metrics returned as device arrays (pulled only
-    on logging steps). `loss_fn(model, batch_BxT1, key or None, compute_dtype) -> (loss, aux)`, where
-    a batch is a token array or a dict of arrays (see `with_loss_norm`)."""
+    optimizer inside `tx`, every step metric updated (its state carried in `metric_states`),
+    metrics returned as device arrays (pulled only on logging steps). `loss_fn(model, batch_BxT1,
+    key or None, compute_dtype) -> (loss, aux)`, where a batch is a token array or a dict of
+    arrays (see `with_loss_norm`)."""
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     compute_dtype = jnp.dtype(compute_dtype)
+    step_metrics.stateful(metrics)  # unique state names, checked once here
 
     def train_step(state: TrainState, batch_AxBxT1: jax.Array, logging: bool):
         batch_AxBxT1 = with_loss_norm(batch_AxBxT1)
@@ -90,30 +90,25 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
                 return grads, aux
             return fn
 
+        def loss_at(model, with_grads: bool):
+            """This batch at `model`, with this step's dropout keys: (mean loss, mean grads or None)."""
+            if with_grads:
+                grads, aux = over_micro_batches(grads_at(model), batch_AxBxT1, micro_keys)
+                return aux["loss"].mean(), grads
+
+            def fn(tokens_BxT1, k):
+                return (), loss_fn(model, tokens_BxT1, k if use_dropout else None, compute_dtype)[1]
+            return over_micro_batches(fn, batch_AxBxT1, micro_keys)[1]["loss"].mean(), None
+
         grads, aux = over_micro_batches(grads_at(state.model), batch_AxBxT1, micro_keys)
         params = eqx.filter(state.model, eqx.is_array)
         updates, opt_state = tx.update(grads, state.opt_state, params)
-        new_state = TrainState(eqx.apply_updates(state.model, updates), opt_state, state.step + 1, key, state.aux)
-        aux_metrics = {}
-        if state.aux is not None:
-            last = None
-            if aux_cfg.needs_last_point:  # this batch at x(n-1), with the same dropout keys
-                last_model = eqx.combine(state.aux.last_params, eqx.filter(state.model, eqx.is_inexact_array,
-                                                                           inverse=True))
-                if aux_cfg.compute_last_grads:
-                    last_grads, last_aux = over_micro_batches(grads_at(last_model), batch_AxBxT1, micro_keys)
-                else:
-                    def loss_at(tokens_BxT1, k):
-                        return (), loss_fn(last_model, tokens_BxT1, k if use_dropout else None, compute_dtype)[1]
-                    last_grads, last_aux = over_micro_batches(loss_at, batch_AxBxT1, micro_keys)
-                    last_grads = None
-                last = aux_state.LastPoint(last_aux["loss"].mean(), last_grads)
-            new_aux, aux_metrics = aux_state.update(aux_cfg, state.aux, eqx.filter(state.model, eqx.is_inexact_array),
-                                                    grads, updates, aux["loss"].mean(), last, logging)
-            new_state = eqx.tree_at(lambda s: s.aux, new_state, new_aux)
-        out = step_metrics.compute(metrics, state, new_state, grads, updates, aux, logging)
-        return new_state, {**out, **aux_metrics}
+        new_state = TrainState(eqx.apply_updates(state.model, updates), opt_state, state.step + 1, key,
+                               state.metric_states)
+        inputs = step_metrics.StepInputs(state, new_state, grads, updates, aux, loss_at)
+        metric_states, out = step_metrics.compute(metrics, inputs, logging)
+        return eqx.tree_at(lambda s: s.metric_states, new_state, metric_states), out
 
-    return step_metrics.compile_variants(train_step, metrics, split=aux_cfg.on, donate_argnums=0,
+    return step_metrics.compile_variants(train_step, metrics, donate_argnums=0,
                                          in_shardings=(state_shardings, meshlib.batch_sharding(mesh, 1)),
                                          out_shardings=(state_shardings, meshlib.replicated(mesh)))

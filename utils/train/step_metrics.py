@@ -1,26 +1,39 @@
 """Metrics computed inside the jitted train step, from what the step already has.
 
-A step metric is a pure function `(state, grads, updates, aux) -> dict[str, Array]`: `state` is
-the TrainState the step started from, `grads` the averaged gradients, `updates` what the
-optimizer adds to the weights, `aux` the loss's auxiliary outputs stacked over micro-batches
-(`aux["loss"]` is loss_A). Values stay on the device; the host pulls them on logging steps.
+One interface for every step metric (`StepMetric`, a Protocol):
 
-A metric marked `after_update` gets the TrainState the step produced as `state` instead: its
-`opt_state` is the one this update was computed with and left behind (Adam's bias-corrected
-second moment is the denominator this update divided by, Shampoo's clock counts this update),
-its `model` the new weights and its `step` one more. What describes the step being taken from
-the state it started from (`train/lr`: the schedule at the step's own index) stays a plain metric.
+    name: str | None                   # its state's key in TrainState.metric_states; None = stateless
+    logging_only: bool                 # computed only in the logging variant of the step
+    init(params) -> state              # the state at step 0 (params: the model's float arrays)
+    update(state, inputs, logging) -> (state, metrics)
+
+`inputs` (`StepInputs`) is what the step has: the TrainState it started from (`state`, x_n) and
+the one it produced (`new_state`: the optimizer state this update was computed with and left,
+the new weights), the averaged gradients, the updates, the loss's aux outputs stacked over
+micro-batches (`aux["loss"]` is loss_A), and `loss_at(model, with_grads)`, this step's batch
+evaluated at another point with the step's own dropout keys. Values stay on the device; the host
+pulls them on logging steps. A metric's state lives in the TrainState under its name, shards like
+the parameters, and is saved in checkpoints, so a resumed run's metrics continue exactly. The
+aux-state hook (utils/train/aux_state.py, `AuxHook`) is the stateful one every run can switch on.
+
+A stateless metric is one function: `FnMetric(fn)` with `fn(state, grads, updates, aux) -> dict`,
+given the step's starting state, or with `after_update=True` the state it produced (Adam's
+bias-corrected second moment is then the denominator this update divided by, Shampoo's clock
+counts this update); what describes the step being taken from where it started (`train/lr`: the
+schedule at the step's own index) reads the starting state.
 
 A metric marked `logging_only` costs nothing on other steps: the step is compiled in two
 variants and the loop calls the one that computes it only on logging steps (a second
-compilation, so it is only made when some metric asks for it).
+compilation, so it is only made when some metric asks for it; a stateful metric always asks, as
+its `update` gets `logging`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +43,56 @@ MetricFn = Callable[[Any, Any, Any, dict], dict[str, jax.Array]]
 
 
 @dataclass(frozen=True)
-class StepMetric:
+class StepInputs:
+    """What one step hands its metrics (see the module docstring)."""
+
+    state: Any  # the TrainState the step started from
+    new_state: Any  # the TrainState it produced (metric_states not yet updated)
+    grads: Any  # averaged over micro-batches, before clipping
+    updates: Any  # what the optimizer adds to the weights
+    aux: dict  # the loss's aux outputs, stacked over micro-batches
+    loss_at: Callable[[Any, bool], tuple[jax.Array, Any]]  # (model, with_grads) -> (mean loss, grads or None)
+
+
+@runtime_checkable
+class StepMetric(Protocol):
+    name: str | None
+    logging_only: bool
+
+    def init(self, params) -> Any: ...
+
+    def update(self, state, inputs: StepInputs, logging: bool) -> tuple[Any, dict[str, jax.Array]]: ...
+
+
+@dataclass(frozen=True)
+class FnMetric:
+    """A stateless metric: `fn(state, grads, updates, aux) -> dict`."""
+
     fn: MetricFn
     logging_only: bool = False
     after_update: bool = False  # fn's `state` is the state the step produced, not the one it started from
+    name = None
+
+    def init(self, params) -> None:
+        return None
+
+    def update(self, state, inputs: StepInputs, logging: bool) -> tuple[None, dict[str, jax.Array]]:
+        return None, self.fn(inputs.new_state if self.after_update else inputs.state, inputs.grads, inputs.updates,
+                             inputs.aux)
+
+
+def stateful(metrics: Sequence[StepMetric]) -> list[StepMetric]:
+    """The metrics that keep a state, each under its own name (checked: names are unique)."""
+    out = [m for m in metrics if m.name is not None]
+    names = [m.name for m in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"step metrics share a state name: {names}")
+    return out
+
+
+def init_states(metrics: Sequence[StepMetric], params) -> dict[str, Any]:
+    """TrainState.metric_states at step 0: {name: its init(params)} for the stateful metrics."""
+    return {m.name: m.init(params) for m in stateful(metrics)}
 
 
 def all_finite(tree) -> jax.Array:
@@ -75,42 +134,54 @@ def skipped_steps(state, grads, updates, aux) -> dict[str, jax.Array]:
 def defaults(schedule: optax.Schedule, by_group: dict[str, optax.Schedule], groups: Iterable[str],
              skip_nonfinite: bool = False) -> list[StepMetric]:
     """What every run logs: train/loss, the norms, the learning rates (and the skipped steps)."""
-    metrics = [StepMetric(loss), StepMetric(norms), StepMetric(learning_rates(schedule, by_group, groups))]
-    return metrics + ([StepMetric(skipped_steps)] if skip_nonfinite else [])
+    metrics = [FnMetric(loss), FnMetric(norms), FnMetric(learning_rates(schedule, by_group, groups))]
+    return metrics + ([FnMetric(skipped_steps)] if skip_nonfinite else [])
 
 
-def compute(metrics: Sequence[StepMetric], state, new_state, grads, updates, aux, logging: bool
-            ) -> dict[str, jax.Array]:
-    """Every metric due (all when `logging`, else those not logging-only), each given `state` (the
-    step's start) or, marked `after_update`, `new_state` (what the step produced)."""
-    out: dict[str, jax.Array] = {}
+def compute(metrics: Sequence[StepMetric], inputs: StepInputs, logging: bool
+            ) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+    """(the next metric_states, the metrics): every metric due (all when `logging`, else those not
+    logging-only) updated from its state in `inputs.state.metric_states`."""
+    states, out = dict(inputs.state.metric_states), {}
     for metric in metrics:
         if logging or not metric.logging_only:
-            out.update(metric.fn(new_state if metric.after_update else state, grads, updates, aux))
-    return out
+            new, values = metric.update(states.get(metric.name), inputs, logging)
+            if metric.name is not None:
+                states[metric.name] = new
+            out.update(values)
+    return states, out
 
 
 @dataclass(frozen=True)
 class TrainStep:
     """A compiled step in two variants: `logging` also computes the metrics marked logging-only.
-    They are one function when no metric is, so nothing compiles twice."""
+    They are one function when no metric is, so nothing compiles twice. `traces` counts the
+    programs traced (and so compiled, or read from the compilation cache) so far: the step
+    function bumps it each time jax traces it, which jax does once per variant and argument
+    layout, so a count that grows after the first calls is a recompilation."""
 
     plain: Callable
     logging: Callable
+    traces: list = dataclasses.field(default_factory=lambda: [0])  # one mutable cell
 
     def __call__(self, state, batch, logging: bool = True):
         return (self.logging if logging else self.plain)(state, batch)
 
     def compiled(self) -> int:
         """Programs compiled so far: grows on the call that traced and compiled a variant."""
-        variants = [self.logging] if self.plain is self.logging else [self.plain, self.logging]
-        return sum(f._cache_size() if hasattr(f, "_cache_size") else 0 for f in variants)
+        return self.traces[0]
 
 
 def compile_variants(step: Callable, metrics: Sequence[StepMetric], split: bool = False, **jit_kwargs) -> TrainStep:
     """`step(state, batch, logging)` jitted once per variant it needs (`logging` is static); `split`
     asks for both variants whatever the metrics (the aux-state hook computes values only when logging)."""
-    logging_step = jax.jit(functools.partial(step, logging=True), **jit_kwargs)
-    if not split and not any(m.logging_only for m in metrics):
-        return TrainStep(logging_step, logging_step)
-    return TrainStep(jax.jit(functools.partial(step, logging=False), **jit_kwargs), logging_step)
+    traces = [0]
+
+    def counted(*args, logging: bool):
+        traces[0] += 1  # runs only while jax traces: once per compiled program
+        return step(*args, logging=logging)
+
+    logging_step = jax.jit(functools.partial(counted, logging=True), **jit_kwargs)
+    if not split and not any(m.logging_only or m.name is not None for m in metrics):
+        return TrainStep(logging_step, logging_step, traces)
+    return TrainStep(jax.jit(functools.partial(counted, logging=False), **jit_kwargs), logging_step, traces)
