@@ -27,8 +27,7 @@ from loaders.tokenizers import Tokenizer
 from loaders.windows import WindowDataset
 from models.gpt import GPT, count_params, eval_sums, flops_per_token, loss_fn, param_axes, param_labels
 from models.sample import sampler
-from optimizer import group_schedules, make_optimizer
-from optimizer import diagnostics
+from optimizer import diagnostics, group_schedules, make_optimizer
 from optimizer.nonfinite import skip_nonfinite
 from optimizer.restart import fresh_state
 from utils import cli
@@ -57,7 +56,7 @@ def init_data(run: RunConfig, tokenizer: Tokenizer, docs=None, state: dict | Non
 
 
 def init_model(run: RunConfig, key: jax.Array) -> GPT:
-    cast = lambda x: x.astype(run.train.param_dtype) if eqx.is_inexact_array(x) else x  # noqa: E731
+    cast = lambda x: x.astype(run.train.param_dtype) if eqx.is_inexact_array(x) else x
     return jax.tree.map(cast, GPT(run.model, key))
 
 
@@ -76,7 +75,7 @@ def init_optimizer(run: RunConfig, schedule: optax.Schedule, labels) -> optax.Gr
 def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, metrics=(), source: Source | None = None):
     """(state, its shardings): built directly into its shards (no host copy of the full model), or
     restored from `source` straight into the same shards; `metrics`' states beside it."""
-    init_metrics = lambda m: step_metrics.init_states(metrics, eqx.filter(m, eqx.is_inexact_array))  # noqa: E731
+    init_metrics = lambda m: step_metrics.init_states(metrics, eqx.filter(m, eqx.is_inexact_array))
 
     def build() -> TrainState:
         model_key, train_key = jax.random.split(jax.random.PRNGKey(run.random_seed))

@@ -22,14 +22,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
+import equinox as eqx
+import jax
+import numpy as np
+from hydra import compose, initialize_config_dir
 
-import train_jax as T  # noqa: E402
-from utils.parallel import mesh as meshlib  # noqa: E402
-from utils.config import validate  # noqa: E402
+import train_jax as T
+from utils.config import validate
+from utils.parallel import mesh as meshlib
 
 FLAGS = ("store_last_params", "store_last_grads", "store_past_grads", "compute_last_loss", "compute_last_grads")
 

@@ -59,9 +59,9 @@ from hydra import compose, initialize_config_dir
 import train_jax as T
 from models.gpt import count_params
 from utils.checkpoint import storage as ckptlib
-from utils.parallel import mesh as meshlib
-from utils.logging.messages import warn
 from utils.config import to_dict, validate
+from utils.logging.messages import warn
+from utils.parallel import mesh as meshlib
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 MB = 1e6
@@ -195,8 +195,8 @@ def main() -> None:
         print(f"checkpoint on disk: {total_b / MB:,.1f} MB = model {sizes['model'] / MB:,.1f} + opt_state "
               f"{sizes['opt_state'] / MB:,.1f} + rest {(total_b - sizes['model'] - sizes['opt_state']) / MB:,.2f} "
               f"(raw fp32 model + AdamW mu, nu: {n_params * 4 * 3 / MB:,.1f} MB)", flush=True)
-        print(f"sync save : save() {sync_block:6.2f} s | complete {sync_total:6.2f} s | {total_b / MB / sync_total:5,.0f} MB/s "
-              f"| {sync_cpu:5.2f} CPU-s", flush=True)
+        print(f"sync save : save() {sync_block:6.2f} s | complete {sync_total:6.2f} s | "
+              f"{total_b / MB / sync_total:5,.0f} MB/s | {sync_cpu:5.2f} CPU-s", flush=True)
         shutil.rmtree(os.path.join(tmp, "sync"), ignore_errors=True)  # keep disk and page cache small
 
         # -- asynchronous, nothing else running
@@ -228,8 +228,9 @@ def main() -> None:
             leftover = time.perf_counter() - t_wait
             windows.append({"times": times, "overlapped": len(times) - 1, "write": time.perf_counter() - t0,
                             "before": gap})
-            print(f"window {w + 1}: gap steps {', '.join(f'{t:.3f}' for t in gap) or '-'} s | save step {times[0]:.3f} s "
-                  f"(step + save() returned at {returned:.3f} s) | {len(times) - 1} step(s) during the write: "
+            print(f"window {w + 1}: gap steps {', '.join(f'{t:.3f}' for t in gap) or '-'} s | "
+                  f"save step {times[0]:.3f} s (step + save() returned at {returned:.3f} s) | "
+                  f"{len(times) - 1} step(s) during the write: "
                   f"{', '.join(f'{t:.3f}' for t in times[1:]) or '-'} s | write done at {windows[-1]['write']:.2f} s"
                   + (f" (window capped: waited {leftover:.2f} s more)" if leftover > 0.01 else ""), flush=True)
             shutil.rmtree(os.path.join(tmp, "async", f"{ckptlib.STEP_PREFIX}_{label}"), ignore_errors=True)

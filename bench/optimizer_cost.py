@@ -19,17 +19,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hydra import compose, initialize_config_dir
 
-import train_jax as T  # noqa: E402
-from optimizer import OPTIMIZERS  # noqa: E402
-from utils.parallel import mesh as meshlib  # noqa: E402
-from loaders.tokenizers import ByteTokenizer  # noqa: E402
-from utils.config import resolve_vocab, validate  # noqa: E402
+import train_jax as T
+from loaders.tokenizers import ByteTokenizer
+from optimizer import OPTIMIZERS
+from utils.config import resolve_vocab, validate
+from utils.parallel import mesh as meshlib
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
@@ -43,6 +43,43 @@ def median_time(fn, steps: int, warmup: int = 2) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def measure(overrides: list[str], steps: int) -> tuple[float, float, float]:
+    """(median step seconds, the optimizer update alone, the first step's compile seconds) of one
+    optimizer's run config."""
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        run = validate(compose("config", overrides=overrides))
+    mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size)
+    run = resolve_vocab(run, ByteTokenizer.vocab_size)  # synthetic bytes: no corpus needed
+    _, tx, state, step = T.init_training(run, mesh)
+    shape = (run.dataset.accum_steps, run.dataset.batch_size, run.context_length + 1)
+    batch = meshlib.put_batch(np.random.default_rng(0).integers(0, 256, shape, dtype=np.int32),
+                              meshlib.batch_sharding(mesh, 1))
+
+    params = eqx.filter(state.model, eqx.is_array)
+    grads = jax.tree.map(lambda p: 1e-3 * jnp.ones_like(p), params)
+    update = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    opt_state = {"s": state.opt_state}
+
+    def ten_updates():  # ten in a row: covers Shampoo's every-10 recompute once
+        for _ in range(10):
+            u, opt_state["s"] = update(grads, opt_state["s"], params)
+        return u
+
+    jax.block_until_ready(update(grads, opt_state["s"], params))
+    update_s = median_time(ten_updates, max(steps // 2, 2), warmup=1) / 10
+
+    holder = {"state": state}
+
+    def one_step():
+        holder["state"], metrics = step(holder["state"], batch)
+        return metrics
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(one_step())
+    compile_s = time.perf_counter() - t0
+    return median_time(one_step, steps), update_s, compile_s
 
 
 def main() -> None:
@@ -59,38 +96,7 @@ def main() -> None:
 
     rows = []
     for label, extra in variants:
-        with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-            run = validate(compose("config", overrides=[*overrides, *extra]))
-        mesh = meshlib.make_mesh(run.parallel.data, run.parallel.fsdp, run.dataset.batch_size)
-        run = resolve_vocab(run, ByteTokenizer.vocab_size)  # synthetic bytes: no corpus needed
-        _, tx, state, step = T.init_training(run, mesh)
-        shape = (run.dataset.accum_steps, run.dataset.batch_size, run.context_length + 1)
-        batch = meshlib.put_batch(np.random.default_rng(0).integers(0, 256, shape, dtype=np.int32),
-                                  meshlib.batch_sharding(mesh, 1))
-
-        params = eqx.filter(state.model, eqx.is_array)
-        grads = jax.tree.map(lambda p: 1e-3 * jnp.ones_like(p), params)
-        update = jax.jit(lambda g, s, p: tx.update(g, s, p))
-        opt_state = {"s": state.opt_state}
-
-        def ten_updates():  # ten in a row: covers Shampoo's every-10 recompute once
-            for _ in range(10):
-                u, opt_state["s"] = update(grads, opt_state["s"], params)
-            return u
-
-        jax.block_until_ready(update(grads, opt_state["s"], params))
-        update_s = median_time(ten_updates, max(args.steps // 2, 2), warmup=1) / 10
-
-        holder = {"state": state}
-
-        def one_step():
-            holder["state"], metrics = step(holder["state"], batch)
-            return metrics
-
-        t0 = time.perf_counter()
-        jax.block_until_ready(one_step())
-        compile_s = time.perf_counter() - t0
-        seconds = median_time(one_step, args.steps)
+        seconds, update_s, compile_s = measure([*overrides, *extra], args.steps)
         rows.append((label, seconds, compile_s))
         print(f"{label:>20}: step {seconds * 1e3:8.1f} ms | update alone {update_s * 1e3:7.1f} ms "
               f"({update_s / seconds:5.1%} of the step) | compile {compile_s:5.1f} s", flush=True)

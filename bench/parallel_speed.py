@@ -30,21 +30,21 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_p
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import shlex  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import argparse
+import datetime
+import shlex
+import statistics
+import time
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
+import jax
+import numpy as np
+from hydra import compose, initialize_config_dir
 
-import train_jax as T  # noqa: E402
-from models.gpt import count_params  # noqa: E402
-from utils.parallel import mesh as meshlib  # noqa: E402
-from utils.config import resolve_vocab, validate  # noqa: E402
-from utils.parallel.layout import device_bytes  # noqa: E402
+import train_jax as T
+from models.gpt import count_params
+from utils.config import resolve_vocab, validate
+from utils.parallel import mesh as meshlib
+from utils.parallel.layout import device_bytes
 
 # name -> (label, parallel.data, parallel.fsdp, parallel.tensor, parallel.shard_optimizer_state)
 STRATEGIES = {

@@ -19,15 +19,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
+import jax
+import numpy as np
+from hydra import compose, initialize_config_dir
 
-import train_jax as T  # noqa: E402
-from models.gpt import count_params, flops_per_token  # noqa: E402
-from utils.parallel import mesh as meshlib  # noqa: E402
-from utils.config import validate  # noqa: E402
-from utils.train.flops import peak_flops  # noqa: E402
+import train_jax as T
+from models.gpt import count_params, flops_per_token
+from utils.config import validate
+from utils.parallel import mesh as meshlib
+from utils.train.flops import peak_flops
 
 
 def time_steps(step_fn, state, batches, steps: int, warmup: int):

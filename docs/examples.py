@@ -16,10 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from loaders import corpus
+from utils.errors import ConfigError
 from utils.train import hooks as H
 from utils.train import step_metrics
-from utils.errors import ConfigError
-
 
 # --- a data source: register with SOURCES["lines"] = Lines -------------------------------------
 

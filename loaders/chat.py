@@ -42,7 +42,8 @@ from loaders.records import shown_keys
 from loaders.tokenizers import Tokenizer, TransformersTokenizer
 from utils.errors import DataError
 
-FORMATS = "`messages` (list of {role, content}), `conversations` (ShareGPT: list of {from, value}) or `prompt`+`response`"
+FORMATS = ("`messages` (list of {role, content}), `conversations` (ShareGPT: list of {from, value}) "
+           "or `prompt`+`response`")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 TEMPLATES = ("auto", "plain")
 
@@ -95,7 +96,8 @@ def to_turns(record: dict, where: str = "a record") -> Turns:
 
 
 def uses_tokenizer_template(tok: Tokenizer, template: str = "auto") -> bool:
-    return template == "auto" and isinstance(tok, TransformersTokenizer) and bool(getattr(tok._tok, "chat_template", None))
+    return (template == "auto" and isinstance(tok, TransformersTokenizer)
+            and bool(getattr(tok._tok, "chat_template", None)))
 
 
 def template_fingerprint(tok: Tokenizer, template: str = "auto") -> str:
@@ -178,7 +180,8 @@ def render_many(conversations: Sequence[list[tuple[str, int]]], tok: Tokenizer,
         parts = ids_list[k : k + len(conv)]
         k += len(conv)
         ids_N = np.concatenate([np.asarray(p, np.int32) for p in parts] + [np.zeros(0, np.int32)])
-        mask_N = np.concatenate([np.full(len(p), m, np.uint8) for p, (_, m) in zip(parts, conv)] + [np.zeros(0, np.uint8)])
+        mask_N = np.concatenate([np.full(len(p), m, np.uint8) for p, (_, m) in zip(parts, conv)]
+                                + [np.zeros(0, np.uint8)])
         last_is_assistant = bool(conv) and conv[-1][1] == 1
         if not (len(ids_N) and ids_N[-1] == tok.eot_id):  # a template that ends with eos already closes it
             ids_N = np.append(ids_N, np.int32(tok.eot_id))

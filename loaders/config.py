@@ -9,7 +9,6 @@ from typing import Any
 from loaders.tokenizers import Tokenizer
 from utils.errors import ConfigError
 
-
 # The knobs every data source shares, in `conf/dataset/*.yaml` beside the source's own.
 BATCH_KNOBS = ("batch_size", "total_batch_size", "context_length", "shuffle", "document_mask", "prefetch")
 

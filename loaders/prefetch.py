@@ -33,7 +33,7 @@ class Prefetcher:
                         break
                     except queue.Full:
                         pass
-        except BaseException as e:  # handed to the loop, which raises it where a direct read would have
+        except BaseException as e:  # noqa: BLE001 - handed to the loop, which raises it where a direct read would have
             self._queue.put(e)
 
     def __iter__(self):

@@ -86,8 +86,10 @@ class WindowDataset:
         int32 tokens: the embedding lookup wants signed ids, the stream stores uint16."""
         idx = np.asarray(idx)
         idx_N = idx.reshape(-1)
-        if not 0 <= offset < self.window or (len(idx_N) and (idx_N.max() + 1) * self.window + offset > len(self.tokens)):
-            raise ValueError(f"windows {idx_N.max()} at offset {offset} run past the stream's {len(self.tokens)} tokens")
+        if not 0 <= offset < self.window or (len(idx_N) and
+                                             (idx_N.max() + 1) * self.window + offset > len(self.tokens)):
+            raise ValueError(f"windows {idx_N.max()} at offset {offset} run past the stream's "
+                             f"{len(self.tokens)} tokens")
         tokens_NxW = np.asarray(self._rows(self.tokens, idx_N, offset), dtype=np.int32)
         if not self.masked:
             return tokens_NxW.reshape(idx.shape + (self.window,))

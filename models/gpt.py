@@ -18,7 +18,6 @@ import jax.numpy as jnp
 
 from utils.errors import ConfigError
 
-
 # What a block saves for the backward pass (`model.remat`):
 #   none: everything JAX would save (every elementwise intermediate: most memory and traffic)
 #   dots: only matmul outputs; cheap elementwise work (GELU, LayerNorm, softmax) is recomputed.
@@ -268,7 +267,7 @@ class GPT(eqx.Module):
             x_BxTxD, _ = jax.lax.scan(apply, x_BxTxD, (self.blocks, keys_L), unroll=cfg.scan_unroll)
         else:
             for i in range(cfg.num_blocks):
-                block_i = jax.tree.map(lambda a: a[i], self.blocks)
+                block_i = jax.tree.map(lambda a, i=i: a[i], self.blocks)
                 x_BxTxD, _ = apply(x_BxTxD, (block_i, None if keys_L is None else keys_L[i]))
 
         x_BxTxD = self.ln_f(x_BxTxD).astype(compute_dtype)

@@ -16,8 +16,8 @@ from optimizer.adamw import AdamW
 from optimizer.groups import group_schedules, per_group
 from optimizer.lion import Lion
 from optimizer.muon import Muon
-from optimizer.shampoo import Shampoo
 from optimizer.sgdm import SGDM
+from optimizer.shampoo import Shampoo
 
 OPTIMIZERS = {
     "adamw": AdamW,

@@ -22,8 +22,8 @@ import argparse
 from models import export
 from utils.checkpoint import inference
 from utils.cli import quiet_jax_probe
-from utils.files import user_path
 from utils.errors import EqtrainError
+from utils.files import user_path
 from utils.script_errors import script_error
 
 

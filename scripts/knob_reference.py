@@ -41,8 +41,9 @@ class Knob:
     doc: str  # the yaml's comment, "" when there is none
 
 
-def _split_comment(line: str) -> tuple[str, str | None]:
-    """(code, comment or None): the first `#` outside quotes that starts a comment."""
+def split_comment(line: str) -> tuple[str, str | None]:
+    """(code, comment or None): the first `#` outside quotes that starts a word (a yaml comment;
+    the same rule holds for a shell line, which tests/test_docs_commands.py splits with it)."""
     quote = None
     for i, ch in enumerate(line):
         if quote:
@@ -95,7 +96,7 @@ def parse_yaml(path: str) -> tuple[str, list[Knob]]:
             if indent > skip_indent or stripped.startswith("-"):
                 continue
             skip_indent = None
-        code, comment = _split_comment(line)
+        code, comment = split_comment(line)
         match = _KEY.match(code)
         if match is None:
             continue  # a list item of a block list: part of the knob above
@@ -149,11 +150,11 @@ def _classes(where: str) -> list[type]:
     from models.gpt import GPTConfig
     from optimizer import OPTIMIZERS
     from optimizer.schedules import SCHEDULES
-    from utils.train.aux_state import AuxConfig
     from utils.checkpoint.storage import CheckpointConfig
     from utils.config import TrainConfig
-    from utils.parallel.mesh import ParallelConfig
     from utils.logging.sinks import SINKS, LoggingConfig
+    from utils.parallel.mesh import ParallelConfig
+    from utils.train.aux_state import AuxConfig
 
     group, _, option = where.rpartition("/")
     fixed = {"train": [TrainConfig], "logging": [LoggingConfig, AuxConfig, *SINKS.values()],

@@ -1,6 +1,7 @@
 """Tokenize a corpus once into memory-mappable token files, for `dataset=memmap` (nanoGPT's prepare.py).
 
-    python scripts/prepare_data.py dataset=hf dataset.path=openwebtext tokenizer=hf tokenizer.name_or_path=gpt2 out=data/owt
+    python scripts/prepare_data.py dataset=hf dataset.path=openwebtext tokenizer=hf tokenizer.name_or_path=gpt2 \\
+        out=data/owt
     python scripts/prepare_data.py dataset=text_files 'dataset.paths=[data/*.txt]' out=data/mine
     python train_jax.py dataset=memmap dataset.path=data/owt tokenizer=hf tokenizer.name_or_path=gpt2
 

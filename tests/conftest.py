@@ -2,8 +2,8 @@
 constants live in tests/helpers.py; the background runs in the plugin tests/background.py."""
 
 import pytest
-
 from helpers import compose_config  # before utils: importing helpers sets XLA_FLAGS and OPENBLAS_NUM_THREADS
+
 from utils.config import RunConfig, validate
 
 

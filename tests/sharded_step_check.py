@@ -31,20 +31,20 @@ sys.path.insert(0, ROOT)
 # at the default level, <= 2e-5 relative against tolerances of 1e-5 on the first and 2e-4 on the rest.)
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
+import jax
+import numpy as np
+from hydra import compose, initialize_config_dir
 
-import train_jax as T  # noqa: E402
-from optimizer import OPTIMIZERS  # noqa: E402
-from utils.parallel import mesh as meshlib  # noqa: E402
-from utils.config import validate  # noqa: E402
-from utils.errors import ConfigError  # noqa: E402
+import train_jax as T
+from optimizer import OPTIMIZERS
+from utils.config import validate
+from utils.errors import ConfigError
+from utils.parallel import mesh as meshlib
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from helpers import compose_config  # noqa: E402
-from test_golden import GOLDEN  # noqa: E402
-from test_golden import STEPS as GOLDEN_STEPS  # noqa: E402
+from helpers import compose_config
+from test_golden import GOLDEN
+from test_golden import STEPS as GOLDEN_STEPS
 
 OVERRIDES = [
     "model.dim=32", "model.num_heads=2", "model.num_blocks=2", "model.context_length=16", "model.vocab_size=64",
@@ -130,8 +130,8 @@ def zero1_and_cross_topology(devices, batches_SxAxBxT1, directory: str):
     arrays equal the saved ones and its step 3 has the loss ZeRO-1's step 3 had."""
     import dataclasses
 
-    from utils.checkpoint.storage import Checkpointer
     from utils.checkpoint.resume import resume_source
+    from utils.checkpoint.storage import Checkpointer
 
     ck = ["checkpoint.save=true", f"checkpoint.save_path={directory}", "checkpoint.resume=auto",
           "checkpoint.async_save=false"]

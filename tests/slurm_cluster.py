@@ -21,7 +21,8 @@ REQUIRE = "EQTRAIN_REQUIRE_SLURM"
 def cluster_problem(partition: str) -> str | None:
     """Why the SLURM tests cannot run here, or None."""
     if shutil.which("sinfo") is None:
-        return "no SLURM here: sinfo is not on PATH (as root, `bash scripts/slurm/local_cluster.sh` starts a local cluster)"
+        return ("no SLURM here: sinfo is not on PATH "
+                "(as root, `bash scripts/slurm/local_cluster.sh` starts a local cluster)")
     try:
         out = subprocess.run(["sinfo", "-h", "-p", partition, "-o", "%T"], capture_output=True, text=True, timeout=5)
     except subprocess.TimeoutExpired:

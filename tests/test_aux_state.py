@@ -15,12 +15,12 @@ import train_jax as T
 from models.gpt import param_axes
 from optimizer.diagnostics import find_states
 from optimizer.restart import schedules_at
-from utils.train import aux_state
-from utils.parallel import layout
-from utils.parallel import mesh as meshlib
-from utils.train.aux_state import AuxConfig
 from utils.errors import ConfigError
 from utils.logging.sinks import logging_config
+from utils.parallel import layout
+from utils.parallel import mesh as meshlib
+from utils.train import aux_state
+from utils.train.aux_state import AuxConfig
 from utils.train.step import build_train_step, step_keys
 
 FLAGS = ("store_last_params", "store_last_grads", "store_past_grads", "compute_last_loss", "compute_last_grads")
@@ -78,11 +78,12 @@ def test_every_metric_matches_numpy_over_three_steps():
     """A quadratic f(x; z) = ½|x - z|² on a two-leaf tree with negative entries (norm_inf is max |x|,
     not max x), three SGD steps; the first step's Δ is 0, so its cosines must be exactly 0."""
     rng = np.random.default_rng(0)
-    x = {"a": jnp.asarray(rng.normal(size=(3, 4)) - 2.0, jnp.float32), "b": jnp.asarray(-rng.random(5) * 3, jnp.float32)}
-    f = lambda p, z: 0.5 * sum(jnp.sum((p[k] - z[k]) ** 2) for k in p)  # noqa: E731
+    x = {"a": jnp.asarray(rng.normal(size=(3, 4)) - 2.0, jnp.float32),
+         "b": jnp.asarray(-rng.random(5) * 3, jnp.float32)}
+    f = lambda p, z: 0.5 * sum(jnp.sum((p[k] - z[k]) ** 2) for k in p)
     aux = aux_state.init(ALL_ON, x)
     hist, got = [], []
-    for n in range(3):
+    for _ in range(3):
         z = jax.tree.map(lambda v: jnp.asarray(rng.normal(size=v.shape), jnp.float32), x)
         g = jax.grad(f)(x, z)
         u = jax.tree.map(lambda v: -0.3 * v, g)
@@ -163,7 +164,7 @@ def test_the_train_step_carries_the_aux_state_and_matches_numpy(tiny_run):
                                          "optimizer.lr_config.lr=0.5", "optimizer.lr_config.warmup=0",
                                          "train.gradient_clip_val=null", *flags)
     rng = np.random.default_rng(1)
-    params = lambda model: eqx.filter(model, eqx.is_inexact_array)  # noqa: E731
+    params = lambda model: eqx.filter(model, eqx.is_inexact_array)
     grad_at = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, t: T.loss_fn(m, t, None, "float32")[0]))
     xs, metrics = [], []
     for _ in range(3):
@@ -180,7 +181,8 @@ def test_the_train_step_carries_the_aux_state_and_matches_numpy(tiny_run):
     assert got["grads/cos(gn, g(n-1))"] == pytest.approx(cos(g2, g1), rel=1e-4)
     assert got["grads/cos(gn, g'(n-1))"] == pytest.approx(cos(g2, g2_prev), rel=1e-4)
     assert got["curvature/<gn-g'(n-1), Delta(n)>"] == pytest.approx((g2 - g2_prev) @ (x2 - x1), rel=1e-3, abs=1e-7)
-    assert got["update/cos(Delta(n+1), Delta(n))"] == pytest.approx(cos(flat(params(state.model)) - x2, x2 - x1), rel=1e-4)
+    assert got["update/cos(Delta(n+1), Delta(n))"] == pytest.approx(cos(flat(params(state.model)) - x2, x2 - x1),
+                                                                     rel=1e-4)
     # trainit's update/norm* are Δ(n)'s; the update this step applied is train/update_norm
     assert got["update/norm"] == pytest.approx(np.linalg.norm(x2 - x1), rel=1e-4)
     assert got["update/norm_l1"] == pytest.approx(np.abs(x2 - x1).sum(), rel=1e-4)
@@ -203,7 +205,7 @@ def test_x_n_minus_1_is_evaluated_with_the_steps_dropout_keys(tiny_run, last_gra
                                          "optimizer.lr_config.warmup=0", "train.gradient_clip_val=null",
                                          "dataset.batch_size=4", "dataset.total_batch_size=8", *flags)
     value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, t, k: T.loss_fn(m, t, k, "float32")[0]))
-    copy = lambda model: jax.tree.map(lambda v: jnp.copy(v) if eqx.is_array(v) else v, model)  # noqa: E731
+    copy = lambda model: jax.tree.map(lambda v: jnp.copy(v) if eqx.is_array(v) else v, model)
     rng = np.random.default_rng(4)
     models, keys, batches, metrics = [], [], [], []
     for _ in range(2):
@@ -257,14 +259,14 @@ def test_a_nonfinite_gradient_is_counted_and_skipped(tiny_run):
     metrics = step_metrics.defaults(optax.constant_schedule(1e-3), {}, [], skip_nonfinite=True)
     metrics.append(aux_state.AuxHook(run.logging.aux))
     step = build_train_step(poisoned_loss, tx, metrics, shardings, mesh, "float32", False)
-    put = lambda b: meshlib.put_batch(b, meshlib.batch_sharding(mesh, 1))  # noqa: E731
+    put = lambda b: meshlib.put_batch(b, meshlib.batch_sharding(mesh, 1))
     good = np.ones((1, 8, 17), np.int32)
     bad = good.copy()
     bad[0, 0, 0] = 63
     state, _ = step(state, put(good), True)
-    kept = lambda s: [np.array(x) for x in jax.tree.leaves(eqx.filter(  # noqa: E731
+    kept = lambda s: [np.array(x) for x in jax.tree.leaves(eqx.filter(
         (s.model, schedules_at(s.opt_state.inner_state, 0), s.metric_states["aux"].last_params), eqx.is_array))]
-    counters = lambda s: {int(x.count) for x in find_states(s.opt_state, optax.ScaleByScheduleState)}  # noqa: E731
+    counters = lambda s: {int(x.count) for x in find_states(s.opt_state, optax.ScaleByScheduleState)}
     assert counters(state) == {1}
     before = kept(state)
     state, m = step(state, put(bad), True)
@@ -278,7 +280,8 @@ def test_a_nonfinite_gradient_is_counted_and_skipped(tiny_run):
     state, m = step(state, put(good), True)
     assert all(math.isfinite(float(v)) for k, v in m.items() if k != "train/loss")
     assert float(m["train/skipped_steps"]) == 1 and float(m["grads/inf_grads"]) == 1
-    assert np.isfinite(flat(state.metric_states["aux"].last_grads)).all() and np.isfinite(flat(state.metric_states["aux"].past_grads)).all()
+    assert (np.isfinite(flat(state.metric_states["aux"].last_grads)).all()
+            and np.isfinite(flat(state.metric_states["aux"].past_grads)).all())
 
 
 def test_a_skipped_step_keeps_x_n_minus_1_so_the_next_delta_is_the_last_update(tiny_run):
@@ -295,7 +298,7 @@ def test_a_skipped_step_keeps_x_n_minus_1_so_the_next_delta_is_the_last_update(t
     batches = [{"tokens": rng.integers(0, 64, (1, 8, 17), dtype=np.int32), "loss_mask": np.ones((1, 8, 16), np.float32)}
                for _ in range(3)]
     batches[1]["loss_mask"][0, 0, 0] = np.nan  # the loss, so every gradient element, is NaN
-    params = lambda model: flat(eqx.filter(model, eqx.is_inexact_array))  # noqa: E731
+    params = lambda model: flat(eqx.filter(model, eqx.is_inexact_array))
     grad_at = eqx.filter_jit(eqx.filter_grad(lambda m, b: T.loss_fn(m, b, None, "float32")[0]))
     xs, metrics = [], []
     for batch in batches:
@@ -307,7 +310,8 @@ def test_a_skipped_step_keeps_x_n_minus_1_so_the_next_delta_is_the_last_update(t
     (m1, _), (m2, _), (m3, g3) = metrics
     assert m2["train/skipped_steps"] == 1 and m2["grads/inf_grads"] == 1
     np.testing.assert_array_equal(x2, x1)  # skipped
-    np.testing.assert_array_equal(flat(state.metric_states["aux"].last_params), x2)  # the finite step after it moved x(n-1) on
+    # the finite step after it moved x(n-1) on
+    np.testing.assert_array_equal(flat(state.metric_states["aux"].last_params), x2)
     delta = x1 - x0
     assert np.linalg.norm(delta) > 0.1
     assert m3["update/norm"] == pytest.approx(np.linalg.norm(delta), rel=1e-4)

@@ -192,7 +192,8 @@ def test_pack_keeps_every_conversation_inside_one_window_and_pads_with_unmasked_
     # a start at each conversation's first token and at each bin's padding, nowhere else
     is_pad = tokens == eot
     first_of_run = np.r_[True, tokens[1:] != tokens[:-1]] | (np.arange(len(tokens)) % window == 0)
-    np.testing.assert_array_equal(starts.astype(bool), first_of_run & ~(is_pad & (np.arange(len(tokens)) % window == 0)))
+    np.testing.assert_array_equal(starts.astype(bool),
+                                  first_of_run & ~(is_pad & (np.arange(len(tokens)) % window == 0)))
     bins_NxW = tokens.reshape(-1, window)
     seen = []
     for b, row in enumerate(bins_NxW):
@@ -402,7 +403,8 @@ def test_bad_knobs_are_config_errors(knobs, match):
 def test_data_files_takes_one_glob_or_a_list_in_every_record_source(name, tmp_path):
     glob = write_jsonl(tmp_path / "c.jsonl", [{"prompt": f"q{i}", "response": "a"} for i in range(20)])
     one = dataset_config({"name": name, "path": "json", "data_files": glob}).source
-    assert one.data_files == (glob,) == dataset_config({"name": name, "path": "json", "data_files": [glob]}).source.data_files
+    assert one.data_files == (glob,) == dataset_config({"name": name, "path": "json",
+                                                        "data_files": [glob]}).source.data_files
     for bad in ([], [""], [3], 3):
         with pytest.raises(ConfigError, match="data_files=.* must be null, a glob or a list of globs"):
             dataset_config({"name": name, "path": "json", "data_files": bad})

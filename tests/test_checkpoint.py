@@ -18,16 +18,16 @@ from typing import ClassVar
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import compose_config
 
 import train_jax
-from helpers import compose_config
-from utils.logging import sinks
 from utils.checkpoint.storage import complete_steps, open_checkpoint
 from utils.errors import CheckpointError, ConfigError
+from utils.logging import sinks
 
 # Shuffled data, dropout on (so the RNG key matters) and a log record at every step.
-RUN = ("model.vocab_size=null", "train.max_steps=12", "logging.log_every=1", "train.val_freq=6", "train.max_val_steps=2",
-       "model.dropout=0.1", "optimizer/lr_config=constant", "optimizer.lr_config.lr=3e-3")
+RUN = ("model.vocab_size=null", "train.max_steps=12", "logging.log_every=1", "train.val_freq=6",
+       "train.max_val_steps=2", "model.dropout=0.1", "optimizer/lr_config=constant", "optimizer.lr_config.lr=3e-3")
 
 
 @pytest.fixture(autouse=True)
@@ -231,7 +231,8 @@ def test_requeued_fine_tuning_keeps_the_config_its_run_started_with(tmp_path, ba
     """The same command twice: a load that ignores the command line's lr and model, then its
     requeue (resume=auto), which must train on with the saved config, not switch to the command line's."""
     command = ("optimizer.lr_config.lr=0.5", "model.dim=64", "checkpoint.load=true", f"checkpoint.load_path={base}",
-               "checkpoint.save=true", "checkpoint.save_path=runs/ft", "checkpoint.resume=auto", "checkpoint.num_steps=2")
+               "checkpoint.save=true", "checkpoint.save_path=runs/ft", "checkpoint.resume=auto",
+               "checkpoint.num_steps=2")
     _, first = train(tmp_path, "first", *command)
     capsys.readouterr()
     _, second = train(tmp_path, "second", *command)
@@ -391,7 +392,8 @@ def test_missing_load_file_lists_what_exists(tmp_path, base):
     (("checkpoint.load=true",), r"checkpoint.load=true needs checkpoint.load_path"),
     (("checkpoint.load_file=final",), r"checkpoint.load_file='final' must be iter_N, iter_N.ckpt or latest"),
     (("checkpoint.max_to_keep=0",), r"checkpoint.max_to_keep=0 must be a positive integer or null"),
-    (("checkpoint.keep_best=true", "train.skip_validation=true"), r"checkpoint.keep_best=true .* train.skip_validation"),
+    (("checkpoint.keep_best=true", "train.skip_validation=true"),
+     r"checkpoint.keep_best=true .* train.skip_validation"),
     (("+checkpoint.every=5",), r"unknown knob checkpoint.every"),
 ])
 def test_bad_checkpoint_knobs_are_one_line_config_errors(tiny_run, overrides, message):

@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from slurm_cluster import REQUIRE, cluster_problem, cluster_required, no_cluster
 
 REPO = Path(__file__).resolve().parents[1]

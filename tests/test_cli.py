@@ -30,13 +30,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import background
 import pytest
 import yaml
+from helpers import CLI_TINY, offline_env
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-import background
-from helpers import CLI_TINY, offline_env
 from utils.config import validate
 from utils.errors import ConfigError, DataError
 
@@ -119,7 +119,8 @@ class Started:
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}"
+                                  f"\nstderr:\n{proc.stderr[-3000:]}")
     assert "Traceback" not in proc.stderr
 
 
@@ -165,7 +166,8 @@ USER_ERRORS = {
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}, "dataset.batch_size"),
     # conf/ exists and holds no checkpoint: both refusals come before anything is built or written.
     "save-path-exists": (["checkpoint.save=true", "checkpoint.save_path=conf"], {}, "checkpoint.resume=auto"),
-    "load-path-without-checkpoints": (["checkpoint.load=true", "checkpoint.load_path=conf"], {}, "checkpoint.load_path"),
+    "load-path-without-checkpoints": (["checkpoint.load=true", "checkpoint.load_path=conf"], {},
+                                      "checkpoint.load_path"),
 }
 DIVERGED = ("train.max_steps=20", "optimizer=sgdm", "optimizer/lr_config=constant", "optimizer.lr_config.lr=1e30",
             "train.gradient_clip_val=null")
@@ -223,7 +225,8 @@ def _smoke_runs(where: Path, env: dict[str, str], smoke: Smoke) -> None:
         if shell.proc.poll() is not None or time.monotonic() > deadline:
             shell.stop()
             out, err = shell.output()
-            smoke.error = f"no train/loss before exit {shell.proc.poll()}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+            smoke.error = (f"no train/loss before exit {shell.proc.poll()}\nstdout:\n{out[-3000:]}"
+                           f"\nstderr:\n{err[-3000:]}")
             return
         time.sleep(0.005)
     shell.proc.send_signal(signal.SIGUSR1)
@@ -484,7 +487,7 @@ def test_train_lm_script_smoke_forwards_the_slurm_signal_and_resumes(smoke):
     proc = smoke.second
     assert_ok(proc)
     assert f"at step {stopped_at}" in proc.stdout
-    records = [r for r in read_metrics(smoke.second_dir / "metrics.jsonl") if "train/loss" in r]  # not optim/state_bytes
+    records = [r for r in read_metrics(smoke.second_dir / "metrics.jsonl") if "train/loss" in r]  # no optim/state_bytes
     assert records[0]["step"] == stopped_at + 1 and records[-1]["step"] == 400
     assert math.isfinite(records[-1]["train/loss"])
 
@@ -499,7 +502,8 @@ def test_multirun_summary_names_the_failed_jobs_and_sets_the_exit_code(capsys):
     ok = JobOutcome(0, (*common, "optimizer.lr_config.lr=0.001"))
     diverged = JobOutcome(1, (*common, "optimizer.lr_config.lr=1e+30"), "train/loss is nan at step 5", diverged=True)
     bad_knob = JobOutcome(2, (*common, "optimizer.lr_config.lr=-1"), "optimizer.lr_config.lr=-1 must be > 0")
-    bug = JobOutcome(3, (*common, "optimizer.lr_config.lr=0.1"), "ZeroDivisionError: division by zero", user_error=False)
+    bug = JobOutcome(3, (*common, "optimizer.lr_config.lr=0.1"), "ZeroDivisionError: division by zero",
+                     user_error=False)
     assert summarise([ok, ok]) == 0 and capsys.readouterr().err == ""
     assert summarise([ok, diverged]) == 2
     assert capsys.readouterr().err.splitlines() == [

@@ -275,8 +275,9 @@ def test_a_mixture_of_two_sources_builds_through_the_config(tiny_run, tmp_path):
 def test_training_on_chat_and_memmap_data_with_relative_paths(tmp_path, monkeypatch):
     """Masked dict batches through the jitted step and the evaluation, token files read by
     memmap; each run logs its data fingerprint (and chat its truncation count) in the first record."""
-    import train_jax
     from helpers import compose_config
+
+    import train_jax
     from loaders.sources.memmap import write_dataset
     from loaders.tokenizers.byte import ByteTokenizer
 

@@ -88,17 +88,13 @@ def _blocks(path: Path) -> list[Block]:
 BLOCKS = [b for p in PAGES for b in _blocks(p)]
 
 
+_split_yaml_or_shell = load_script("knob_reference").split_comment
+
+
 def _split_comment(line: str) -> tuple[str, str]:
     """(code, comment) of a shell line: the first # that starts a word outside quotes."""
-    quote = None
-    for i, ch in enumerate(line):
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i].rstrip(), line[i + 1:].strip()
-    return line.rstrip(), ""
+    code, comment = _split_yaml_or_shell(line)
+    return code, comment or ""
 
 
 def _strip_prefix(words: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -174,6 +170,7 @@ def _node_exists(node: str) -> bool:
 # command as typed -> what runs it: a test ("tests/x.py::test_name") or a file check (callable)
 COVERED_ELSEWHERE = {
     "pytest": lambda: "pytest" in (ROOT / ".ci" / "run").read_text().split("\n"),  # CI's test command
+    "ruff check .": lambda: "ruff check ." in (ROOT / ".ci" / "run").read_text().split("\n"),  # CI lints first
     "pytest -m 'not slow'": lambda: '"slow:' in (ROOT / "pyproject.toml").read_text()  # the marker exists
     and any("pytest.mark.slow" in p.read_text() for p in (ROOT / "tests").glob("test_*.py")),
     "SMOKE=1 bash scripts/train_lm.sh":

@@ -66,6 +66,7 @@ def test_lines_source_registered_gives_its_documents(tmp_path, monkeypatch):
 
 def test_csv_sink_registered_writes_through_open_sinks(tmp_path, monkeypatch):
     from helpers import compose_config
+
     from utils.config import to_dict
     from utils.logging.sinks import SINKS, logging_config, open_sinks
 

@@ -12,8 +12,8 @@ from helpers import compose_config
 import train_jax
 from loaders.windows import WindowDataset
 from models.gpt import cross_entropy, eval_sums
-from utils.parallel import mesh as meshlib
 from utils.config import validate
+from utils.parallel import mesh as meshlib
 
 WINDOW = 17  # the tiny run's context_length 16, plus the next-token target
 

@@ -20,12 +20,12 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from helpers import compose_config, load_script
 from safetensors.numpy import load_file
 
 import train_jax
 from models import export
 from models.gpt import GPT, GPTConfig
-from helpers import load_script, compose_config
 from utils.checkpoint.storage import open_checkpoint, restore_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,9 +52,11 @@ def ckpt(tmp_path_factory, _cache_dir) -> Path:
     tmp = tmp_path_factory.mktemp("export")
     # A small corpus of this repo's own source (one .jsonl line = one document): tokenizing the
     # stdlib default would cost more than the whole rest of this file.
-    lines = [line for f in sorted((ROOT / "models").glob("*.py")) for line in f.read_text().splitlines() if line.strip()]
+    lines = [line for f in sorted((ROOT / "models").glob("*.py")) for line in f.read_text().splitlines()
+             if line.strip()]
     corpus = tmp / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": "\n".join(lines[i : i + 8])}) + "\n" for i in range(0, len(lines), 8)))
+    corpus.write_text("".join(json.dumps({"text": "\n".join(lines[i : i + 8])}) + "\n"
+                              for i in range(0, len(lines), 8)))
     with pytest.MonkeyPatch.context() as mp:  # _offline_env is per test; a module fixture needs its own
         mp.setenv("EQTRAIN_CACHE", str(_cache_dir))
         mp.setenv("WANDB_MODE", "disabled")

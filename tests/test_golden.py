@@ -19,11 +19,12 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import train_jax as T  # noqa: E402
-from helpers import compose_config  # noqa: E402
-from optimizer import OPTIMIZERS  # noqa: E402
-from utils.parallel import mesh as meshlib  # noqa: E402
-from utils.config import validate  # noqa: E402
+from helpers import compose_config
+
+import train_jax as T
+from optimizer import OPTIMIZERS
+from utils.config import validate
+from utils.parallel import mesh as meshlib
 
 STEPS = 3
 # (loss logged at step 1, 2, 3; loss of the weights after step 3), float32 on CPU.

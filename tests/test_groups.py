@@ -11,18 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import compose_config
 
 import train_jax as T
-from helpers import compose_config
 from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import OPTIMIZERS, make_optimizer
 from optimizer.adamw import AdamW
 from optimizer.groups import GROUPS, group_knobs
 from optimizer.muon import Muon
 from optimizer.sgdm import SGDM
-from utils.parallel import mesh as meshlib
 from utils.config import to_dict, validate
 from utils.errors import ConfigError
+from utils.parallel import mesh as meshlib
 
 CFG = GPTConfig(dim=32, num_heads=2, num_blocks=3, context_length=16, vocab_size=64, tie_embeddings=False)
 EPS32 = float(np.finfo(np.float32).eps)  # 2⁻²³: a float32 rounding errs by at most EPS32/2 of its result

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import train_jax as T
-from utils.train import hooks as H
-from utils.parallel import mesh as meshlib
-from utils.logging import sinks
-from utils.train import step_metrics
 from utils.errors import ConfigError, TrainingError
+from utils.logging import sinks
+from utils.parallel import mesh as meshlib
+from utils.train import hooks as H
+from utils.train import step_metrics
 
 
 class Recorder(H.Hook):

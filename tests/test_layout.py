@@ -14,10 +14,10 @@ from jax.sharding import AbstractMesh
 import train_jax as T
 from models.gpt import GPT, param_axes
 from optimizer import OPTIMIZERS
-from utils.train import aux_state
-from utils.parallel import layout
 from utils.errors import ConfigError
+from utils.parallel import layout
 from utils.parallel.mesh import make_mesh
+from utils.train import aux_state
 from utils.train.step import TrainState
 
 
@@ -83,7 +83,7 @@ def test_every_optimizers_state_follows_its_parameters_and_zero1_splits_only_it(
     for name, spec in specs.items():
         if not name.startswith("opt_state."):
             continue
-        for param_name, param_spec in params.items():
+        for param_name in params:
             # A moment shaped like mlp_in (Adam's mu/nu, Muon's momentum, Lion's, SGD's trace) is split
             # like mlp_in over tensor, and over data too (ZeRO-1).
             if (name.endswith(param_name[len("model."):]) and "mlp_in.weight_IxO" in name

@@ -10,12 +10,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import compose_config
 
 import train_jax
-from utils.train import hooks
-from helpers import compose_config
 from utils.checkpoint.storage import complete_steps
 from utils.errors import TrainingError
+from utils.train import hooks
 
 RUN = ("model.vocab_size=null", "train.max_val_steps=1", "logging.log_every=4", "optimizer/lr_config=constant")
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import load_script
 import yaml
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 lr_find = load_script("lr_find")

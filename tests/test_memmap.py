@@ -238,9 +238,11 @@ def test_prepare_refuses_existing_out_bpe_and_sources_without_text(corpus, prepa
     assert not (tmp_path / "new").exists() and not (tmp_path / "y").exists()
     # Chat's loss mask does not fit token files: dataset=memmap would train the user turns too.
     (tmp_path / "c.jsonl").write_text('{"prompt": "q", "response": "a"}\n' * 20)
-    argv = ["dataset=chat", "dataset.path=json", f"dataset.data_files=[{tmp_path / 'c.jsonl'}]", f"out={tmp_path / 'z'}"]
+    argv = ["dataset=chat", "dataset.path=json", f"dataset.data_files=[{tmp_path / 'c.jsonl'}]",
+            f"out={tmp_path / 'z'}"]
     knobs, overrides = prepare_data.split_argv(argv)
-    with pytest.raises(ConfigError, match=r"^dataset=chat trains on part of each record .*train it with dataset=chat") as info:
+    with pytest.raises(ConfigError,
+                       match=r"^dataset=chat trains on part of each record .*train it with dataset=chat") as info:
         prepare_data.prepare(prepare_data.compose_run(overrides), knobs)
     assert "\n" not in str(info.value) and not (tmp_path / "z").exists()
 

@@ -25,12 +25,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 import background
+import pytest
 from helpers import CLI_TINY, offline_env
-from utils.checkpoint.storage import complete_steps, open_checkpoint
+
 from utils.checkpoint.signals import EXIT_PREEMPTED
+from utils.checkpoint.storage import complete_steps, open_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = (*CLI_TINY, "train.sample_tokens=0", "logging.log_every=1", "logging.progress_bar=false",

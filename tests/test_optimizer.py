@@ -19,7 +19,6 @@ from optimizer.sgdm import SGDM
 from utils.config import build_section
 from utils.errors import ConfigError
 
-
 # --- weight decay masks ------------------------------------------------------------------------
 
 CFG = GPTConfig(dim=32, num_heads=2, num_blocks=2, context_length=16, vocab_size=64, tie_embeddings=False)

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import load_script
 import yaml
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 plot_runs = load_script("plot_runs")

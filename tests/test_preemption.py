@@ -32,17 +32,17 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import background
 import numpy as np
 import pytest
+from helpers import CLI_TINY, FAST_COMPILE, offline_env
 
-import background
-from helpers import CLI_TINY, offline_env, FAST_COMPILE
-from utils.checkpoint.storage import TMP_MARKER, complete_steps, open_checkpoint
 from utils.checkpoint.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from utils.checkpoint.storage import TMP_MARKER, complete_steps, open_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "train_jax.py")
@@ -290,7 +290,8 @@ def signal_chain(where: Path, env: dict[str, str], reference: Reference, sig: st
     code = exit_code(run, EXIT_TIMEOUT_S)
     n = run.last_step()  # after the exit: the steps it finished after the signal count
     on_disk = sorted(os.listdir(ck)) if ck.is_dir() else []
-    resumed = start("resumed", "checkpoint.num_steps=3", "checkpoint.resume=auto") if code == SIGNALS[sig] and n else None
+    resumed = (start("resumed", "checkpoint.num_steps=3", "checkpoint.resume=auto") if code == SIGNALS[sig] and n
+               else None)
     if resumed is not None:
         exit_code(resumed)
     return Stopped(sig, ck, run, code, n, on_disk, resumed)
@@ -317,7 +318,7 @@ def kill_chain(where: Path, env: dict[str, str], reference: Reference) -> Killed
         ck = where / f"ck{attempt}"
         run = Run(where, f"killed{attempt}", (*TINY, *EXACT, *save_args(ck, save), f"train.max_steps={LONG}"), env)
         # A save in flight, and a complete checkpoint to go back to.
-        wait_for(lambda: tmp_dirs(ck) and complete_steps(str(ck)), [run], "a save in flight", every_s=0.001)
+        wait_for(lambda ck=ck: tmp_dirs(ck) and complete_steps(str(ck)), [run], "a save in flight", every_s=0.001)
         run.proc.kill()
         if (code := exit_code(run)) != -signal.SIGKILL:
             raise ChainFailed(f"exit {code} after SIGKILL\n{run.tail()}")
@@ -328,7 +329,8 @@ def kill_chain(where: Path, env: dict[str, str], reference: Reference) -> Killed
         raise ChainFailed("three saves finished between being seen and SIGKILL")
     killed, newest = run.losses(), complete_steps(str(ck))[-1]
     # A resume trains with the saved config (max_steps LONG): a 3-step segment stops it.
-    resumed = Run(where, "resumed", (*TINY, *EXACT, *save_args(ck, save, "checkpoint.resume=auto", "checkpoint.num_steps=3"),
+    resumed = Run(where, "resumed", (*TINY, *EXACT,
+                                     *save_args(ck, save, "checkpoint.resume=auto", "checkpoint.num_steps=3"),
                                      f"train.max_steps={LONG}"), env)
     exit_code(resumed)
     return Killed(ck, killed, left, newest, resumed)

@@ -77,7 +77,8 @@ def test_a_knob_of_another_entry_is_refused_not_ignored():
 
 
 def test_unknown_names_list_the_choices():
-    with pytest.raises(ConfigError, match=re.escape("dataset.name='hub' is unknown: choose one of chat, hf, jsonl, memmap, mixture, stdlib, text_files")):
+    with pytest.raises(ConfigError, match=re.escape("dataset.name='hub' is unknown: choose one of "
+                                                    "chat, hf, jsonl, memmap, mixture, stdlib, text_files")):
         dataset_config({"name": "hub"})
     with pytest.raises(ConfigError, match=re.escape("tokenizer.name='spm' is unknown: choose one of bpe, byte, hf")):
         tokenizer_config({"name": "spm"})
@@ -165,7 +166,8 @@ def test_tokenizer_configs_build_tokenizers(tmp_path):
 
 
 # Stdlib's (train, val) keys with no files (stats aside, what every stdlib cache key holds), by include_tests.
-PINNED_STDLIB_NO_FILES = {False: ("e43189044d7e57f6", "0960a7ad27c00baa"), True: ("50f25c926218d8fd", "38b334ae912c97a5")}
+PINNED_STDLIB_NO_FILES = {False: ("e43189044d7e57f6", "0960a7ad27c00baa"),
+                          True: ("50f25c926218d8fd", "38b334ae912c97a5")}
 
 
 def _pinned_key(files: list[str], knob_lines: str) -> str:

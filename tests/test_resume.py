@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from utils.checkpoint.resume import LOCAL_KEYS, config_differences, merge_config, resume_source
 from utils.checkpoint.storage import TMP_MARKER, CheckpointConfig, Source
 from utils.errors import CheckpointError, ConfigError
-from utils.checkpoint.resume import LOCAL_KEYS, config_differences, merge_config, resume_source
 
 SAVED = {
     "model": {"dim": 32, "num_blocks": 2},

@@ -23,9 +23,9 @@ from optimizer.diagnostics import find_states
 from optimizer.nonfinite import skip_nonfinite
 from optimizer.schedules import SCHEDULES, Constant, Cosine, Linear, PiecewiseLinear, Trapezoid
 from optimizer.sgdm import SGDM
-from utils.parallel import mesh as meshlib
 from utils.config import build_section
 from utils.errors import ConfigError
+from utils.parallel import mesh as meshlib
 
 LR, MIN_LR, WARMUP, N = 1.0, 0.1, 4, 20
 
@@ -193,7 +193,7 @@ def test_after_a_skipped_step_the_applied_lr_is_the_logged_one_and_the_last_is_m
     schedule, _, state, step = T.init_training(run, mesh)
     labels = jax.tree.leaves(param_labels(state.model))
     grad_at = eqx.filter_jit(eqx.filter_grad(lambda m, b: T.loss_fn(m, b, None, "float32")[0]))
-    params = lambda model: [np.asarray(x, np.float64)  # noqa: E731
+    params = lambda model: [np.asarray(x, np.float64)
                             for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))]
     rng = np.random.default_rng(0)
     applied, logged = [], []
@@ -231,7 +231,7 @@ def test_every_optimizers_schedule_counts_a_skipped_step(name):
     """A schedule that is 0 on step 1 only; step 1's gradient is NaN (skipped). Step 2 must use the
     schedule at step 2 (lr > 0, so every leaf moves), not at 1 (lr 0: nothing moves): every
     optimizer's lr goes through a counter that skip_nonfinite advances."""
-    schedule = lambda count: jnp.where(count == 1, 0.0, 1e-2)  # noqa: E731
+    schedule = lambda count: jnp.where(count == 1, 0.0, 1e-2)
     shapes = {"w": ((2, 8, 12), "hidden"), "e": ((16, 8), "embed"), "h": ((8, 16), "head"), "b": ((8,), "scalar")}
     rng = np.random.default_rng(0)
     params = {k: jnp.asarray(rng.normal(size=shape), jnp.float32) for k, (shape, _) in shapes.items()}

@@ -254,7 +254,8 @@ def test_before_start_step_the_graft_direction_is_returned(graft):
 
 # --- grafting ------------------------------------------------------------------------------------
 
-BLOCKS_40x20 = [(slice(r0, r1), slice(c0, c1)) for r0, r1 in [(0, 16), (16, 32), (32, 40)] for c0, c1 in [(0, 16), (16, 20)]]
+BLOCKS_40x20 = [(slice(r0, r1), slice(c0, c1)) for r0, r1 in [(0, 16), (16, 32), (32, 40)]
+                for c0, c1 in [(0, 16), (16, 20)]]
 
 
 @pytest.mark.parametrize("graft", ["adam", "sgd"])

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from utils.logging import sinks
 from utils.errors import ConfigError
+from utils.logging import sinks
 
 CONFIG = {"model": {"dim": 32, "num_blocks": 2}, "optimizer": {"name": "adamw", "lr": 3e-4},
           "hydra": {"run": {"dir": "outputs/x"}}}
@@ -59,7 +59,8 @@ def test_tensorboard_events_read_back(tmp_path):
     resumed.log(40, {"train/loss": 2.0, "train/lr": 4e-4})
     resumed.close()
     assert len([f for f in os.listdir(tmp_path / "tensorboard") if f.startswith("events.out.tfevents.")]) == 2
-    assert _scalars(_accumulator(tmp_path / "tensorboard"), "train/loss") == [(10, 4.5), (20, 3.25), (30, 2.5), (40, 2.0)]
+    assert _scalars(_accumulator(tmp_path / "tensorboard"), "train/loss") == [(10, 4.5), (20, 3.25), (30, 2.5),
+                                                                               (40, 2.0)]
 
     off = sinks.logging_config({"progress_bar": False, "metrics_file": None, "samples_file": None})
     assert list(sinks.open_sinks(off, str(tmp_path / "off"), 100, 0, CONFIG).named) == ["console"]
@@ -106,8 +107,8 @@ def test_wandb_offline_run_resumes_with_its_saved_id(tmp_path, wandb_offline):
     """One test for every wandb assertion: each wandb.init starts its service (about a second)."""
     tmp_path = tmp_path / "run"
     tmp_path.mkdir()
-    cfg = sinks.logging_config({"progress_bar": False, "metrics_file": None, "samples_file": None, "wandb_project": "eqtrain-test",
-                                "wandb_name": "tiny", "wandb_mode": "offline"})
+    cfg = sinks.logging_config({"progress_bar": False, "metrics_file": None, "samples_file": None,
+                                "wandb_project": "eqtrain-test", "wandb_name": "tiny", "wandb_mode": "offline"})
     first = sinks.open_sinks(cfg, str(tmp_path), 100, 0, CONFIG, saved=None)
     run = first.named["wandb"].run
     run_id = run.id

@@ -31,9 +31,8 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
-
 import background
+import pytest
 from helpers import CLI_TINY, FAST_COMPILE, offline_env
 from slurm_cluster import cluster_problem, no_cluster
 

@@ -32,7 +32,8 @@ def fixtures(tmp_path_factory):
     (root / "txt").mkdir()
     for i in range(16):
         (root / "txt" / f"d{i:02d}.txt").write_text(text(30))
-    (root / "records.jsonl").write_text("".join(json.dumps({"text": text(25), "title": f"record {i}"}) + "\n" for i in range(40)))
+    (root / "records.jsonl").write_text("".join(json.dumps({"text": text(25), "title": f"record {i}"}) + "\n"
+                                                for i in range(40)))
     chats = [{"messages": [{"role": "user", "content": text(1)}, {"role": "assistant", "content": text(1)}]}
              for _ in range(60)]
     (root / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))

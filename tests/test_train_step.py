@@ -7,13 +7,13 @@ import os
 import subprocess
 import sys
 
+import background
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import background
 import train_jax as T
 from models.gpt import cross_entropy
 from utils.parallel import mesh as meshlib

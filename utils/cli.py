@@ -34,9 +34,9 @@ from typing import Callable
 
 from hydra.experimental.callback import Callback
 
+from utils.checkpoint.signals import Preempted
 from utils.config import to_dict
 from utils.errors import EqtrainError, TrainingError
-from utils.checkpoint.signals import Preempted
 
 
 def quiet_jax_probe() -> None:

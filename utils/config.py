@@ -28,9 +28,9 @@ from optimizer.schedules import SCHEDULES, warmup_warning
 from utils.checkpoint.storage import CheckpointConfig
 from utils.errors import ConfigError
 from utils.files import user_path
+from utils.logging.sinks import LoggingConfig, logging_config
 from utils.parallel.mesh import ParallelConfig
 from utils.sections import _coerce, build_registered, build_section
-from utils.logging.sinks import LoggingConfig, logging_config
 
 DTYPES = ("float32", "bfloat16")
 
@@ -173,8 +173,8 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
     """The whole composed config -> RunConfig, or a ConfigError naming the first bad knob."""
     raw = to_dict(cfg)
 
-    expected = {"model", "tokenizer", "dataset", "optimizer", "train", "logging", "parallel", "random_seed", "data_seed",
-                "cache_dir"}
+    expected = {"model", "tokenizer", "dataset", "optimizer", "train", "logging", "parallel", "random_seed",
+                "data_seed", "cache_dir"}
     unknown = sorted(set(raw) - expected - {"checkpoint"})
     if unknown:
         raise ConfigError(f"unknown top-level config key {unknown[0]!r}: known keys are "

@@ -87,7 +87,7 @@ def pack(convs: list[tuple[np.ndarray, np.ndarray]], window: int, eot_id: int,
 @dataclass(frozen=True)
 class Chat:
     name: ClassVar[str] = "chat"
-    loss_masked: ClassVar[bool] = True  # trains on the assistant's turns only: token files (prepare_data) cannot hold that
+    loss_masked: ClassVar[bool] = True  # trains on the assistant's turns only: token files (prepare_data) can't hold it
 
     path: str = ""  # a hub dataset (org/name), a builder (json, csv, parquet) with data_files, or a local directory
     subset: str | None = None  # the hub dataset's configuration (load_dataset's `name`)
@@ -105,7 +105,8 @@ class Chat:
         check_record_knobs(prefix, self.path, self.data_files, self.split, self.val_split, self.val_fraction,
                            "HuggingFaceH4/ultrachat_200k")
         if self.template not in chat.TEMPLATES:
-            raise ConfigError(f"{prefix}.template={self.template!r} is unknown: choose one of {', '.join(chat.TEMPLATES)}")
+            raise ConfigError(f"{prefix}.template={self.template!r} is unknown: "
+                              f"choose one of {', '.join(chat.TEMPLATES)}")
 
     # --- records ------------------------------------------------------------------------------
 
@@ -223,7 +224,8 @@ class Chat:
             for ids_N, mask_N in chat.render_many(pieces, tok):
                 if len(ids_N) and (ids_N.min() < 0 or ids_N.max() >= tok.vocab_size):
                     raise DataError(f"tokenizer {tok.name!r} emitted id {int(ids_N.max())} outside its "
-                                    f"vocab_size={tok.vocab_size}: use another tokenizer.name_or_path or tokenizer=byte")
+                                    f"vocab_size={tok.vocab_size}: use another tokenizer.name_or_path "
+                                    "or tokenizer=byte")
                 lengths[split].append(len(ids_N))
                 interior[split] += bool((ids_N[1:-1] == tok.eot_id).any())
                 convs[split].append((ids_N[:window].astype(dtype), mask_N[:window]))

@@ -32,12 +32,12 @@ from loaders import corpus
 from loaders.batching import local_slots
 from loaders.config import DataRequest
 from loaders.records import (
-    check_record_knobs,
     BadRecord,
     BadRecords,
     RecordSpec,
     as_globs,
     as_tuple,
+    check_record_knobs,
     iter_records,
     load_records,
     local_files,

@@ -39,7 +39,8 @@ def _components(raw: Any, prefix: str) -> list[tuple[str, float, Any]]:
             raise ConfigError(f"{where} must be a mapping with a source `name` and a `weight`, got {node!r}")
         node = dict(node)
         weight = node.pop("weight", None)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0 or not math.isfinite(weight):
+        if (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0
+                or not math.isfinite(weight)):
             raise ConfigError(f"{where}.weight={weight!r} must be a positive number (weights are normalised)")
         if node.get("name") == "mixture":
             raise ConfigError(f"{where}.name=mixture: a mixture cannot contain a mixture; list its sources directly")

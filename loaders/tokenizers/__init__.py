@@ -49,9 +49,9 @@ class Tokenizer(Protocol):
 
 
 # Below the definitions above on purpose: each implementation imports them from this package.
-from loaders.tokenizers.bpe import BPE, BPETokenizer, bpe_tokenizer, corpus_bpe_tokenizer  # noqa: E402
-from loaders.tokenizers.byte import Byte, ByteTokenizer, byte_tokenizer  # noqa: E402
-from loaders.tokenizers.hf import HF, TransformersTokenizer, hf_tokenizer  # noqa: E402
+from loaders.tokenizers.bpe import BPE, BPETokenizer, bpe_tokenizer, corpus_bpe_tokenizer  # noqa: E402 - after the protocol they import
+from loaders.tokenizers.byte import Byte, ByteTokenizer, byte_tokenizer  # noqa: E402 - after the protocol they import
+from loaders.tokenizers.hf import HF, TransformersTokenizer, hf_tokenizer  # noqa: E402 - after the protocol they import
 
 TOKENIZERS = {
     "byte": Byte,

@@ -74,7 +74,7 @@ def hf_tokenizer(name_or_path: str) -> Tokenizer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tok = AutoTokenizer.from_pretrained(name_or_path)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - hub/file/parse errors of many types: one line naming the knob
         raise ConfigError(
             f"tokenizer.name_or_path={name_or_path!r} cannot be loaded ({_short_reason(e)}): point it at a local "
             "tokenizer directory, or use tokenizer=byte / tokenizer=bpe which need no network"

@@ -13,7 +13,14 @@ from typing import Any, Callable
 
 import jax
 
-from utils.checkpoint.storage import CheckpointConfig, Source, complete_steps, open_checkpoint, remove_incomplete, restore
+from utils.checkpoint.storage import (
+    CheckpointConfig,
+    Source,
+    complete_steps,
+    open_checkpoint,
+    remove_incomplete,
+    restore,
+)
 from utils.errors import ConfigError
 from utils.train.step import TrainState
 

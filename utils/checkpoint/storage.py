@@ -82,7 +82,8 @@ class CheckpointConfig:
     def check(self, prefix: str) -> None:
         steps = self.save_steps
         if isinstance(steps, bool) or not (isinstance(steps, int) or isinstance(steps, (list, tuple))):
-            raise ConfigError(f"{prefix}.save_steps={steps!r} must be an interval (e.g. 500) or a list (e.g. [100,1000])")
+            raise ConfigError(f"{prefix}.save_steps={steps!r} must be an interval (e.g. 500) "
+                              "or a list (e.g. [100,1000])")
         if isinstance(steps, int) and steps <= 0:
             raise ConfigError(f"{prefix}.save_steps={steps} must be a positive interval")
         if isinstance(steps, (list, tuple)):
@@ -159,7 +160,8 @@ def _read_mapping(path: str, parse: Callable, errors: tuple, kind: str) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; load another one") from None
     except errors as e:
-        raise CheckpointError(f"{path} is not valid {kind} ({str(e).splitlines()[0]}): the checkpoint is corrupt") from None
+        raise CheckpointError(f"{path} is not valid {kind} ({str(e).splitlines()[0]}): "
+                              "the checkpoint is corrupt") from None
     if not isinstance(out, dict):
         raise CheckpointError(f"{path} does not hold a {kind} mapping: the checkpoint is corrupt")
     return out
@@ -175,7 +177,8 @@ def read_json(path: str) -> dict:
 
 def _manager(directory: str, cfg: CheckpointConfig, best: bool = False) -> ocp.CheckpointManager:
     if best:
-        preserve = policies.BestN(get_metric_fn=lambda m: m["val/loss"], reverse=True, n=1)  # keeps the last n sorted: lowest loss
+        # keeps the last n sorted: lowest loss
+        preserve = policies.BestN(get_metric_fn=lambda m: m["val/loss"], reverse=True, n=1)
     else:
         keep = [policies.LatestN(cfg.max_to_keep)]
         if cfg.save_at is not None:
@@ -189,7 +192,8 @@ def _manager(directory: str, cfg: CheckpointConfig, best: bool = False) -> ocp.C
     return ocp.CheckpointManager(
         os.path.abspath(directory),
         options=options,
-        item_handlers={**{item: ocp.PyTreeCheckpointHandler(use_compression=cfg.compress) for item in ARRAY_ITEMS + OPTIONAL_ITEMS},
+        item_handlers={**{item: ocp.PyTreeCheckpointHandler(use_compression=cfg.compress)
+                          for item in ARRAY_ITEMS + OPTIONAL_ITEMS},
                        "manifest": ocp.JsonCheckpointHandler(filename=MANIFEST_FILE), "config": _YamlHandler()},
     )
 
@@ -267,14 +271,16 @@ def open_checkpoint(directory: str, load_file: str, with_opt_state: bool, resumi
     manifest = read_json(os.path.join(path, "manifest", MANIFEST_FILE))
     for key in ("step", "data", "model"):
         if key not in manifest:
-            raise CheckpointError(f"{os.path.join(path, 'manifest', MANIFEST_FILE)} lacks {key!r}: the checkpoint is corrupt")
+            raise CheckpointError(f"{os.path.join(path, 'manifest', MANIFEST_FILE)} lacks {key!r}: "
+                                  "the checkpoint is corrupt")
     if manifest["step"] != step:
         raise CheckpointError(f"{os.path.join(path, 'manifest', MANIFEST_FILE)} says step {manifest['step']} "
                               f"but the directory is {STEP_PREFIX}_{step}: the checkpoint is corrupt")
     config = read_yaml(os.path.join(path, "config", CONFIG_FILE))
     for item in ARRAY_ITEMS if with_opt_state else ("model", "progress"):
         if not os.path.isdir(os.path.join(path, item)):
-            raise CheckpointError(f"{os.path.join(path, item)} is missing: the checkpoint is incomplete; load another one")
+            raise CheckpointError(f"{os.path.join(path, item)} is missing: "
+                                  "the checkpoint is incomplete; load another one")
     return Source(path, step, manifest, config, with_opt_state, resuming)
 
 
@@ -324,7 +330,7 @@ def restore_model(source: Source, abstract_model: Any) -> Any:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             restored = checkpointer.restore(
                 source.path, args=ocp.args.Composite(model=_restore_args(_arrays(abstract_model))))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types; the user needs the file
         raise _restore_error(source, e) from None
     return eqx.combine(restored["model"], abstract_model)
 

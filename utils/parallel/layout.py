@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # Logical dimension name -> the mesh axis that splits it (when that axis has more than one device).
 TENSOR_AXES = {"heads": "tensor", "mlp": "tensor"}

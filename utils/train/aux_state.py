@@ -119,7 +119,7 @@ def init(cfg: AuxConfig, params) -> AuxState | None:
     """The buffers at step 0: x(-1) := x(0), so the first Δ is 0 and its cosines are 0."""
     if not cfg.on:
         return None
-    zeros = lambda: optax.tree.zeros_like(params)  # noqa: E731
+    zeros = lambda: optax.tree.zeros_like(params)
     return AuxState(last_params=jax.tree.map(jnp.copy, params) if cfg.store_last_params else None,
                     last_grads=zeros() if cfg.store_last_grads else None,
                     past_grads=zeros() if cfg.store_past_grads else None,
@@ -141,7 +141,7 @@ def update(cfg: AuxConfig, aux: AuxState, params, grads, updates, loss: jax.Arra
     when `logging`. `params` is x_n, `grads` g_n, `updates` Δ(n+1), `loss` f(x_n, z_n). A step
     whose gradient is not finite leaves the buffers and sums as they were."""
     finite = all_finite(grads)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     out: dict[str, jax.Array] = {}
     sums = dict(aux.sums)
 

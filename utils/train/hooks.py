@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterable, Sequence
 from utils.checkpoint import signals
 from utils.checkpoint.storage import step_path
 from utils.errors import DataError, TrainingError
-from utils.logging.sinks import Sinks
 from utils.logging.messages import say
+from utils.logging.sinks import Sinks
 from utils.parallel import mesh as meshlib
 from utils.train.step_metrics import UPDATE_NORM
 

@@ -25,13 +25,13 @@ from typing import Any, Protocol
 
 import jax
 
-from utils.train.aux_state import AuxConfig
 from utils.errors import ConfigError
-from utils.sections import build_section
 from utils.logging.sinks.console import Console
 from utils.logging.sinks.jsonl import Jsonl
 from utils.logging.sinks.tensorboard import TensorBoard
 from utils.logging.sinks.wandb import Wandb
+from utils.sections import build_section
+from utils.train.aux_state import AuxConfig
 
 SINKS = {"console": Console, "jsonl": Jsonl, "tensorboard": TensorBoard, "wandb": Wandb}
 

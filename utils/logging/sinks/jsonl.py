@@ -31,7 +31,8 @@ class JsonlSink:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self._file:
-            self._file.write(json.dumps({"step": step, **{k: v if isinstance(v, str) else float(v) for k, v in metrics.items()}}) + "\n")
+            self._file.write(json.dumps({"step": step, **{k: v if isinstance(v, str) else float(v)
+                                                          for k, v in metrics.items()}}) + "\n")
             self._file.flush()
 
     def log_samples(self, step: int, samples: list[tuple[str, str]]) -> None:
