@@ -7,10 +7,10 @@ Step indices are those of the run's updates: 0 for the first, max_steps-1 for th
 counts from 0). So that the endpoints mean what the yaml says:
   * warmup: step s < warmup uses lr·(s+1)/warmup (the first update is not a no-op; step
     warmup-1 uses lr);
-  * the decaying schedules (linear, cosine, trapezoid/wsd) peak at lr on the last warmup step
-    (step 0 without warmup), stay there `const` more steps (linear) or until the last `decay`
-    steps (trapezoid), then fall to min_lr, reached exactly on step max_steps-1, the last
-    update, and held after it. A schedule that ended at step max_steps would never run its
+  * the decaying schedules (linear, cosine, trapezoid/wsd, whose decay is linear or 1-sqrt)
+    peak at lr on the last warmup step (step 0 without warmup), stay there `const` more steps
+    (linear) or until the last `decay` steps (trapezoid), then fall to min_lr, reached exactly
+    on step max_steps-1, the last update, and held after it. A schedule that ended at step max_steps would never run its
     final lr.
 They are written out in jnp rather than joined from optax pieces: optax's linear/cosine
 schedules quietly turn constant when their length is <= 0, exactly the edge cases (decay of 1
@@ -46,6 +46,16 @@ def _linear_shape(x):
 
 def _cosine_shape(x):
     return 0.5 * (1.0 + jnp.cos(math.pi * x))
+
+
+def _one_minus_sqrt_shape(x):
+    """Hägele et al. 2024 ("Scaling Laws and Compute-Optimal Training Beyond Fixed Training
+    Durations"): the cooldown that matches a cosine run's loss with the shortest decay."""
+    return 1.0 - jnp.sqrt(x)
+
+
+# trapezoid's decay_shape -> the fraction of (lr - min_lr) left at fraction x of the decay.
+DECAY_SHAPES = {"linear": _linear_shape, "1-sqrt": _one_minus_sqrt_shape}
 
 
 def _with_warmup(lr: float, warmup: int, after: Callable) -> optax.Schedule:
@@ -147,19 +157,24 @@ class Cosine:
 
 @dataclass(frozen=True)
 class Trapezoid:
-    """Warmup-stable-decay: warmup, flat at `lr`, then the last `decay` steps fall linearly to
-    `min_lr`, reached on the last step (decay 0: no decay)."""
+    """Warmup-stable-decay: warmup, flat at `lr`, then the last `decay` steps fall to `min_lr`,
+    reached on the last step (decay 0: no decay), linearly or as lr·(1 - sqrt(progress))
+    (`decay_shape`). Before the decay it equals `Constant(lr, warmup)` bit for bit, so a
+    constant-lr trunk's checkpoint is an exact branch point for a cooldown (utils/compare)."""
 
     lr: float
     warmup: int = 0
     decay: int = 0
     min_lr: float = 0.0
     max_steps: int | None = None
+    decay_shape: str = "linear"
 
     def check(self, prefix: str) -> None:
         _check_common(prefix, self.lr, self.warmup, self.max_steps, self.min_lr)
         if self.decay < 0:
             raise ConfigError(f"{prefix}.decay={self.decay} must be >= 0")
+        if self.decay_shape not in DECAY_SHAPES:
+            raise ConfigError(f"{prefix}.decay_shape={self.decay_shape!r} must be one of {', '.join(DECAY_SHAPES)}")
 
     def check_steps(self, prefix: str, max_steps: int) -> None:
         if self.warmup + self.decay > max_steps:
@@ -170,7 +185,8 @@ class Trapezoid:
 
     def build(self, max_steps: int) -> optax.Schedule:
         start = max(max_steps - self.decay, self.warmup)
-        return _with_warmup(self.lr, self.warmup, _decay(self.lr, self.min_lr, start, max_steps, _linear_shape))
+        shape = DECAY_SHAPES[self.decay_shape]
+        return _with_warmup(self.lr, self.warmup, _decay(self.lr, self.min_lr, start, max_steps, shape))
 
 
 @dataclass(frozen=True)

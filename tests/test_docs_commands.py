@@ -307,7 +307,22 @@ def _lr_find_args(argv):
     return validate(compose_overrides(overrides, "docs"))
 
 
+def _compare_args(argv):
+    """scripts/compare.py: `--report DIR`, or the comparison's knobs (conf/compare.yaml, checked by
+    utils.compare.plan.compare_config) and the run overrides (validated as a run's)."""
+    if argv[:1] == ["--report"]:
+        return len(argv) == 2
+    from utils.compare.plan import compare_config
+    from utils.config import compose_overrides, validate
+
+    module = load_script("compare")
+    ours, theirs = module.split_argv(argv)
+    compare_config(module.compose_knobs(ours))
+    return validate(compose_overrides(theirs, "docs"))
+
+
 SCRIPT_ARGS = {  # script -> how its command line is checked without running it
+    "compare": _compare_args,
     "lr_find": _lr_find_args,
     "prepare_data": lambda argv: _hydra_args(load_script("prepare_data"), argv),
     "plot_runs": lambda argv: load_script("plot_runs").parse_args(argv),

@@ -109,6 +109,24 @@ def test_decay_of_one_step_is_the_last_update_at_min_lr():
     np.testing.assert_allclose(two, [LR, (LR + MIN_LR) / 2, MIN_LR], rtol=1e-6)
 
 
+def test_one_minus_sqrt_decay_values():
+    """decay_shape=1-sqrt: min_lr + (lr - min_lr)·(1 - sqrt(k/decay)) on the k-th of the last
+    `decay` steps (k = 1..decay), so min_lr exactly on the last update, as the linear shape; the
+    steps before the decay are the linear shape's (warmup, then lr) and Constant's, bit for bit."""
+    decay = 6
+    schedule = Trapezoid(lr=LR, warmup=WARMUP, decay=decay, min_lr=MIN_LR, decay_shape="1-sqrt")
+    values = _values(schedule.build(N), range(N))
+    expected = [MIN_LR + (LR - MIN_LR) * (1 - math.sqrt(k / decay)) for k in range(1, decay + 1)]
+    np.testing.assert_allclose(values[N - decay:], expected, rtol=1e-6)
+    assert values[-1] == np.float32(MIN_LR)
+    linear = _values(Trapezoid(lr=LR, warmup=WARMUP, decay=decay, min_lr=MIN_LR).build(N), range(N))
+    assert np.array_equal(values[:N - decay], linear[:N - decay])
+    constant = _values(Constant(lr=LR, warmup=WARMUP).build(N), range(N))
+    no_floor = _values(Trapezoid(lr=LR, warmup=WARMUP, decay=decay, decay_shape="1-sqrt").build(N), range(N))
+    assert np.array_equal(no_floor[:N - decay], constant[:N - decay])  # a constant trunk is an exact branch point
+    assert Trapezoid(lr=LR).decay_shape == "linear"  # the default keeps earlier runs' numbers
+
+
 def test_decay_of_zero_steps_never_decays():
     values = _values(Trapezoid(lr=LR, warmup=WARMUP, decay=0, min_lr=MIN_LR).build(N), range(N))
     np.testing.assert_allclose(values[WARMUP - 1:], LR, rtol=1e-6)
@@ -288,6 +306,7 @@ def test_min_lr_above_lr_is_a_config_error(tiny_run):
     ("cosine", {"lr": 1.0, "warmup": -1}, "warmup"),
     ("linear", {"lr": 1.0, "const": -5}, "const"),
     ("trapezoid", {"lr": 1.0, "decay": -1}, "decay"),
+    ("trapezoid", {"lr": 1.0, "decay": 2, "decay_shape": "cosine"}, "decay_shape"),
     ("cosine", {"lr": 1.0, "max_steps": 0}, "max_steps"),
     ("piecewise_linear", {"lr": 1.0, "steps": [0, 10], "scales": [1.0]}, "steps"),
     ("piecewise_linear", {"lr": 1.0, "steps": [0, 10, 10], "scales": [1.0, 0.5, 0.1]}, "steps"),

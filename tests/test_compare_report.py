@@ -1,0 +1,426 @@
+"""The comparison's report (utils/compare/report.py, stats.py) on synthetic comparison directories:
+run.json + metrics.jsonl written here with known curves, no training. Every number in report.md's
+tables is recomputed from the metrics.jsonl files by code in this file (not the report's), and the
+statistics are checked against scipy and hand formulas."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from utils.compare import stats
+from utils.compare.report import build_report
+from utils.errors import DataError
+
+TOK = 256  # tokens per step
+EVERY = 10  # a record every 10 steps, val/loss every 20
+COOL = 0.05  # what the cooldown takes off the loss by the branch's end
+FP = "fp-0123"
+# optimizer -> (lr grid, the lr its loss is lowest at, alpha, seconds per step, state bytes)
+OPTS = {
+    "adamw": ((1e-3, 2e-3, 4e-3), 2e-3, 40.0, 0.010, 2000),
+    "muon": ((0.01, 0.02, 0.04), 0.02, 30.0, 0.012, 1000),
+    "shampoo": ((1e-3, 2e-3, 4e-3), 5e-4, 34.0, 0.020, 4000),  # best lr below the grid: an edge
+}
+SEED_NOISE = (-0.01, 0.004, 0.006)  # per seed, the same at every budget: L(D) stays a power law
+
+
+def base_loss(opt: str, lr: float, seed: int, step: float) -> float:
+    _, best, alpha, _, _ = OPTS[opt]
+    return alpha * (step * TOK) ** -0.5 + 2.0 + 0.2 * math.log2(lr / best) ** 2 + SEED_NOISE[seed] * (1 + lr * 10)
+
+
+def write_run(root: Path, info: dict, records: list[dict]) -> None:
+    d = root / "runs" / info["id"]
+    d.mkdir(parents=True)
+    (d / "run.json").write_text(json.dumps(info))
+    with open(d / "metrics.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def make_comparison(root: Path, budgets=(100, 200, 400), seeds=3, opts=OPTS, workload="w", fingerprint=FP,
+                    diverged=("shampoo", 4e-3, 2, 400), failed_trunk=("muon", 0.04, 1)) -> None:
+    """Trunks (warmup-free constant lr, saving at 0.8 S) and cooldown branches for every
+    (optimizer, lr, seed, budget); one branch diverged, one trunk failed (its branches never ran)."""
+    (root / "compare.json").write_text(json.dumps({"knobs": {"budgets": list(budgets)}, "run_overrides": [],
+                                                   "plan": []}))
+    for opt, (lrs, _, _, sec, state) in opts.items():
+        for lr in lrs:
+            for seed in range(seeds):
+                trunk_id = f"{workload}-{opt}-lr{lr:g}-s{seed}-trunk"
+                end = int(0.8 * max(budgets))
+                fail = (opt, lr, seed) == failed_trunk
+                recs = []
+                for step in range(EVERY, (50 if fail else end) + 1, EVERY):
+                    r = {"step": step, "train/loss": base_loss(opt, lr, seed, step) + 0.1, "time/step_sec": sec,
+                         "time/elapsed_sec": 1.0 + sec * step, "data/tokens": float(step * TOK)}
+                    if step % 20 == 0:
+                        r["val/loss"] = base_loss(opt, lr, seed, step)
+                    if step == EVERY:
+                        r.update({"data/fingerprint": fingerprint, "optim/state_bytes": state})
+                    recs.append(r)
+                common = {"workload": workload, "optimizer": opt, "lr": lr, "seed": seed, "overrides": [],
+                          "diverged": False, "error": None}
+                write_run(root, {**common, "id": trunk_id, "kind": "trunk", "budget": None, "trunk": None,
+                                 "branch_step": None, "status": "failed" if fail else "done",
+                                 "error": "boom" if fail else None}, recs)
+                for budget in budgets:
+                    bs = int(0.8 * budget)
+                    info = {**common, "id": f"{workload}-{opt}-lr{lr:g}-s{seed}-b{budget}", "kind": "branch",
+                            "budget": budget, "trunk": trunk_id, "branch_step": bs, "status": "done"}
+                    if fail:
+                        write_run(root, {**info, "status": "planned"}, [])
+                        continue
+                    recs = []
+                    for step in range(bs + EVERY, budget + 1, EVERY):
+                        loss = base_loss(opt, lr, seed, step) - COOL * (step - bs) / (budget - bs)
+                        r = {"step": step, "train/loss": loss + 0.1, "time/step_sec": sec * 1.1,
+                             "time/elapsed_sec": 0.5 + sec * (step - bs), "data/tokens": float(step * TOK)}
+                        if step % 20 == 0 or step == budget:
+                            r["val/loss"] = loss
+                        if step == bs + EVERY:
+                            r.update({"data/fingerprint": fingerprint, "optim/state_bytes": state})
+                        recs.append(r)
+                    if (opt, lr, seed, budget) == diverged:
+                        recs[-1]["val/loss"] = float("nan")
+                        info.update(status="failed", diverged=True, error="the loss became nan")
+                    write_run(root, info, recs)
+
+
+# --- reading report.md ----------------------------------------------------------------------------
+
+def tables(md: str) -> dict[str, list[list[str]]]:
+    """Heading text -> the rows (cells) of the first table after it (the header row included);
+    a later heading of the same text gets `text#2`."""
+    out, heading, rows = {}, None, None
+    for line in md.split("\n"):
+        m = re.match(r"^#+ (.*)$", line)
+        if m:
+            heading, rows = m.group(1), None
+            n = 2
+            while heading in out:
+                heading = f"{m.group(1)}#{n}"
+                n += 1
+        elif line.startswith("|") and heading is not None:
+            if rows is None and heading not in out:
+                rows = out[heading] = []
+            if rows is not None and not re.match(r"^\|( --- \|)+$", line):
+                rows.append([c.strip() for c in line.strip("|").split("|")])
+        elif not line.strip() and rows:
+            rows = None
+            heading = None if heading in out else heading
+    return out
+
+
+def num(cell: str) -> float:
+    return {"∞": math.inf, "–": math.nan}[cell] if cell in ("∞", "–") else float(cell)
+
+
+def close(cell: str, expected: float, rel: float = 1e-3, abs_: float = 1e-4) -> bool:
+    value = num(cell)
+    if math.isinf(expected) or math.isnan(expected):
+        return (math.isinf(value) and math.isinf(expected)) or (math.isnan(value) and math.isnan(expected))
+    return value == pytest.approx(expected, rel=rel, abs=abs_)
+
+
+def loss_cell(cell: str, values: list[float]) -> bool:
+    if any(math.isinf(v) for v in values):
+        return cell == "∞"
+    mean = float(np.mean(values))
+    if len(values) == 1:
+        return close(cell, mean)
+    m, s = cell.split(" ± ")
+    return close(m, mean) and close(s, float(np.std(values, ddof=1)))
+
+
+# --- recomputing from the runs' files (independently of the report's code) ----------------------
+
+def read(root: Path) -> dict[str, dict]:
+    runs = {}
+    for d in sorted((root / "runs").iterdir()):
+        info = json.loads((d / "run.json").read_text())
+        by_step: dict[int, dict] = {}
+        for line in (d / "metrics.jsonl").read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                by_step[r["step"]] = {**by_step.get(r["step"], {}), **r}
+        info["records"] = [by_step[s] for s in sorted(by_step)]
+        runs[info["id"]] = info
+    return runs
+
+
+def result(run: dict, runs: dict) -> float | None:
+    """The branch's final val/loss; inf failed/diverged/trunk failed; None pending."""
+    trunk = runs[run["trunk"]]
+    if run["status"] == "done" and not run["diverged"]:
+        return [r["val/loss"] for r in run["records"] if "val/loss" in r][-1]
+    if trunk["status"] == "failed" or run["status"] == "failed" or run["diverged"]:
+        return math.inf
+    return None
+
+
+def curve(run: dict, runs: dict) -> np.ndarray:
+    """(step, tokens, seconds, val/loss) at each evaluation of trunk-then-branch."""
+    trunk = runs[run["trunk"]]
+    bs = run["branch_step"]
+    offset = next(r["time/elapsed_sec"] for r in trunk["records"] if r["step"] == bs)
+    rows = [(r["step"], r["data/tokens"], r["time/elapsed_sec"], r["val/loss"]) for r in trunk["records"]
+            if r["step"] <= bs and "val/loss" in r]
+    rows += [(r["step"], r["data/tokens"], r["time/elapsed_sec"] + offset, r["val/loss"]) for r in run["records"]
+             if r["step"] > bs and "val/loss" in r]
+    return np.array(rows, dtype=float)
+
+
+def to_target(c: np.ndarray, target: float) -> np.ndarray:
+    for i in range(len(c)):
+        if c[i, 3] <= target:
+            if i == 0:
+                return c[0, :3]
+            f = (c[i - 1, 3] - target) / (c[i - 1, 3] - c[i, 3])
+            return c[i - 1, :3] + f * (c[i, :3] - c[i - 1, :3])
+    return np.full(3, math.inf)
+
+
+# --- stats ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("noise", [0.0, 1e-3])
+def test_fit_recovers_alpha_beta_gamma(noise):
+    alpha, beta, gamma = 120.0, 0.35, 2.1
+    d = np.geomspace(1e5, 1e8, 8)
+    rng = np.random.default_rng(0)
+    loss = stats.power_law(d, alpha, beta, gamma) + rng.normal(0, noise, d.size)
+    a, b, g = stats.fit_power_law(d, loss)
+    if noise == 0:
+        assert (a, b, g) == pytest.approx((alpha, beta, gamma), rel=1e-4)
+    else:  # the noise moves the fitted curve by about its own size: the parameters by a few percent
+        assert np.abs(stats.power_law(d, a, b, g) - loss).max() < 4 * noise
+        assert b == pytest.approx(beta, rel=0.1) and g == pytest.approx(gamma, abs=0.05)
+        assert a == pytest.approx(alpha, rel=0.5)
+    # inverting the fit at a loss on the curve gives back its D
+    assert stats.effective_data(stats.power_law(1e6, a, b, g), a, b, g) == pytest.approx(1e6, rel=1e-6)
+    assert stats.effective_data(g - 0.01, a, b, g) == math.inf  # beyond the fitted floor
+    with pytest.raises(ValueError, match=">= 3 budgets"):
+        stats.fit_power_law(d[:2], loss[:2])
+
+
+def test_welch_matches_scipy_and_hedges_g_the_hand_formula():
+    a, b = [3.01, 3.05, 2.98, 3.02], [3.10, 3.07, 3.12]
+    t, p = stats.welch(a, b)
+    ref = sps.ttest_ind(a, b, equal_var=False)
+    assert (t, p) == pytest.approx((ref.statistic, ref.pvalue), rel=1e-12)
+    n1, n2 = len(a), len(b)
+    s = math.sqrt(((n1 - 1) * np.var(a, ddof=1) + (n2 - 1) * np.var(b, ddof=1)) / (n1 + n2 - 2))
+    d = (np.mean(a) - np.mean(b)) / s
+    assert stats.hedges_g(a, b) == pytest.approx(d * (1 - 3 / (4 * (n1 + n2) - 9)), rel=1e-12)
+    assert math.isnan(stats.hedges_g([1.0], b))
+
+
+def test_crossing_interpolates_between_evaluations():
+    loss, steps, secs = [5.0, 4.0, 3.0, 2.0], [10, 20, 30, 40], [1.0, 2.0, 4.0, 8.0]
+    assert stats.crossing(loss, 3.5, steps, secs) == pytest.approx((25.0, 3.0))
+    assert stats.crossing(loss, 6.0, steps, secs) == (10.0, 1.0)  # already there at the first evaluation
+    assert stats.crossing(loss, 1.0, steps, secs) is None
+
+
+def test_performance_profile_and_geometric_mean():
+    times = {"a": [1.0, 2.0, math.inf], "b": [2.0, 1.0, 3.0]}
+    rho = stats.performance_profile(times, [1.0, 2.0, 4.0])
+    assert rho["a"].tolist() == pytest.approx([1 / 3, 2 / 3, 2 / 3])
+    assert rho["b"].tolist() == pytest.approx([2 / 3, 1.0, 1.0])
+    assert stats.geometric_mean([2.0, 8.0]) == pytest.approx(4.0)
+
+
+# --- the report -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    make_comparison(root)
+    began = time.perf_counter()
+    path = build_report(str(root))
+    return root, Path(path).read_text(), time.perf_counter() - began
+
+
+def test_report_tables_are_recomputed_from_the_metrics(comparison):
+    root, md, seconds = comparison
+    assert seconds < 10
+    runs = read(root)
+    t = tables(md)
+    branches = [r for r in runs.values() if r["kind"] == "branch"]
+    losses: dict[tuple, list[float]] = {}
+    for r in sorted(branches, key=lambda r: (r["seed"], r["id"])):
+        loss = result(r, runs)
+        if loss is not None:
+            losses.setdefault((r["optimizer"], r["lr"], r["budget"]), []).append(loss)
+    budgets = sorted({r["budget"] for r in branches})
+    top = budgets[-1]
+    mean = lambda v: math.inf if any(math.isinf(x) for x in v) else float(np.mean(v))
+    best = {o: min(OPTS[o][0], key=lambda lr, o=o: (mean(losses[(o, lr, top)]), lr)) for o in OPTS}
+    assert best == {"adamw": 2e-3, "muon": 0.02, "shampoo": 1e-3}
+
+    summary = t["Results per optimizer"]
+    assert summary[0] == ["optimizer", "best lr", "runs", "failed", "diverged", *(f"S={b}" for b in budgets)]
+    assert [row[0] for row in summary[1:]] == ["adamw", "muon", "shampoo"]
+    for row in summary[1:]:
+        o = row[0]
+        mine = [r for r in runs.values() if r["optimizer"] == o]
+        assert close(row[1], best[o])
+        assert [int(c) for c in row[2:5]] == [len(mine), sum(r["status"] == "failed" for r in mine),
+                                              sum(r["diverged"] for r in mine)]
+        for cell, b in zip(row[5:], budgets):
+            assert loss_cell(cell, losses[(o, best[o], b)]), (o, b, cell)
+
+    sens = t["LR sensitivity"]
+    assert len(sens) == 1 + 9
+    for o, lr, n, cell in sens[1:]:
+        vals = losses[(o, float(lr), top)]
+        assert int(n) == len(vals) and loss_cell(cell, vals), (o, lr, cell)
+    assert any(c == "∞" for *_, c in sens[1:])  # the diverged seed makes its lr's mean inf
+
+    # time to target: AdamW's mean final loss at its best lr and the largest budget
+    target = mean(losses[("adamw", best["adamw"], top)])
+    assert f"Target val/loss {target:.4f}" in md
+    ttt = t["Time to target"]
+    goal = target + 1e-9 * abs(target)
+    for o, lr, reached, *cells in ttt[1:]:
+        assert close(lr, best[o])
+        seeds = [r for r in branches if (r["optimizer"], r["lr"], r["budget"]) == (o, best[o], top)]
+        curves = [curve(r, runs) for r in seeds]
+        assert reached == f"{sum(np.isfinite(to_target(c, goal)[0]) for c in curves)}/{len(seeds)}"
+        hit = to_target(np.mean(curves, axis=0), goal)  # every seed logged the same evaluation steps
+        if not np.isfinite(hit[0]):
+            assert cells == ["not reached"] * 3
+        else:
+            assert close(cells[0], hit[0], abs_=0.06) and close(cells[1], hit[1], abs_=0.6)
+            assert close(cells[2], hit[2], abs_=0.006)
+    assert ttt[1][3] == "400.0" and ttt[3][3] == "not reached"  # adamw's mean reaches its own mean at the end
+
+    # D_eff/D: the synthetic AdamW curve is exactly alpha (D)^-0.5 + gamma at its best lr
+    a_true = OPTS["adamw"][2]
+    g_true = 2.0 + float(np.mean(SEED_NOISE)) * (1 + best["adamw"] * 10) - COOL
+    (fit,) = t["Speedup vs adamw (data efficiency)"][1:]
+    assert close(fit[0], a_true, rel=1e-3) and close(fit[1], 0.5, rel=1e-3) and close(fit[2], g_true, rel=1e-4)
+    rows = _rows_after(md, "D_eff/D per budget")
+    for o, *cells in rows[1:]:
+        for cell, b in zip(cells, budgets):
+            loss = mean(losses[(o, best[o], b)])
+            deff = (a_true / (loss - g_true)) ** 2
+            assert close(cell, deff / (b * TOK), rel=5e-3), (o, b, cell)
+
+    sig = t["Significance vs adamw"]
+    ref = [x for x in losses[("adamw", best["adamw"], top)] if math.isfinite(x)]
+    for o, n, n_ref, diff, tt, p, g, verdict in sig[1:]:
+        mine = [x for x in losses[(o, best[o], top)] if math.isfinite(x)]
+        res = sps.ttest_ind(mine, ref, equal_var=False)
+        s = math.sqrt(((len(mine) - 1) * np.var(mine, ddof=1) + (len(ref) - 1) * np.var(ref, ddof=1))
+                      / (len(mine) + len(ref) - 2))
+        hedges = (np.mean(mine) - np.mean(ref)) / s * (1 - 3 / (4 * (len(mine) + len(ref)) - 9))
+        assert (int(n), int(n_ref)) == (len(mine), len(ref))
+        assert close(diff, np.mean(mine) - np.mean(ref)) and close(tt, res.statistic, abs_=1e-3)
+        assert close(p, res.pvalue, rel=2e-3, abs_=1e-12) and close(g, hedges, abs_=1e-3)
+        if res.pvalue < 0.05:
+            assert verdict == ("lower loss" if np.mean(mine) < np.mean(ref) else "higher loss")
+    assert dict((row[0], row[-1]) for row in sig[1:])["muon"] == "lower loss"
+
+    cost = t["Cost"]
+    med = {o: float(np.median([r["time/step_sec"] for run in runs.values() if run["optimizer"] == o
+                               for r in run["records"] if "time/step_sec" in r])) for o in OPTS}
+    for o, st, rel_t, state, rel_b in cost[1:]:
+        assert close(st, med[o], rel=1e-5) and close(rel_t, med[o] / med["adamw"])
+        assert int(state) == OPTS[o][4] and close(rel_b, OPTS[o][4] / OPTS["adamw"][4])
+    assert "need ≥ 2 workloads" in md
+    for png in ("lr_sensitivity.png", "curves_tokens.png", "curves_seconds.png"):
+        assert (root / png).stat().st_size > 1000 and f"]({png})" in md
+
+
+def _rows_after(md: str, marker: str) -> list[list[str]]:
+    """The first table after the paragraph that starts with `marker`."""
+    rest = md.split(marker, 1)[1].split("\n")
+    rows, started = [], False
+    for line in rest:
+        if line.startswith("|"):
+            started = True
+            if not re.match(r"^\|( --- \|)+$", line):
+                rows.append([c.strip() for c in line.strip("|").split("|")])
+        elif started:
+            break
+    return rows
+
+
+def test_results_csv_has_a_row_per_run(comparison):
+    root, _, _ = comparison
+    runs = read(root)
+    with open(root / "results.csv") as f:
+        rows = {r["id"]: r for r in csv.DictReader(f)}
+    assert set(rows) == set(runs)
+    div = next(r for r in rows.values() if r["diverged"] == "True")
+    assert div["final_val_loss"] == "inf" and div["status"] == "failed"
+    done = rows["w-adamw-lr0.002-s0-b400"]
+    assert float(done["final_val_loss"]) == pytest.approx(base_loss("adamw", 2e-3, 0, 400) - COOL)
+    assert int(done["steps"]) == 400 and float(done["tokens"]) == 400 * TOK
+    assert float(done["seconds"]) == pytest.approx((1.0 + 0.01 * 320) + (0.5 + 0.01 * 80))
+    assert float(done["step_sec"]) == pytest.approx(0.011) and int(done["state_bytes"]) == 2000
+    assert rows["w-muon-lr0.04-s1-b100"]["final_val_loss"] == "inf"  # its trunk failed
+
+
+def test_edge_of_the_grid_is_noted(comparison):
+    _, md, _ = comparison
+    notes = [line for line in md.split("\n") if "extend the grid past that edge" in line]
+    assert len(notes) == 1 and notes[0].startswith("- shampoo: best lr 0.001 is the smallest of its grid")
+
+
+def test_two_budgets_and_two_seeds_make_no_fit_and_claim_nothing(tmp_path):
+    make_comparison(tmp_path, budgets=(100, 200), seeds=2, diverged=(), failed_trunk=())
+    md = Path(build_report(str(tmp_path))).read_text()
+    assert "needs ≥ 3 budgets, so no fit is made" in md
+    verdicts = [row[-1] for row in tables(md)["Significance vs adamw"][1:]]
+    assert verdicts == ["needs ≥ 3 seeds"] * 2
+
+
+def test_several_workloads_give_performance_profiles(tmp_path):
+    make_comparison(tmp_path, workload="small", diverged=(), failed_trunk=())
+    fast_muon = {**OPTS, "muon": (*OPTS["muon"][:3], 0.006, OPTS["muon"][4])}
+    make_comparison(tmp_path, workload="big", opts=fast_muon, diverged=(), failed_trunk=())
+    md = Path(build_report(str(tmp_path))).read_text()
+    t = tables(md)
+    assert "Workload big" in t or "## Workload big" in md
+    ttt = {name: {row[0]: row for row in t[key][1:]} for name, key in (("big", "Time to target"),
+                                                                       ("small", "Time to target#2"))}
+    seconds = {o: [num(ttt[w][o][5]) if ttt[w][o][5] != "not reached" else math.inf for w in ("big", "small")]
+               for o in OPTS}
+    profile = t["Across workloads"]
+    assert profile[0] == ["optimizer", "τ=1", "τ=1.5", "τ=2", "τ=3", "τ=4"]
+    for o, *cells in profile[1:]:
+        for cell, tau in zip(cells, (1, 1.5, 2, 3, 4)):
+            within = [s / min(seconds[x][i] for x in OPTS) <= tau for i, s in enumerate(seconds[o])]
+            assert close(cell, float(np.mean(within)))
+    assert [row[1] for row in profile[1:]] == ["0.500", "0.500", "0.000"]  # each of adamw, muon wins one workload
+    for o, cell in _rows_after(md, "Geometric-mean speedup")[1:]:
+        ratios = [a / b if math.isfinite(b) else 0.0 for a, b in zip(seconds["adamw"], seconds[o])]
+        assert close(cell, math.exp(np.mean(np.log(ratios))) if min(ratios) > 0 else 0.0, rel=5e-3)
+    assert (tmp_path / "performance_profile.png").is_file() and (tmp_path / "lr_sensitivity_big.png").is_file()
+
+
+def test_differing_fingerprints_are_one_line_data_error(tmp_path):
+    make_comparison(tmp_path, workload="a", budgets=(100,), seeds=1, diverged=(), failed_trunk=())
+    make_comparison(tmp_path, workload="b", budgets=(100,), seeds=1, diverged=(), failed_trunk=(), fingerprint="other")
+    with pytest.raises(DataError) as e:
+        build_report(str(tmp_path))
+    message = str(e.value)
+    assert "\n" not in message and "data/fingerprint" in message and "'other' in b-" in message
+    assert "data_seed" in message and not (tmp_path / "report.md").exists()
+
+
+def test_a_directory_without_runs_is_one_line_data_error(tmp_path):
+    with pytest.raises(DataError, match=r"no runs \(no runs/<id>/run.json\)") as e:
+        build_report(str(tmp_path))
+    assert "\n" not in str(e.value)

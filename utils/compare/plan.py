@@ -1,0 +1,288 @@
+"""A comparison's plan: which runs to train, from its knobs (conf/compare.yaml) alone.
+
+Many budgets from one run (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training
+Beyond Fixed Training Durations"): per (optimizer, lr, seed) one *trunk* trains with warmup then
+a constant lr up to b_max = round(0.8·S_max) steps, saving at b_k = round(0.8·S_k) for each budget
+S_k; per budget a *branch* loads the trunk's `iter_{b_k}` and decays the lr over its last
+S_k - b_k steps to 0 (`trapezoid` with `decay_shape`). Before its decay, `trapezoid` equals
+`constant` with the same warmup bit for bit (optimizer/schedules.py), and a checkpoint holds the
+weights, optimizer state, step, rng key and data position, so a branch trains exactly as a run
+from scratch with the whole warmup-stable-decay schedule would (tests/test_compare.py checks it).
+The cost is b_max + Σ (S_k - b_k) steps instead of Σ S_k.
+
+`make_plan` is a pure function of the knobs, the run overrides and each optimizer's yaml lr;
+`base_lrs` reads those. Every bad knob is one ConfigError line naming it, before anything trains.
+Paths are not part of the plan: utils/compare/launch.py adds the checkpoint paths of each run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from optimizer import OPTIMIZERS
+from optimizer.schedules import DECAY_SHAPES
+from utils.errors import ConfigError
+
+WORKLOAD = "default"  # one workload per comparison for now (the report groups by this name)
+
+# Run knobs the comparison sets itself; a run override that touches one is refused (the knob to
+# use instead is named). Other checkpoint.* knobs (async_save, compress, max_to_keep) pass through.
+CONTROLLED = {
+    "optimizer": "optimizers=[...]",
+    "optimizer/lr_config": "cooldown.shape (the schedules are the comparison's)",
+    "optimizer.lr_config": "lr.points, lr.factor, lr.grid.<optimizer>, warmup and cooldown.*",
+    "optimizer.name": "optimizers=[...]",
+    "random_seed": "seeds=K (random_seed 0..K-1)",
+    "data_seed": "the comparison's data_seed",
+    "train.max_steps": "budgets=[...]",
+    "checkpoint.save": "nothing: every run saves under its run directory",
+    "checkpoint.save_path": "nothing: every run saves under its run directory",
+    "checkpoint.save_steps": "nothing: trunks save at their branch points, branches at their end",
+    "checkpoint.num_steps": "nothing: a comparison trains every run to its end",
+    "checkpoint.resume": "nothing: a rerun of the same command resumes",
+    "checkpoint.load": "nothing: branches load their trunk",
+    "checkpoint.load_path": "nothing: branches load their trunk",
+    "checkpoint.load_file": "nothing: branches load their trunk",
+    "checkpoint.overwrite_config": "nothing: branches set it",
+    "checkpoint.overwrite_optimizer": "nothing: a branch continues its trunk's optimizer state",
+    "logging.metrics_file": "nothing: the report reads metrics.jsonl",
+}
+# Run knobs the comparison sets unless the run overrides set them: no end-of-run sample, no
+# samples at evaluations (the report reads neither).
+QUIET = ("train.sample_tokens=0", "logging.sample_prompts=[]")
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """conf/compare.yaml, checked."""
+
+    optimizers: tuple[str, ...]
+    budgets: tuple[int, ...]
+    lr_points: int = 4
+    lr_factor: float = 2.0
+    lr_grid: tuple[tuple[str, tuple[float, ...]], ...] = ()  # (optimizer, its lrs), explicit grids
+    seeds: int = 1
+    data_seed: int = 0
+    warmup: int = 0
+    cooldown_fraction: float = 0.2
+    cooldown_shape: str = "1-sqrt"
+
+    def branch_step(self, budget: int) -> int:
+        """round((1 - cooldown.fraction)·S): the trunk's step a budget's branch starts from."""
+        return int(math.floor((1.0 - self.cooldown_fraction) * budget + 0.5))
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run of the plan: run.json's fields less its status (launch.py adds those)."""
+
+    id: str
+    workload: str
+    optimizer: str
+    lr: float
+    seed: int
+    kind: str  # "trunk" | "branch"
+    budget: int | None  # null for a trunk
+    trunk: str | None  # a branch's trunk id
+    branch_step: int | None  # the trunk checkpoint a branch starts from
+    overrides: tuple[str, ...]  # Hydra overrides, without the checkpoint paths (launch.py adds them)
+
+
+@dataclass(frozen=True)
+class Plan:
+    knobs: CompareConfig
+    run_overrides: tuple[str, ...]  # the user's overrides, passed to every run
+    runs: tuple[PlannedRun, ...]  # in the order they run: each trunk, then its branches
+
+    def to_json(self) -> dict:
+        """compare.json's content (without paths: the same command plans the same comparison)."""
+        knobs = asdict(self.knobs)
+        knobs["lr_grid"] = {opt: list(lrs) for opt, lrs in self.knobs.lr_grid}
+        for key in ("optimizers", "budgets"):
+            knobs[key] = list(knobs[key])
+        runs = [{**asdict(r), "overrides": list(r.overrides)} for r in self.runs]
+        return {"knobs": knobs, "run_overrides": list(self.run_overrides), "runs": runs}
+
+
+# ----------------------------------------------------------------------------- knobs
+
+
+def _int(value: Any, knob: str, minimum: int, fix: str) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{knob}={value!r} must be an integer >= {minimum}: {fix}")
+    return value
+
+
+def _float(value: Any, knob: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{knob}={value!r} must be a number")
+    return float(value)
+
+
+def _list(value: Any, knob: str, example: str) -> list:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(f"{knob}={value!r} must be a non-empty list, e.g. {knob}={example}")
+    return list(value)
+
+
+def _optimizer(name: Any, knob: str) -> str:
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"{knob}: unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
+    return name
+
+
+def compare_config(node: dict) -> CompareConfig:
+    """conf/compare.yaml's composed knobs -> CompareConfig, or one ConfigError line naming the knob."""
+    node = dict(node)
+    known = {"optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "dir"}
+    unknown = sorted(set(node) - known)
+    if unknown:
+        raise ConfigError(f"unknown comparison knob {unknown[0]!r}: the knobs are {', '.join(sorted(known))}")
+    optimizers = [_optimizer(o, "optimizers") for o in _list(node.get("optimizers"), "optimizers", "[adamw,muon]")]
+    if len(set(optimizers)) != len(optimizers):
+        raise ConfigError(f"optimizers={optimizers} lists an optimizer twice: name each once")
+    budgets = [_int(b, "budgets", 1, "budgets are train steps") for b in _list(node.get("budgets"), "budgets",
+                                                                                "[200,400,800]")]
+    if any(b <= a for a, b in zip(budgets, budgets[1:])):
+        raise ConfigError(f"budgets={budgets} must be strictly increasing (no repeats), e.g. {sorted(set(budgets))}")
+    lr = dict(node.get("lr") or {})
+    unknown = sorted(set(lr) - {"points", "factor", "grid"})
+    if unknown:
+        raise ConfigError(f"unknown comparison knob 'lr.{unknown[0]}': the lr knobs are lr.points, lr.factor, "
+                          "lr.grid.<optimizer>")
+    points = _int(lr.get("points", 4), "lr.points", 1, "the number of lrs tried per optimizer")
+    factor = _float(lr.get("factor", 2.0), "lr.factor")
+    if factor <= 1:
+        raise ConfigError(f"lr.factor={factor} must be > 1: the ratio between neighbouring lrs of the grid")
+    grid = []
+    for opt, lrs in (lr.get("grid") or {}).items():
+        knob = f"lr.grid.{opt}"
+        if opt not in optimizers:
+            raise ConfigError(f"{knob}: {opt!r} is not in optimizers={optimizers}; add it there or drop the grid")
+        values = [_float(v, knob) for v in _list(lrs, knob, "[1e-3,3e-3]")]
+        if any(v <= 0 for v in values) or len({f"{v:g}" for v in values}) != len(values):
+            raise ConfigError(f"{knob}={values} must be distinct positive lrs")
+        if len(values) != points:
+            raise ConfigError(f"{knob} has {len(values)} lrs but lr.points={points}: every optimizer gets the same "
+                              f"number of trials; set lr.points={len(values)} or give {points} lrs")
+        grid.append((opt, tuple(values)))
+    cooldown = dict(node.get("cooldown") or {})
+    unknown = sorted(set(cooldown) - {"fraction", "shape"})
+    if unknown:
+        raise ConfigError(f"unknown comparison knob 'cooldown.{unknown[0]}': the cooldown knobs are "
+                          "cooldown.fraction, cooldown.shape")
+    fraction = _float(cooldown.get("fraction", 0.2), "cooldown.fraction")
+    if not 0 < fraction < 1:
+        raise ConfigError(f"cooldown.fraction={fraction} must be in (0, 1): the share of each budget spent decaying")
+    shape = cooldown.get("shape", "1-sqrt")
+    if shape not in DECAY_SHAPES:
+        raise ConfigError(f"cooldown.shape={shape!r} must be one of {', '.join(DECAY_SHAPES)}")
+    knobs = CompareConfig(
+        optimizers=tuple(optimizers), budgets=tuple(budgets), lr_points=points, lr_factor=factor,
+        lr_grid=tuple(sorted(grid)),
+        seeds=_int(node.get("seeds", 1), "seeds", 1, "the number of random_seeds (inits) per optimizer and lr"),
+        data_seed=_int(node.get("data_seed", 0), "data_seed", 0, "one data order for the whole comparison"),
+        warmup=_int(node.get("warmup", 0), "warmup", 0, "linear warmup steps of every run"),
+        cooldown_fraction=fraction, cooldown_shape=shape)
+    for budget in budgets:
+        b = knobs.branch_step(budget)
+        if budget - b < 1:
+            raise ConfigError(f"budgets: {budget} leaves no cooldown step at cooldown.fraction={fraction}; "
+                              f"use budgets of at least {math.ceil(1 / fraction)} steps")
+        if b < max(knobs.warmup, 1):
+            need = math.floor(max(knobs.warmup, 1) / (1 - fraction)) + 1
+            raise ConfigError(f"budgets: {budget} branches at step {b}, before warmup={knobs.warmup} ends; every "
+                              f"budget must exceed warmup/(1-cooldown.fraction): use budgets >= {need} or a "
+                              "shorter warmup")
+    return knobs
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def override_key(override: str) -> str:
+    """`+model.dim=32` -> `model.dim`; `optimizer/lr_config=x` -> `optimizer/lr_config`."""
+    return override.split("=", 1)[0].lstrip("+~").strip()
+
+
+def check_run_overrides(overrides: list[str] | tuple[str, ...]) -> None:
+    """Refuse a run override of a knob the comparison sets itself, naming the knob to use."""
+    for override in overrides:
+        key = override_key(override)
+        if key.startswith("hydra/") or key.startswith("hydra."):
+            raise ConfigError(f"{override}: a comparison runs its runs in this process, one after another; "
+                              "hydra/launcher and other hydra.* settings are not supported (yet)")
+        for knob, instead in CONTROLLED.items():
+            if key == knob or ("." in knob and key.startswith(knob + ".")):  # optimizer.<knob> passes
+                raise ConfigError(f"{override}: the comparison sets {knob} itself; use {instead}")
+
+
+def base_lrs(optimizers: tuple[str, ...], run_overrides: tuple[str, ...] = ()) -> dict[str, float]:
+    """Each optimizer's yaml lr (optimizer.lr_config.lr), as a run with these overrides composes it."""
+    from utils.config import compose_overrides
+
+    out = {}
+    for opt in optimizers:
+        cfg = compose_overrides([*run_overrides, f"optimizer={opt}"], job_name="compare")
+        out[opt] = float(cfg.optimizer.lr_config.lr)
+    return out
+
+
+def lr_grid(knobs: CompareConfig, optimizer: str, base_lr: float) -> tuple[float, ...]:
+    """lr.grid.<optimizer>, else base·factor^k for k = -(points//2) .. points - points//2 - 1."""
+    explicit = dict(knobs.lr_grid).get(optimizer)
+    if explicit:
+        return explicit
+    low = -(knobs.lr_points // 2)
+    return tuple(base_lr * knobs.lr_factor ** k for k in range(low, low + knobs.lr_points))
+
+
+def run_id(optimizer: str, lr: float, seed: int, budget: int | None = None) -> str:
+    tail = "trunk" if budget is None else f"S{budget}"
+    return f"{WORKLOAD}__{optimizer}__lr{lr:g}__seed{seed}__{tail}"
+
+
+def _val_freq(knobs: CompareConfig) -> int:
+    """Evaluations at every branch point and budget (every run also evaluates at its last step)."""
+    return math.gcd(*knobs.budgets, *(knobs.branch_step(b) for b in knobs.budgets))
+
+
+def make_plan(knobs: CompareConfig, run_overrides: list[str] | tuple[str, ...], lrs: dict[str, float]) -> Plan:
+    """The comparison's runs, each trunk followed by its branches. `lrs`: each optimizer's yaml lr."""
+    run_overrides = tuple(run_overrides)
+    check_run_overrides(run_overrides)
+    given = {override_key(o) for o in run_overrides}
+    defaults = [o for o in (*QUIET, f"train.val_freq={_val_freq(knobs)}") if override_key(o) not in given]
+    steps = sorted({knobs.branch_step(b) for b in knobs.budgets})
+    runs: list[PlannedRun] = []
+    for opt in knobs.optimizers:
+        for lr in lr_grid(knobs, opt, lrs[opt]):
+            for seed in range(knobs.seeds):
+                common = [f"optimizer={opt}", f"optimizer.lr_config.lr={lr!r}",
+                          f"optimizer.lr_config.warmup={knobs.warmup}", f"random_seed={seed}",
+                          f"data_seed={knobs.data_seed}", *defaults, *run_overrides]
+                trunk = run_id(opt, lr, seed)
+                runs.append(PlannedRun(
+                    trunk, WORKLOAD, opt, lr, seed, "trunk", None, None, None,
+                    ("optimizer/lr_config=constant", *common, f"train.max_steps={steps[-1]}",
+                     f"checkpoint.save_steps=[{','.join(map(str, steps))}]")))
+                for budget in knobs.budgets:
+                    b = knobs.branch_step(budget)
+                    runs.append(PlannedRun(
+                        run_id(opt, lr, seed, budget), WORKLOAD, opt, lr, seed, "branch", budget, trunk, b,
+                        ("optimizer/lr_config=trapezoid", *common, f"train.max_steps={budget}",
+                         f"optimizer.lr_config.decay={budget - b}",
+                         f"optimizer.lr_config.decay_shape={knobs.cooldown_shape}",
+                         "optimizer.lr_config.min_lr=0.0", "optimizer.lr_config.max_steps=null")))
+    ids = [r.id for r in runs]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ConfigError(f"two runs would share the id {dup}: the lrs of lr.grid/lr.factor must differ in their "
+                          "first 6 significant digits")
+    return Plan(knobs, run_overrides, tuple(runs))

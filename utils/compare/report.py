@@ -1,0 +1,653 @@
+"""A comparison's report: a pure function of its directory.
+
+    build_report("compare/2026-12-01_10-00-00")          # -> .../report.md
+    build_report(directory, target=3.2)                  # time to a loss of 3.2 instead of AdamW's
+
+Reads only what the runs wrote (`runs/<id>/run.json`, `runs/<id>/metrics.jsonl`, and
+`compare.json` for the header) and writes, beside them, `results.csv` (one row per run),
+`report.md` and its PNGs. docs/compare.md says what every table and number means; in short:
+
+- A result (optimizer, lr, seed, budget S) is the cooldown branch with budget S: its val/loss
+  at its last evaluation (step S). Its curve is the trunk's records up to the branch step, then
+  the branch's; tokens are `data/tokens` as logged (absolute); seconds are the trunk's
+  `time/elapsed_sec` at the branch step plus the branch's own `time/elapsed_sec` (a branch is
+  loaded from the trunk's checkpoint, not resumed, so its clock starts at 0).
+- A failed or diverged branch, or one whose trunk failed before it could start, is a result with
+  loss = inf: it appears in the tables and makes its mean inf. A branch not yet run (its trunk
+  fine) is pending: left out, and counted in the header.
+- The best lr of an optimizer: the lowest mean final loss over seeds at the largest budget.
+- Runs whose `data/fingerprint` differ, or a directory without runs: a DataError, one line.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from utils.compare import stats
+from utils.errors import DataError
+from utils.files import atomic_write
+
+REFERENCE = "adamw"  # the optimizer every speedup, t-test and cost is relative to
+TAUS = (1.0, 1.5, 2.0, 3.0, 4.0)  # performance-profile points printed in the table (the PNG: 1..4)
+ALPHA = 0.05  # significance level of the t-test's verdict
+MIN_SEEDS = 3  # fewer seeds per side: the t-test's verdict is "needs >= 3 seeds"
+CSV_FIELDS = ("id", "workload", "optimizer", "lr", "seed", "budget", "kind", "status", "diverged",
+              "final_val_loss", "steps", "tokens", "seconds", "step_sec", "state_bytes")
+VAL, TOKENS, ELAPSED, STEP_SEC = "val/loss", "data/tokens", "time/elapsed_sec", "time/step_sec"
+FINGERPRINT, STATE_BYTES = "data/fingerprint", "optim/state_bytes"
+RUN_KEYS = ("id", "workload", "optimizer", "lr", "seed", "kind", "budget", "trunk", "branch_step", "overrides",
+            "status", "error", "diverged")  # run.json's fields, the engine's contract
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the directory
+
+
+@dataclass
+class Run:
+    info: dict  # run.json
+    records: list[dict]  # metrics.jsonl, one merged record per step, ascending
+
+    def __getattr__(self, key):  # run.optimizer, run.lr, ... from run.json (None when absent)
+        if key in RUN_KEYS and "info" in self.__dict__:
+            return self.__dict__["info"].get(key)
+        raise AttributeError(key)
+
+    @property
+    def failed(self) -> bool:
+        return self.info.get("status") == "failed" or bool(self.info.get("diverged"))
+
+
+@dataclass
+class Result:
+    """One (optimizer, lr, seed, budget) branch, its trunk's records before it."""
+    run: Run
+    loss: float  # final val/loss; inf: failed or diverged; nan: pending
+    why: str  # "", "failed", "diverged", "trunk failed", "pending", "no val/loss"
+    curve: dict[str, np.ndarray] = field(default_factory=dict)  # step, tokens, seconds, loss at each evaluation
+
+
+def read_metrics(path: str) -> list[dict]:
+    """metrics.jsonl -> one record per step, ascending; a step logged twice (a resumed run) is
+    merged, a later value winning per key (scripts/plot_runs.py's rule). [] when absent."""
+    by_step: dict[int, dict] = {}
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                step = int(record["step"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise DataError(f"{path}:{number}: not a metrics record (a JSON object with an integer "
+                                "\"step\"); delete the line or rerun the run") from None
+            by_step[step] = {**by_step.get(step, {}), **record}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def load_runs(compare_dir: str) -> dict[str, Run]:
+    """Every runs/<id>/ with a run.json, by id (sorted). DataError when there is none."""
+    runs_dir = os.path.join(compare_dir, "runs")
+    ids = sorted(d for d in os.listdir(runs_dir) if os.path.isfile(os.path.join(runs_dir, d, "run.json"))) \
+        if os.path.isdir(runs_dir) else []
+    if not ids:
+        raise DataError(f"{compare_dir}: no runs (no runs/<id>/run.json); run scripts/compare.py first, "
+                        "or give the directory it made")
+    runs = {}
+    for run_id in ids:
+        path = os.path.join(runs_dir, run_id, "run.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                info = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise DataError(f"{path}: cannot read it as JSON ({e}); rerun the comparison to rewrite it") from None
+        info.setdefault("id", run_id)
+        info.setdefault("workload", "default")
+        runs[run_id] = Run(info, read_metrics(os.path.join(runs_dir, run_id, "metrics.jsonl")))
+    return runs
+
+
+def check_fingerprints(runs: dict[str, Run]) -> str | None:
+    """The one data fingerprint every run logged (None when none logged one); DataError naming
+    the runs when they differ: their results are not comparable."""
+    seen: dict[str, list[str]] = defaultdict(list)
+    for run in runs.values():
+        found = [r[FINGERPRINT] for r in run.records if FINGERPRINT in r]
+        for fp in dict.fromkeys(found):
+            seen[str(fp)].append(run.id)
+    if len(seen) > 1:
+        parts = "; ".join(f"{fp!r} in {', '.join(ids[:3])}{f' (+{len(ids) - 3} more)' if len(ids) > 3 else ''}"
+                          for fp, ids in sorted(seen.items(), key=lambda kv: -len(kv[1])))
+        raise DataError(f"runs trained on different data (data/fingerprint {parts}); rerun those runs with the "
+                        "comparison's dataset and data_seed, or compare them in separate directories")
+    return next(iter(seen), None)
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+
+
+def _number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def _column(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) where `key` is logged with a finite value."""
+    pairs = [(r["step"], _number(r.get(key))) for r in records]
+    pairs = [(s, v) for s, v in pairs if math.isfinite(v)]
+    return np.array([p[0] for p in pairs], dtype=float), np.array([p[1] for p in pairs], dtype=float)
+
+
+def _at(records: list[dict], key: str, steps: np.ndarray) -> np.ndarray:
+    """`key` at each step, linearly interpolated between the records that logged it (from 0 at
+    step 0); nan beyond the last."""
+    s, v = _column(records, key)
+    s, v = np.concatenate([[0.0], s]), np.concatenate([[0.0], v])
+    return np.interp(steps, s, v, right=np.nan)
+
+
+def combined_records(branch: Run, trunk: Run | None) -> list[dict]:
+    """The branch's whole history: the trunk's records up to the branch step, then the branch's
+    after it, its `time/elapsed_sec` shifted by the trunk's at the branch step."""
+    if trunk is None:
+        return branch.records
+    at = float(branch.info.get("branch_step") or 0)
+    before = [r for r in trunk.records if r["step"] <= at]
+    offset = float(_at(trunk.records, ELAPSED, np.array([at]))[0]) if before else 0.0
+    offset = 0.0 if math.isnan(offset) else offset
+    after = [{**r, ELAPSED: r[ELAPSED] + offset} if math.isfinite(_number(r.get(ELAPSED))) else r
+             for r in branch.records if r["step"] > at]
+    return before + after
+
+
+def make_result(branch: Run, trunk: Run | None) -> Result:
+    records = combined_records(branch, trunk)
+    steps, loss = _column(records, VAL)
+    curve = {"step": steps, "tokens": _at(records, TOKENS, steps), "seconds": _at(records, ELAPSED, steps),
+             "loss": loss}
+    own = [r for r in branch.records if r["step"] > float(branch.info.get("branch_step") or 0)]
+    last_val = [_number(r.get(VAL)) for r in own if VAL in r]
+    if branch.status == "done" and not branch.diverged:
+        if not last_val:
+            return Result(branch, math.inf, "no val/loss", curve)
+        final = last_val[-1]
+        return Result(branch, final if math.isfinite(final) else math.inf, "" if math.isfinite(final) else "diverged",
+                      curve)
+    if trunk is not None and trunk.failed:
+        return Result(branch, math.inf, "trunk failed", curve)
+    if branch.failed:
+        return Result(branch, math.inf, "diverged" if branch.diverged else "failed", curve)
+    return Result(branch, math.nan, "pending", curve)
+
+
+def csv_row(run: Run, result: Result | None, trunk: Run | None) -> dict:
+    """results.csv's row of a run: the final val/loss is the result's (a branch) or the last
+    logged (a trunk); steps, tokens, seconds at the last record of the (combined) history; step_sec
+    the median of the run's own `time/step_sec`; state_bytes its `optim/state_bytes`."""
+    records = combined_records(run, trunk) if result is not None else run.records
+    if result is not None:
+        final = result.loss
+    else:
+        vals = _column(run.records, VAL)[1]
+        final = float(vals[-1]) if len(vals) else (math.inf if run.failed else math.nan)
+    last = lambda key: (_column(records, key)[1][-1:] if records else np.array([]))
+    pick = lambda a: float(a[0]) if len(a) else math.nan
+    own_step = _column(run.records, STEP_SEC)[1]
+    state = _column(run.records, STATE_BYTES)[1]
+    return {"id": run.id, "workload": run.workload, "optimizer": run.optimizer, "lr": run.lr, "seed": run.seed,
+            "budget": run.info.get("budget"), "kind": run.kind, "status": run.status,
+            "diverged": bool(run.info.get("diverged")), "final_val_loss": final,
+            "steps": records[-1]["step"] if records else 0, "tokens": pick(last(TOKENS)),
+            "seconds": pick(last(ELAPSED)), "step_sec": float(np.median(own_step)) if len(own_step) else math.nan,
+            "state_bytes": int(state[0]) if len(state) else ""}
+
+
+# --------------------------------------------------------------------------------------------
+# Formatting
+
+
+def f_loss(mean: float, std: float = math.nan) -> str:
+    if math.isnan(mean):
+        return "–"
+    if math.isinf(mean):
+        return "∞"
+    return f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}"
+
+
+def f_num(x: float, spec: str) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def f_lr(lr) -> str:
+    return "–" if lr is None else f"{float(lr):.4g}"
+
+
+def table(header: Sequence[str], rows: list[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |",
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
+
+
+def _order(names) -> list[str]:
+    return sorted(set(names), key=lambda n: (n != REFERENCE, n))
+
+
+# --------------------------------------------------------------------------------------------
+# One workload
+
+
+@dataclass
+class Workload:
+    name: str
+    runs: list[Run]
+    results: list[Result]
+    target: float | None = None  # the loss time-to-target is measured at
+    ttt: dict[str, dict] = field(default_factory=dict)  # optimizer -> {"steps","tokens","seconds","reached","n"}
+
+    def __post_init__(self):
+        self.optimizers = _order(r.optimizer for r in self.runs)
+        self.budgets = sorted({int(r.run.budget) for r in self.results})
+        self.largest = self.budgets[-1] if self.budgets else None
+        self.losses: dict[tuple, list[float]] = defaultdict(list)  # (optimizer, lr, budget) -> per seed
+        self.by_key: dict[tuple, list[Result]] = defaultdict(list)
+        for res in sorted(self.results, key=lambda r: (r.run.seed, r.run.id)):
+            if res.why != "pending":
+                key = (res.run.optimizer, float(res.run.lr), int(res.run.budget))
+                self.losses[key].append(res.loss)
+                self.by_key[key].append(res)
+        self.grid = {o: sorted({float(r.lr) for r in self.runs if r.optimizer == o}) for o in self.optimizers}
+        self.best = {o: self._best_lr(o) for o in self.optimizers}
+
+    def _best_lr(self, optimizer: str) -> float | None:
+        """The lr with the lowest mean final loss over seeds at the largest budget (ties: the
+        smaller lr); None when no lr has a finite mean."""
+        means = [(stats.mean_std(self.losses[(optimizer, lr, self.largest)])[0], lr) for lr in self.grid[optimizer]]
+        means = [(m, lr) for m, lr in means if math.isfinite(m)]
+        return min(means)[1] if means else None
+
+    def at_best(self, optimizer: str, budget: int) -> list[float]:
+        lr = self.best[optimizer]
+        return [] if lr is None else self.losses[(optimizer, lr, budget)]
+
+
+def section_summary(w: Workload, h: str) -> list[str]:
+    out = [f"{h} Results per optimizer", "",
+           f"Final val/loss at the best lr, mean ± std over seeds (ddof=1), per budget (steps). Best lr: the lowest "
+           f"mean final val/loss at the largest budget ({w.largest}). Runs: run directories (trunks and branches); "
+           "failed: status failed; diverged: a NaN/inf loss. A failed or diverged result counts as ∞.", ""]
+    rows, notes = [], []
+    for o in w.optimizers:
+        mine = [r for r in w.runs if r.optimizer == o]
+        cells = [f_loss(*stats.mean_std(w.at_best(o, b))) for b in w.budgets]
+        rows.append([o, f_lr(w.best[o]), len(mine), sum(r.status == "failed" for r in mine),
+                     sum(bool(r.info.get("diverged")) for r in mine), *cells])
+        grid, best = w.grid[o], w.best[o]
+        if best is None:
+            notes.append(f"- {o}: no lr has a finite mean at budget {w.largest} (every seed failed at some lr): "
+                         "no best lr.")
+        elif len(grid) == 1:
+            notes.append(f"- {o}: a grid of one lr ({f_lr(best)}): nothing to say it is the best; "
+                         "rerun with lr.points > 1.")
+        elif best in (grid[0], grid[-1]):
+            side = "smallest" if best == grid[0] else "largest"
+            notes.append(f"- {o}: best lr {f_lr(best)} is the {side} of its grid ({', '.join(map(f_lr, grid))}): "
+                         f"the optimum may lie beyond it; extend the grid past that edge (lr.grid.{o}=[...] "
+                         "or a larger lr.factor) in a new comparison.")
+    out += table(["optimizer", "best lr", "runs", "failed", "diverged", *(f"S={b}" for b in w.budgets)], rows)
+    if notes:
+        out += ["Edge of the grid:", "", *notes, ""]
+    return out
+
+
+def section_sensitivity(w: Workload, h: str, png: str) -> list[str]:
+    out = [f"{h} LR sensitivity", "", f"Final val/loss at the largest budget ({w.largest}) per lr, mean ± std over "
+           f"seeds; n: seeds with a result (∞: a failed or diverged seed).", "", f"![lr sensitivity]({png})", ""]
+    rows = []
+    for o in w.optimizers:
+        for lr in w.grid[o]:
+            vals = w.losses[(o, lr, w.largest)]
+            rows.append([o, f_lr(lr), len(vals), f_loss(*stats.mean_std(vals))])
+    return out + table(["optimizer", "lr", "n", "final val/loss"], rows)
+
+
+def mean_curve(results: list[Result]) -> dict[str, np.ndarray] | None:
+    """The seeds' curves averaged per evaluation (step, tokens, seconds, loss), over the evaluation
+    steps every seed logged; None when a seed failed or diverged (its curve never gets there)."""
+    if not results or any(not math.isfinite(r.loss) for r in results):
+        return None
+    steps = sorted(set.intersection(*(set(r.curve["step"].tolist()) for r in results)))
+    if not steps:
+        return None
+    rows = [np.searchsorted(r.curve["step"], steps) for r in results]
+    return {k: np.mean([r.curve[k][i] for r, i in zip(results, rows)], axis=0)
+            for k in ("step", "tokens", "seconds", "loss")}
+
+
+def time_to_target(w: Workload) -> None:
+    """Per optimizer at its best lr and the largest budget: the steps, tokens and seconds where
+    the seeds' mean curve (mean_curve) first reaches w.target, interpolated between evaluations
+    (stats.crossing; reached: <= target + 1e-9 |target|, so AdamW's mean curve reaches its own
+    mean final loss); inf: not reached. Also how many seeds' own curves reach it."""
+    for o in w.optimizers:
+        lr = w.best[o]
+        seeds = w.by_key[(o, lr, w.largest)] if lr is not None else []
+        goal = w.target + 1e-9 * abs(w.target)
+        reached = sum(math.isfinite(r.loss) and stats.crossing(r.curve["loss"], goal, r.curve["step"]) is not None
+                      for r in seeds)
+        mean = mean_curve(seeds)
+        hit = stats.crossing(mean["loss"], goal, mean["step"], mean["tokens"], mean["seconds"]) if mean else None
+        steps, tokens, seconds = hit if hit is not None else (math.inf,) * 3
+        w.ttt[o] = {"steps": steps, "tokens": tokens, "seconds": seconds, "reached": reached, "n": len(seeds)}
+
+
+def section_ttt(w: Workload, h: str, target_given: bool) -> list[str]:
+    out = [f"{h} Time to target", ""]
+    if w.target is None:
+        return out + [f"No target: {REFERENCE} has no finite final val/loss at its best lr here, and no target= was "
+                      "given.", ""]
+    source = "given as target=" if target_given else (f"{REFERENCE}'s mean final val/loss at its best lr and the "
+                                                       f"largest budget ({w.largest})")
+    out += [f"Target val/loss {w.target:.4f} ({source}). At the best lr and the largest budget, on the seeds' mean "
+            "val/loss curve (trunk, then cooldown branch; averaged per evaluation step, as are its tokens and "
+            "seconds): the step, tokens and seconds where it first reaches the target, linearly interpolated "
+            "between the two evaluations around the crossing; 'not reached' when it does not, or when a seed "
+            "failed or diverged. Seeds: how many seeds' own curves reach the target.", ""]
+    rows = []
+    for o in w.optimizers:
+        t = w.ttt[o]
+        if not math.isfinite(t["steps"]):
+            rows.append([o, f_lr(w.best[o]), f"{t['reached']}/{t['n']}", "not reached", "not reached", "not reached"])
+        else:
+            rows.append([o, f_lr(w.best[o]), f"{t['reached']}/{t['n']}", f"{t['steps']:.1f}", f"{t['tokens']:.0f}",
+                         f"{t['seconds']:.2f}"])
+    return out + table(["optimizer", "best lr", "seeds", "steps", "tokens", "seconds"], rows)
+
+
+def budget_tokens(w: Workload, optimizer: str, budget: int) -> float:
+    """D of a budget: the mean over seeds of the branches' last `data/tokens`."""
+    lr = w.best[optimizer]
+    toks = [r.curve["tokens"][-1] for r in w.by_key.get((optimizer, lr, budget), []) if len(r.curve.get("tokens", []))]
+    toks = [t for t in toks if math.isfinite(t)]
+    return float(np.mean(toks)) if toks else math.nan
+
+
+def section_speedup(w: Workload, h: str) -> list[str]:
+    out = [f"{h} Speedup vs {REFERENCE} (data efficiency)", ""]
+    if REFERENCE not in w.optimizers or w.best.get(REFERENCE) is None:
+        return out + [f"No {REFERENCE} result with a finite loss: no fit is made.", ""]
+    points = [(budget_tokens(w, REFERENCE, b), stats.mean_std(w.at_best(REFERENCE, b))[0]) for b in w.budgets]
+    points = [(d, loss) for d, loss in points if math.isfinite(d) and math.isfinite(loss)]
+    if len(points) < 3:
+        return out + [f"{len(points)} budget(s) with a finite {REFERENCE} loss: a fit of L(D) = α·D^−β + γ needs "
+                      "≥ 3 budgets, so no fit is made (rerun with 3 or more budgets).", ""]
+    try:
+        a, b, g = stats.fit_power_law(*zip(*points))
+    except (RuntimeError, ValueError) as e:
+        return out + [f"The fit of L(D) = α·D^−β + γ did not converge ({str(e).splitlines()[0]}).", ""]
+    out += [f"{REFERENCE}'s mean final val/loss at its best lr, fitted over the budgets as L(D) = α·D^−β + γ "
+            "(D: training tokens, scipy.optimize.curve_fit):", ""]
+    out += table(["α", "β", "γ"], [[f"{a:.6g}", f"{b:.6g}", f"{g:.6g}"]])
+    out += ["D_eff/D per budget: D_eff = (α / (L − γ))^(1/β) is the tokens the fit says AdamW needs to reach the "
+            "optimizer's mean final val/loss L at its best lr; D the tokens it trained on. > 1: fewer tokens than "
+            "AdamW for the same loss. 'beyond the fitted floor': L ≤ γ, lower than the fit says AdamW ever gets.", ""]
+    rows = []
+    for o in w.optimizers:
+        cells = []
+        for bud in w.budgets:
+            loss, d = stats.mean_std(w.at_best(o, bud))[0], budget_tokens(w, o, bud)
+            if math.isnan(loss) or math.isnan(d):
+                cells.append("–")
+            elif math.isinf(loss):
+                cells.append("∞ loss")
+            elif loss <= g:
+                cells.append("beyond the fitted floor")
+            else:
+                cells.append(f"{stats.effective_data(loss, a, b, g) / d:.3f}")
+        rows.append([o, *cells])
+    return out + table(["optimizer", *(f"S={bud}" for bud in w.budgets)], rows)
+
+
+def section_significance(w: Workload, h: str) -> list[str]:
+    out = [f"{h} Significance vs {REFERENCE}", ""]
+    if REFERENCE not in w.optimizers:
+        return out + [f"No {REFERENCE} runs: no test.", ""]
+    ref = [x for x in w.at_best(REFERENCE, w.largest) if math.isfinite(x)]
+    out += [f"Welch's t-test (scipy.stats.ttest_ind, equal_var=False, two-sided) of each optimizer's final val/loss "
+            f"against {REFERENCE}'s, both at their best lr and the largest budget ({w.largest}), over the seeds with a "
+            f"finite loss. Effect size: Hedges' g (Cohen's d with the pooled std, times 1 − 3/(4(n₁+n₂)−9)); "
+            f"negative: lower loss than {REFERENCE}. A verdict needs ≥ {MIN_SEEDS} seeds on each side and "
+            f"p < {ALPHA}.", ""]
+    rows = []
+    for o in w.optimizers:
+        if o == REFERENCE:
+            continue
+        mine = [x for x in w.at_best(o, w.largest) if math.isfinite(x)]
+        t, p = stats.welch(mine, ref) if len(mine) >= 2 and len(ref) >= 2 else (math.nan, math.nan)
+        g = stats.hedges_g(mine, ref)
+        diff = float(np.mean(mine) - np.mean(ref)) if mine and ref else math.nan
+        if min(len(mine), len(ref)) < MIN_SEEDS:
+            verdict = f"needs ≥ {MIN_SEEDS} seeds"
+        elif not math.isnan(p) and p < ALPHA:
+            verdict = "lower loss" if diff < 0 else "higher loss"
+        else:
+            verdict = "no significant difference"
+        rows.append([o, len(mine), len(ref), f_num(diff, ".4f"), f_num(t, ".3f"), f_num(p, ".3g"), f_num(g, ".3f"),
+                     verdict])
+    return out + table(["optimizer", "n", f"n {REFERENCE}", f"mean − {REFERENCE}", "t", "p", "Hedges' g", "verdict"],
+                       rows)
+
+
+def cost(w: Workload, optimizer: str) -> tuple[float, float]:
+    """(median time/step_sec over every record of the optimizer's runs, median optim/state_bytes
+    over its runs)."""
+    mine = [r for r in w.runs if r.optimizer == optimizer]
+    steps = np.concatenate([_column(r.records, STEP_SEC)[1] for r in mine] or [np.array([])])
+    state = [v for r in mine for v in _column(r.records, STATE_BYTES)[1][:1]]
+    return (float(np.median(steps)) if len(steps) else math.nan, float(np.median(state)) if state else math.nan)
+
+
+def section_cost(w: Workload, h: str) -> list[str]:
+    out = [f"{h} Cost", "", "Step time: the median `time/step_sec` over every logged record of the optimizer's "
+           "runs in this comparison (trunks and branches); state: the median `optim/state_bytes` over its runs. "
+           f"Relative: divided by {REFERENCE}'s.", ""]
+    ref_t, ref_b = cost(w, REFERENCE) if REFERENCE in w.optimizers else (math.nan, math.nan)
+    rows = []
+    for o in w.optimizers:
+        t, b = cost(w, o)
+        rows.append([o, f_num(t, ".6g"), f_num(t / ref_t, ".3f"), f_num(b, ".0f"), f_num(b / ref_b, ".3f")])
+    return out + table(["optimizer", "step time (s)", f"× {REFERENCE}", "state bytes", f"× {REFERENCE}"], rows)
+
+
+# --------------------------------------------------------------------------------------------
+# Plots (matplotlib's Agg canvas on bare Figures: no display, no pyplot state)
+
+
+def _figure():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.92)
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def _save(fig, path: str) -> None:
+    with atomic_write(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+
+
+def _colours(names: list[str]) -> dict:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    return {n: cmap(i % 10) for i, n in enumerate(names)}
+
+
+def plot_sensitivity(w: Workload, path: str) -> None:
+    fig, ax = _figure()
+    colour = _colours(w.optimizers)
+    for o in w.optimizers:
+        pts = [(lr, *stats.mean_std(w.losses[(o, lr, w.largest)])) for lr in w.grid[o]]
+        pts = [(lr, m, 0.0 if math.isnan(s) else s) for lr, m, s in pts if math.isfinite(m)]
+        if pts:
+            lr, m, s = zip(*pts)
+            ax.errorbar(lr, m, yerr=s, marker="o", capsize=3, color=colour[o], label=o)
+    ax.set_xscale("log")
+    ax.set(xlabel="learning rate", ylabel="final val/loss", title=f"final val/loss vs lr (budget {w.largest})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    _save(fig, path)
+
+
+def plot_curves(w: Workload, x: str, path: str) -> None:
+    fig, ax = _figure()
+    colour = _colours(w.optimizers)
+    for o in w.optimizers:
+        lr = w.best[o]
+        for i, r in enumerate(w.by_key.get((o, lr, w.largest), [])):
+            c = r.curve
+            keep = np.isfinite(c.get(x, np.array([]))) & np.isfinite(c.get("loss", np.array([])))
+            if keep.any():
+                ax.plot(c[x][keep], c["loss"][keep], color=colour[o], alpha=0.8, marker=".",
+                        label=f"{o} lr={f_lr(lr)}" if i == 0 else None)
+    if w.target is not None:
+        ax.axhline(w.target, color="grey", linestyle=":", label="target")
+    ax.set(xlabel="training tokens" if x == "tokens" else "wall-clock seconds", ylabel="val/loss",
+           title=f"val/loss at the best lr (budget {w.largest}, every seed)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    _save(fig, path)
+
+
+def plot_profiles(curves: dict[str, np.ndarray], taus: np.ndarray, path: str) -> None:
+    fig, ax = _figure()
+    colour = _colours(list(curves))
+    for o, rho in curves.items():
+        ax.step(taus, rho, where="post", color=colour[o], label=o)
+    ax.set(xlabel="τ (time to target within τ × the best)", ylabel="share of workloads", ylim=(-0.02, 1.02),
+           title="performance profiles (wall-clock time to target)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    _save(fig, path)
+
+
+# --------------------------------------------------------------------------------------------
+# The report
+
+
+def section_profiles(workloads: list[Workload], compare_dir: str) -> list[str]:
+    out = ["## Across workloads", ""]
+    if len(workloads) < 2:
+        return out + ["Performance profiles and the geometric-mean speedup need ≥ 2 workloads (run.json "
+                      "\"workload\"); this comparison has one.", ""]
+    names = _order(o for w in workloads for o in w.optimizers)
+    times = {o: [w.ttt.get(o, {}).get("seconds", math.inf) for w in workloads] for o in names}
+    grid = np.linspace(1.0, 4.0, 301)
+    plot_profiles(stats.performance_profile(times, grid), grid, os.path.join(compare_dir, "performance_profile.png"))
+    printed = stats.performance_profile(times, TAUS)
+    out += ["Performance profiles (AlgoPerf): for each τ, the share of workloads on which the optimizer's "
+            "wall-clock seconds to its workload's target (the time-to-target tables) are within τ × the best "
+            "optimizer's; not reached counts as never within.", "",
+            "![performance profiles](performance_profile.png)", ""]
+    out += table(["optimizer", *(f"τ={t:g}" for t in TAUS)], [[o, *(f"{v:.3f}" for v in printed[o])] for o in names])
+    if REFERENCE in names:
+        out += [f"Geometric-mean speedup over the workloads: {REFERENCE}'s seconds to target divided by the "
+                "optimizer's, per workload, over the workloads where at least one of the two reaches the target "
+                f"(∞ where only the optimizer does, 0 where only {REFERENCE} does).", ""]
+        rows = []
+        for o in names:
+            ratios = [a / b if math.isfinite(b) else 0.0 for a, b in zip(times[REFERENCE], times[o])
+                      if math.isfinite(a) or math.isfinite(b)]
+            rows.append([o, f_num(stats.geometric_mean(ratios), ".3f")])
+        out += table(["optimizer", "geometric-mean speedup"], rows)
+    return out
+
+
+def build_report(compare_dir: str, target: float | None = None) -> str:
+    """Read the runs under `compare_dir`, write results.csv, the PNGs and report.md there;
+    return report.md's path. DataError: no runs, or runs whose data fingerprints differ."""
+    compare_dir = os.path.abspath(compare_dir)
+    runs = load_runs(compare_dir)
+    fingerprint = check_fingerprints(runs)
+    results: dict[str, Result] = {}
+    for run in runs.values():
+        if run.kind == "branch":
+            results[run.id] = make_result(run, runs.get(run.info.get("trunk") or ""))
+    write_csv(compare_dir, runs, results)
+
+    knobs = {}
+    if os.path.isfile(os.path.join(compare_dir, "compare.json")):
+        with open(os.path.join(compare_dir, "compare.json"), encoding="utf-8") as f:
+            knobs = json.load(f).get("knobs", {})
+    names = sorted({r.workload for r in runs.values()})
+    workloads = []
+    for name in names:
+        w = Workload(name, [r for r in runs.values() if r.workload == name],
+                     [res for res in results.values() if res.run.workload == name])
+        ref = stats.mean_std(w.at_best(REFERENCE, w.largest))[0] if REFERENCE in w.optimizers else math.nan
+        w.target = target if target is not None else (ref if math.isfinite(ref) else None)
+        if w.target is not None:
+            time_to_target(w)
+        workloads.append(w)
+
+    pending = [r.run.id for r in results.values() if r.why == "pending"]
+    trunks = sum(r.kind == "trunk" for r in runs.values())
+    lines = ["# Optimizer comparison", "",
+             f"{len(runs)} runs ({trunks} trunks, {len(results)} cooldown branches) in `{compare_dir}`; "
+             f"data fingerprint: {fingerprint or 'not logged'}; workloads: {', '.join(names)}.", ""]
+    if knobs:
+        lines += ["Knobs: " + ", ".join(f"`{k}={v}`" for k, v in knobs.items()), ""]
+    if pending:
+        lines += [f"Pending (not run yet, left out of every table): {len(pending)} branches "
+                  f"({', '.join(pending[:5])}{' …' if len(pending) > 5 else ''}).", ""]
+    lines += ["A result is a cooldown branch's final val/loss; failed and diverged runs count as ∞. "
+              "Every run: `results.csv`. What each number means: docs/compare.md.", ""]
+    for w in workloads:
+        h = "###" if len(workloads) > 1 else "##"
+        suffix = f"_{w.name}" if len(workloads) > 1 else ""
+        if len(workloads) > 1:
+            lines += [f"## Workload {w.name}", ""]
+        if not w.budgets:
+            lines += ["No cooldown branches in this workload: nothing to compare.", ""]
+            continue
+        sens, tok, sec = (f"lr_sensitivity{suffix}.png", f"curves_tokens{suffix}.png", f"curves_seconds{suffix}.png")
+        plot_sensitivity(w, os.path.join(compare_dir, sens))
+        plot_curves(w, "tokens", os.path.join(compare_dir, tok))
+        plot_curves(w, "seconds", os.path.join(compare_dir, sec))
+        lines += section_summary(w, h)
+        lines += section_sensitivity(w, h, sens)
+        lines += [f"{h} Curves at the best lr", "", "val/loss of every seed at each optimizer's best lr and the "
+                  "largest budget: the trunk, then the cooldown branch.", "", f"![vs tokens]({tok})", "",
+                  f"![vs seconds]({sec})", ""]
+        lines += section_ttt(w, h, target is not None)
+        lines += section_speedup(w, h)
+        lines += section_significance(w, h)
+        lines += section_cost(w, h)
+    lines += section_profiles(workloads, compare_dir)
+    path = os.path.join(compare_dir, "report.md")
+    with atomic_write(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines).rstrip() + "\n")
+    return path
+
+
+def write_csv(compare_dir: str, runs: dict[str, Run], results: dict[str, Result]) -> str:
+    path = os.path.join(compare_dir, "results.csv")
+    with atomic_write(path) as tmp:
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            writer.writeheader()
+            for run in runs.values():
+                trunk = runs.get(run.info.get("trunk") or "") if run.id in results else None
+                writer.writerow(csv_row(run, results.get(run.id), trunk))
+    return path
