@@ -122,13 +122,16 @@ def as_legacy_aux_checkpoint(step_dir: Path) -> None:
     shutil.rmtree(step_dir / "metric_states")
 
 
-@pytest.mark.parametrize("extra,legacy", [((), False), (("dataset.total_batch_size=16",), True)],
-                         ids=["plain", "accumulation-legacy-aux-item"])
+@pytest.mark.parametrize("extra,legacy", [((), False), (("dataset.total_batch_size=16",), True),
+                                          (("optimizer=shampoo", "optimizer.precondition_every=3"), False)],
+                         ids=["plain", "accumulation-legacy-aux-item", "shampoo"])
 def test_resume_is_bit_identical(tmp_path, extra, legacy):
     """Stop at step 5 and resume: losses at every step and the final weights and optimizer state
     equal an uninterrupted run's exactly (data order and dropout keys included), and so do the
     aux-state diagnostics, whose buffers and running sums the checkpoint carries. The second case
-    resumes a checkpoint written before metric_states (the aux hook's state as the item `aux`)."""
+    resumes a checkpoint written before metric_states (the aux hook's state as the item `aux`); the
+    third, Shampoo's, whose state holds zero-size placeholders (orbax refuses to save those: the
+    checkpoint leaves them out and the restore makes them anew)."""
     full_ck, seg_ck = Path("ckpt/full"), Path("ckpt/seg")  # relative, as in the docs
     # The aux diagnostics' buffers must resume exactly too; the optimizer's own diagnostics carry no
     # state (and double the compile), so they stay off.

@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import yaml
@@ -205,10 +206,31 @@ def _quiet_orbax() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
+
+
 def _arrays(tree: Any) -> Any:
-    """The array leaves of a pytree, concrete or abstract (eqx.is_array is False for
-    ShapeDtypeStruct): what is saved and what a restore fills must be the same tree."""
-    return eqx.filter(tree, lambda x: isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)))
+    """The array leaves of a pytree that hold data, concrete or abstract (eqx.is_array is False for
+    ShapeDtypeStruct): what is saved and what a restore fills must be the same tree. Zero-size
+    arrays (placeholders, e.g. Shampoo's (0,) for a field a parameter does not use) are left out:
+    orbax refuses to save them, and they carry nothing; `_with_empty` puts them back."""
+    return eqx.filter(tree, lambda x: _is_array(x) and x.size > 0)
+
+
+def _with_empty(restored: Any, abstract: Any) -> Any:
+    """`restored` (an `_arrays` tree read back) with the zero-size leaves of `abstract` made anew,
+    each in its abstract leaf's sharding when it has one."""
+    if abstract is None:
+        return restored
+
+    def empty(x):
+        if not (_is_array(x) and x.size == 0):
+            return None
+        sharding = getattr(x, "sharding", None)
+        return jax.jit(lambda: jnp.zeros(x.shape, x.dtype), out_shardings=sharding)()
+
+    return eqx.combine(restored, jax.tree.map(empty, abstract))
 
 
 # ----------------------------------------------------------------------------- finding a checkpoint
@@ -374,7 +396,10 @@ def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str
             restored = checkpointer.restore(source.path, args=ocp.args.Composite(**items))
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types; the user needs the file
         raise _restore_error(source, e) from None
-    return {name: restored[name] for name in items}
+    abstract = {"model": abstract_state.model, "progress": None, "opt_state": abstract_state.opt_state,
+                "metric_states": abstract_state.metric_states,
+                "aux": abstract_state.metric_states.get("aux") if abstract_state.metric_states else None}
+    return {name: _with_empty(restored[name], abstract[name]) for name in items}
 
 
 def _saved_shapes(item_dir: str) -> dict[str, tuple[int, ...]]:
