@@ -41,7 +41,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
 import difflib
-import json
 import math
 import re
 import textwrap
@@ -51,8 +50,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import yaml
 
-from utils.errors import EqtrainError
+from utils.errors import DataError, EqtrainError
 from utils.files import atomic_write, user_path
+from utils.logging.metrics_file import read_metrics
 from utils.script_errors import script_error
 
 METRICS_FILE = "metrics.jsonl"  # logging.metrics_file's default; a run's config may name another
@@ -141,26 +141,12 @@ def find_runs(paths: Sequence[str]) -> list[str]:
 
 
 def load_metrics(path: str) -> list[dict]:
-    """metrics.jsonl -> its records, ascending by step, one per step: a resumed run appends, so a
-    step logged twice is merged, a later value winning per key (a resumed segment's first record
-    holds only its start-up metrics). Raises PlotError naming file:line of a bad line."""
-    by_step: dict[int, dict] = {}
+    """metrics.jsonl -> its records, one per step (utils/logging/sinks/jsonl.read_metrics: a step
+    logged twice by a resumed run is merged). Raises PlotError naming file:line of a bad line."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise PlotError(f"{path}:{number}: not a JSON line ({e.msg}, column {e.colno})") from None
-                step = record.get("step") if isinstance(record, dict) else None
-                if not isinstance(step, (int, float)) or isinstance(step, bool) or step != int(step):
-                    raise PlotError(f"{path}:{number}: not a metrics record (a JSON object with an integer \"step\")")
-                by_step[int(step)] = {**by_step.get(int(step), {}), **record}
-    except OSError as e:
-        raise PlotError(f"{path}: cannot read it ({e.strerror or e})") from None
-    return [by_step[s] for s in sorted(by_step)]
+        return read_metrics(path)
+    except DataError as e:
+        raise PlotError(str(e)) from None
 
 
 def load_run(run_dir: str) -> Run:

@@ -119,6 +119,16 @@ def _record(run: PlannedRun, overrides: list[str], status: str, error: str | Non
             "overrides": overrides, "status": status, "error": error, "diverged": diverged}
 
 
+def _fail(summary, run, overrides: list[str], json_path: str, say: Callable[[str], None], head: str, error: str,
+          diverged: bool) -> None:
+    """Record `run` as failed (a diverged run is a result: loss inf in the report) and say so."""
+    write_json(json_path, _record(run, overrides, "failed", error, diverged))
+    summary.failed[run.id] = error
+    if diverged:
+        summary.diverged.append(run.id)
+    say(f"{head} failed ({'diverged: ' if diverged else ''}{error})")
+
+
 def run_plan(plan: Plan, compare_dir: str, train: Callable[..., dict], say: Callable[[str], None] = print,
              compose: Callable[[list[str]], object] | None = None) -> Summary:
     """Train every run of `plan` not done yet under `compare_dir` (absolute or relative to the cwd).
@@ -147,13 +157,8 @@ def run_plan(plan: Plan, compare_dir: str, train: Callable[..., dict], say: Call
             say(f"{head} failed before ({summary.failed[run.id]}); delete {directory} to run it again")
             continue
         if run.kind == "branch" and run.trunk in summary.failed:
-            error = f"its trunk {run.trunk} failed"
-            diverged = run.trunk in summary.diverged
-            write_json(json_path, _record(run, overrides, "failed", error, diverged))
-            summary.failed[run.id] = error
-            if diverged:
-                summary.diverged.append(run.id)
-            say(f"{head} failed ({error})")
+            _fail(summary, run, overrides, json_path, say, head, f"its trunk {run.trunk} failed",
+                  run.trunk in summary.diverged)
             continue
         if before.get("status") == "running":
             saved = complete_steps(os.path.join(directory, "ckpt"))
@@ -165,13 +170,8 @@ def run_plan(plan: Plan, compare_dir: str, train: Callable[..., dict], say: Call
         try:
             train(compose(overrides), directory)
         except EqtrainError as e:
-            diverged = isinstance(e, TrainingError)
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            write_json(json_path, _record(run, overrides, "failed", reason, diverged))
-            summary.failed[run.id] = reason
-            if diverged:
-                summary.diverged.append(run.id)
-            say(f"{head} failed ({'diverged: ' if diverged else ''}{reason})")
+            _fail(summary, run, overrides, json_path, say, head, str(e).splitlines()[0] if str(e) else type(e).__name__,
+                  isinstance(e, TrainingError))
             continue
         write_json(json_path, _record(run, overrides, "done"))
         summary.done.append(run.id)

@@ -34,6 +34,7 @@ import numpy as np
 from utils.compare import stats
 from utils.errors import DataError
 from utils.files import atomic_write
+from utils.logging.metrics_file import read_metrics as _read_metrics
 
 REFERENCE = "adamw"  # the optimizer every speedup, t-test and cost is relative to
 TAUS = (1.0, 1.5, 2.0, 3.0, 4.0)  # performance-profile points printed in the table (the PNG: 1..4)
@@ -76,23 +77,9 @@ class Result:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """metrics.jsonl -> one record per step, ascending; a step logged twice (a resumed run) is
-    merged, a later value winning per key (scripts/plot_runs.py's rule). [] when absent."""
-    by_step: dict[int, dict] = {}
-    if not os.path.isfile(path):
-        return []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                step = int(record["step"])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                raise DataError(f"{path}:{number}: not a metrics record (a JSON object with an integer "
-                                "\"step\"); delete the line or rerun the run") from None
-            by_step[step] = {**by_step.get(step, {}), **record}
-    return [by_step[s] for s in sorted(by_step)]
+    """metrics.jsonl -> one record per step, ascending (a step logged twice by a resumed run is
+    merged, a later value winning per key); [] when absent."""
+    return _read_metrics(path) if os.path.isfile(path) else []
 
 
 def load_runs(compare_dir: str) -> dict[str, Run]:

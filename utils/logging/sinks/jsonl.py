@@ -1,6 +1,6 @@
 """metrics.jsonl (one JSON object per logged step) and samples.jsonl (the text sampled at each
 evaluation) in the run directory, flushed at once, so a killed run keeps every line it logged
-(plots and tests read them)."""
+(plots, the comparison report and tests read them: utils/logging/metrics_file.py)."""
 
 from __future__ import annotations
 
