@@ -122,6 +122,7 @@ def as_legacy_aux_checkpoint(step_dir: Path) -> None:
     shutil.rmtree(step_dir / "metric_states")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra,legacy", [((), False), (("dataset.total_batch_size=16",), True),
                                           (("optimizer=shampoo", "optimizer.precondition_every=3"), False)],
                          ids=["plain", "accumulation-legacy-aux-item", "shampoo"])

@@ -59,6 +59,7 @@ def reference(tmp_path_factory, _cache_dir):
     return path
 
 
+@pytest.mark.slow
 def test_branch_equals_a_from_scratch_wsd_run(reference, tmp_path):
     runs = reference / "runs"
     for run_id, status in ((TRUNK, "done"), (S10, "done"), (S20, "done")):
@@ -78,6 +79,7 @@ def test_branch_equals_a_from_scratch_wsd_run(reference, tmp_path):
     assert cooled[20]["val/loss"] == scratch[20]["val/loss"]
 
 
+@pytest.mark.slow
 def test_killed_comparison_resumes_to_the_same_results(reference, tmp_path):
     """The trunk is killed at step 12, after its checkpoint at 8 (iter_12 removed, its metrics
     logged to 12): the rerun resumes it from 8, then runs the branches; every run's losses equal
@@ -107,6 +109,7 @@ def test_killed_comparison_resumes_to_the_same_results(reference, tmp_path):
     assert summary.skipped == [TRUNK, S10, S20] and f"[2/3] {S10}: skipped (done before)" in lines
 
 
+@pytest.mark.slow
 def test_diverged_run_fails_its_branches_and_the_comparison_goes_on(tmp_path):
     knobs = {**KNOBS, "budgets": [10], "lr": {"points": 2, "grid": {"adamw": [1e30, 3e-3]}}}
     lines = []

@@ -272,6 +272,7 @@ def test_a_mixture_of_two_sources_builds_through_the_config(tiny_run, tmp_path):
 # --- whole runs on the new sources, typed the way docs/data.md writes them -----------------------------
 
 
+@pytest.mark.slow
 def test_training_on_chat_and_memmap_data_with_relative_paths(tmp_path, monkeypatch):
     """Masked dict batches through the jitted step and the evaluation, token files read by
     memmap; each run logs its data fingerprint (and chat its truncation count) in the first record."""

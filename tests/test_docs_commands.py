@@ -392,6 +392,7 @@ def scratch(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_the_default_run(scratch):
     """README: `python train_jax.py`, 20 tiny steps."""
     cmd = _find("README.md", "python train_jax.py", exact=True)
@@ -399,6 +400,7 @@ def test_the_default_run(scratch):
     assert last["val/loss"] < 6 and (scratch / "outputs" / "run" / "metrics.jsonl").is_file()
 
 
+@pytest.mark.slow
 def test_checkpoint_commands_in_order(scratch, capsys):
     """docs/checkpoints.md from the top: save at a list of steps, resume, load iter_100 into a new
     run, export, sample: every path relative, as typed."""
@@ -422,6 +424,7 @@ def test_checkpoint_commands_in_order(scratch, capsys):
     assert capsys.readouterr().out.startswith("def ")
 
 
+@pytest.mark.slow
 def test_token_files_offline(scratch):
     """docs/data.md: prepare_data on your own text, then train on the token files."""
     (scratch / "data").mkdir()
@@ -462,6 +465,7 @@ def test_plot_commands(scratch, capsys):
     assert (scratch / "outputs" / "2026-11-30" / "10-00-00" / "grads_cos_gn_g_n-1.png").is_file()
 
 
+@pytest.mark.slow
 def test_lr_find(scratch):
     """docs/optimizers.md's fully spelled-out lr_find, on the tiny model and 10 steps."""
     cmd = _find("docs/optimizers.md", "python scripts/lr_find.py optimizer=adamw model=gpt_tiny")

@@ -24,6 +24,7 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_step_time_leaves_out_evaluations_inside_a_logging_interval(tmp_path, monkeypatch):
     """Every train step takes 1 s and every evaluation 100 s of a fake clock; evaluations fall
     between logging steps (val_freq 2, log_every 4). Each logged time/step_sec must be exactly 1 s."""

@@ -34,6 +34,7 @@ def _yaml_lr(optimizer: str) -> float:
     return float(yaml.safe_load((ROOT / "conf" / "optimizer" / "lr_config" / "cosine.yaml").read_text())["lr"])
 
 
+@pytest.mark.slow
 def test_sweep_on_gpt_tiny_suggests_near_the_yaml_lr_and_writes_its_files(tmp_path, capsys):
     out = tmp_path / "lrf"
     argv = ["model=gpt_tiny", "dataset.batch_size=8", "dataset.context_length=64", "lr_find.steps=80",

@@ -189,6 +189,7 @@ def sharded_result(sharded_check) -> dict:
     return sharded_check.result()
 
 
+@pytest.mark.slow
 def test_sharded_step_matches_single_device(sharded_result):
     r = sharded_result
     assert r["devices"] == 8 and r["mesh"] == {"data": 4, "fsdp": 2, "tensor": 1}
@@ -203,6 +204,7 @@ def test_sharded_step_matches_single_device(sharded_result):
     assert r["params_moved"] > 1e-3  # the comparison is not between two untouched inits
 
 
+@pytest.mark.slow
 def test_tensor_parallel_and_zero1_match_one_device_with_the_expected_layouts(sharded_result):
     """data 2 x fsdp 2 x tensor 2, and data 8 with the optimizer state split over data (ZeRO-1)."""
     r = sharded_result
@@ -218,6 +220,7 @@ def test_tensor_parallel_and_zero1_match_one_device_with_the_expected_layouts(sh
     assert z1["specs"]["mlp_in"] == ["None", "None", "None"] and "data" in z1["specs"]["mu_mlp_in"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_under_one_layout_restores_under_another(sharded_result):
     """Saved by data 8 with ZeRO-1, restored by data 4 x fsdp 2: the same arrays, now split over
     fsdp, and the next step's loss is the saving layout's."""
@@ -227,11 +230,13 @@ def test_a_checkpoint_saved_under_one_layout_restores_under_another(sharded_resu
     np.testing.assert_allclose(r["loss_restoring_mesh"], r["loss_saving_mesh"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_batch_not_divisible_by_devices_is_a_config_error(sharded_result):
     assert "dataset.batch_size=12" in sharded_result["bad_batch_error"]
     assert "parallel.data" in sharded_result["bad_mesh_error"]
 
 
+@pytest.mark.slow
 def test_every_optimizer_runs_sharded_and_matches_one_device(sharded_result):
     from optimizer import OPTIMIZERS
 
