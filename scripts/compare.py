@@ -35,25 +35,34 @@ from utils.errors import ConfigError, EqtrainError
 from utils.script_errors import script_error
 
 # conf/compare.yaml's top-level keys: an argument whose key starts with one is a comparison knob.
-COMPARE_KEYS = ("optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "dir")
+COMPARE_KEYS = ("optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
+                "dir", "save_every", "parallel")
+# Keys of mappings that are empty in conf/compare.yaml: a new key there needs Hydra's `++`.
+OPEN_MAPPINGS = ("lr.grid.", "sweep.", "workloads.")
 
 
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the comparison's overrides, the runs' overrides). `lr.grid.<opt>=...` is a new key of an
-    empty mapping, which Hydra adds only with `++`: added here."""
+def split_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """(the comparison's overrides, the runs' overrides, the launcher's: hydra/launcher=... and
+    hydra.launcher.*)."""
     from utils.compare.plan import override_key
 
-    ours, theirs = [], []
+    ours, theirs, launcher = [], [], []
     for arg in argv:
         if arg.startswith("-"):
             raise ConfigError(f"{arg}: compare.py takes knobs and Hydra overrides only (and --report DIR); see "
                               "`python scripts/compare.py --help`")
         key = override_key(arg)
-        if key.split(".")[0].split("/")[0] in COMPARE_KEYS:
-            ours.append(f"++{arg.lstrip('+')}" if key.startswith("lr.grid.") else arg)
+        if key == "hydra/launcher" or key.startswith("hydra.launcher."):
+            launcher.append(arg)
+        elif key.split(".")[0].split("/")[0] in COMPARE_KEYS:
+            value = arg.split("=", 1)[1] if "=" in arg else ""
+            if key.startswith("workloads.") and not value.startswith(("[", "'", '"')):
+                # `workloads.small=model.dim=32 dataset.batch_size=8` (one shell word): a string to Hydra
+                arg = f"{arg.split('=', 1)[0]}='{value.replace(chr(39), chr(92) + chr(39))}'"
+            ours.append(f"++{arg.lstrip('+')}" if key.startswith(OPEN_MAPPINGS) else arg)
         else:
             theirs.append(arg)
-    return ours, theirs
+    return ours, theirs, launcher
 
 
 def compose_knobs(overrides: list[str]) -> dict:
@@ -84,35 +93,94 @@ def build_report(compare_dir: str) -> None:
 
 
 def compare(argv: list[str]) -> int:
-    import train_jax
-    from utils.compare.launch import run_plan
-    from utils.compare.plan import base_lrs, compare_config, make_plan
+    from utils.compare.plan import compare_config, make_plan, workload_lrs
     from utils.files import user_path
 
-    ours, theirs = split_argv(argv)
+    ours, theirs, launcher = split_argv(argv)
     node = compose_knobs(ours)
     knobs = compare_config(node)
-    plan = make_plan(knobs, theirs, base_lrs(knobs.optimizers, tuple(theirs)))
+    plan = make_plan(knobs, theirs, workload_lrs(knobs, tuple(theirs)))
     compare_dir = user_path(node.get("dir") or os.path.join(
         "compare", datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")))
+    save_every = _positive(node.get("save_every"), "save_every")
+    execute = executor(launcher, compare_dir, save_every, _positive(node.get("parallel"), "parallel"))
     check_runs(plan)
     print(f"compare: {len(plan.runs)} runs ({sum(r.kind == 'trunk' for r in plan.runs)} trunks) in {compare_dir}; "
           f"to continue it later: the same command with dir={compare_dir}")
-    summary = run_plan(plan, compare_dir, train=train_jax.train)
+    summaries = [execute(plan, None)]
+    while knobs.lr_extend and (extra := extension(plan, compare_dir)):
+        print(f"compare: lr.extend: {len(extra)} more runs beyond the edge of a grid")
+        summaries.append(execute(plan, extra))
     build_report(compare_dir)
-    return 2 if summary.user_errors else 0
+    return 2 if any(s.user_errors for s in summaries) else 0
+
+
+def _positive(value, knob: str) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{knob}={value!r} must be a positive integer or null")
+    return value
+
+
+def executor(launcher: list[str], compare_dir: str, save_every: int | None, parallel: int | None):
+    """execute(plan, runs): in this process, or a job per run with hydra/launcher=local|slurm."""
+    import train_jax
+    from utils.compare.launch import run_jobs, run_plan
+
+    if not launcher:
+        return lambda plan, runs: run_plan(plan, compare_dir, train=train_jax.train, runs=runs, save_every=save_every)
+    from utils.compare.executor import make_submit
+
+    names = [a.split("=", 1)[1] for a in launcher if a.split("=", 1)[0].lstrip("+") == "hydra/launcher"]
+    if not names:
+        raise ConfigError(f"{launcher[0]}: hydra.launcher.* settings need hydra/launcher=local or slurm too")
+    command = lambda run: [sys.executable, os.path.abspath(__file__), "--run", compare_dir, run.id,
+                           *([f"save_every={save_every}"] if save_every else [])]
+    overrides = [a for a in launcher if a.startswith(("hydra.", "+hydra.", "++hydra."))]
+    submit, default = make_submit(names[-1], overrides, compare_dir, command)
+    return lambda plan, runs: run_jobs(plan, compare_dir, submit, parallel or default, runs=runs)
+
+
+def extension(plan, compare_dir: str):
+    """lr.extend: the runs of one more lr for each (workload, optimizer) whose best lr sits at the
+    edge of the lrs run so far (at most lr.extend_max added per side); () when none."""
+    from utils.compare.plan import base_grid, extension_lr, extension_runs
+    from utils.compare.report import load_workloads
+
+    new = {}
+    for w in load_workloads(compare_dir):
+        for opt in w.optimizers:
+            lr = extension_lr(w.grid[opt], w.best[opt], base_grid(plan, w.name, opt), plan.knobs.lr_extend_max)
+            if lr is not None:
+                new[(w.name, opt)] = lr
+    return extension_runs(plan, new)
+
+
+def run_one(compare_dir: str, run_id: str, rest: list[str]) -> int:
+    """What a launcher's job runs (`--run DIR ID [save_every=N]`): one run of the comparison."""
+    import train_jax
+    from utils.compare.launch import load_run
+    from utils.compare.launch import run_one as train_one
+
+    save_every = None
+    for arg in rest:
+        if not arg.startswith("save_every="):
+            raise ConfigError(f"{arg}: --run DIR ID takes only save_every=N after them")
+        save_every = _positive(int(arg.split("=", 1)[1]), "save_every")
+    compare_dir = os.path.abspath(compare_dir)
+    outcome, record = train_one(load_run(compare_dir, run_id), compare_dir, train_jax.train, save_every=save_every)
+    return 2 if outcome == "failed" and not record.get("diverged") else 0
 
 
 def check_runs(plan) -> None:
-    """Every knob of the runs checked before anything trains: one trunk and one branch per
-    optimizer composed and validated (the others differ from them in lr, seed and budget only)."""
+    """Every knob of the runs checked before anything trains: one trunk and one branch per workload,
+    optimizer and sweep combination composed and validated (the others differ in lr, seed and budget only)."""
     from utils.compare.launch import run_overrides
     from utils.config import compose_overrides, validate
 
     seen = set()
     for run in plan.runs:
-        if (run.optimizer, run.kind) not in seen:
-            seen.add((run.optimizer, run.kind))
+        if (run.workload, run.optimizer, run.kind, run.sweep) not in seen:
+            seen.add((run.workload, run.optimizer, run.kind, run.sweep))
             validate(compose_overrides(run_overrides(run, "/nonexistent-compare-dir"), job_name="compare"))
 
 
@@ -123,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     from utils.checkpoint.signals import Preempted
 
     try:
+        if argv and argv[0] == "--run":
+            if len(argv) < 3:
+                raise ConfigError("--run takes a comparison directory and a run id: --run DIR RUN_ID")
+            return run_one(argv[1], argv[2], argv[3:])
         if argv and argv[0] == "--report":
             if len(argv) != 2:
                 raise ConfigError("--report takes one comparison directory: python scripts/compare.py --report DIR")

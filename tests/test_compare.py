@@ -186,9 +186,172 @@ def test_a_directory_of_another_comparison_is_refused(tmp_path):
 def test_cli_bad_knob_is_one_line_before_anything_trains(tmp_path, capsys):
     script = load_script("compare")
     assert script.main(["optimizers=[adamw,foo]", f"dir={tmp_path / 'c'}"]) == 2
+    from optimizer import OPTIMIZERS
+
     assert capsys.readouterr().err.strip() == ("error: optimizers: unknown optimizer 'foo'; choose from "
-                                               "adamw, sgdm, muon, lion, adafactor, shampoo")
+                                               + ", ".join(OPTIMIZERS))
     assert script.main(["budgets=[20,10]"]) == 2
     assert script.main(["lr.points=1", "budgets=[10]", "warmup=2", "model.dimm=3"]) == 2
     assert "model.dimm" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+# --- workloads, sweeps, lr.extend, save_every: the plan, and the loop with a stand-in trainer ---------------
+
+
+def test_workloads_and_sweeps_cross_every_lr_and_seed():
+    k = compare_config({**KNOBS, "optimizers": ["adamw", "sgdm"], "lr": {"points": 2}, "seeds": 2,
+                        "sweep": {"weight_decay": [0.0, 0.1]},
+                        "workloads": {"small": "model.dim=16", "big": ["model.dim=32", "dataset.batch_size=4"]}})
+    assert k.workloads == (("big", ("model.dim=32", "dataset.batch_size=4")), ("small", ("model.dim=16",)))
+    lrs = {"big": {"adamw": 1e-3, "sgdm": 0.3}, "small": {"adamw": 2e-3, "sgdm": 0.3}}
+    p = make_plan(k, ["model.num_blocks=1"], lrs)
+    assert len(p.runs) == 2 * 2 * 2 * 2 * 2 * 3  # workloads x optimizers x lrs x weight decays x seeds x (trunk + 2)
+    trunk = p.runs[0]
+    assert trunk.id == "big__adamw__lr0.0005__weight_decay0__seed0__trunk" and trunk.sweep == (("weight_decay", 0.0),)
+    assert {"optimizer.weight_decay=0", "model.num_blocks=1", "model.dim=32"} <= set(trunk.overrides)
+    assert trunk.overrides.index("model.num_blocks=1") < trunk.overrides.index("model.dim=32")  # the workload wins
+    small = {r.lr for r in p.runs if r.workload == "small" and r.optimizer == "adamw"}
+    assert small == {1e-3, 2e-3}  # each workload's grid is around its own yaml lr
+    assert {r.sweep for r in p.runs} == {(("weight_decay", 0.0),), (("weight_decay", 0.1),)}
+    assert json.loads(json.dumps(p.to_json()))["runs"][0]["sweep"] == {"weight_decay": 0.0}
+
+
+@pytest.mark.parametrize("change, knob", [
+    ({"sweep": {"lr": [1e-3]}}, "sweep.lr: the comparison sets the optimizer and its lr itself"),
+    ({"sweep": {"groups": {"hidden": {"lr": [1e-3]}}}}, "sweep.groups.hidden.lr: the comparison sets"),
+    ({"sweep": {"weight_decay": [0.1, 0.1]}}, r"sweep.weight_decay=\[0.1, 0.1\] must be distinct"),
+    ({"sweep": {"weight_decay": []}}, "sweep.weight_decay=.* must be a non-empty list"),
+    ({"workloads": {"a__b": "model.dim=8"}}, "workloads.a__b: a workload's name is letters"),
+    ({"workloads": {"a": ["model.dim"]}}, "workloads.a=.* must be a list of run overrides"),
+    ({"workloads": {"a": "train.max_steps=5"}}, r"train.max_steps=5 \(in workloads.a\): the comparison sets"),
+    ({"lr": {"extend": "yes"}}, "lr.extend='yes' must be true or false"),
+    ({"lr": {"extend_max": 0}}, "lr.extend_max=0 must be an integer >= 1"),
+])
+def test_bad_sweep_workload_and_extend_knobs(change, knob):
+    with pytest.raises(ConfigError, match=knob) as e:
+        compare_config({**KNOBS, **change})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("grid, best, base, most, want", [
+    ([1.0, 2.0, 4.0], 4.0, (1.0, 2.0, 4.0), 2, 8.0),        # best at the top: one more factor up
+    ([1.0, 2.0, 4.0], 1.0, (1.0, 2.0, 4.0), 2, 0.5),        # at the bottom: one down
+    ([1.0, 2.0, 4.0], 2.0, (1.0, 2.0, 4.0), 2, None),       # inside: done
+    ([1.0, 3.0, 9.0, 27.0], 27.0, (1.0, 3.0), 2, None),     # two added above already
+    ([1.0, 3.0, 9.0], 9.0, (1.0, 3.0), 2, 27.0),            # one added: one more
+    ([2.0], 2.0, (2.0,), 2, None),                          # one lr: no edge to speak of
+    ([1.0, 2.0], None, (1.0, 2.0), 2, None),                # every lr failed
+])
+def test_extension_lr(grid, best, base, most, want):
+    from utils.compare.plan import extension_lr
+
+    assert extension_lr(grid, best, base, most) == want
+
+
+def test_save_every_adds_interval_saves_and_keeps_the_branch_points(tmp_path):
+    p = plan({**KNOBS, "budgets": [10, 30]})  # trunk to 24, saving at 8 and 24
+    trunk, b10, b30 = p.runs
+    saves = lambda run, every: next(o for o in launch.run_overrides(run, str(tmp_path), every)
+                                    if o.startswith("checkpoint.save_steps="))
+    assert saves(trunk, None) == "checkpoint.save_steps=[8,24]"
+    assert saves(trunk, 5) == "checkpoint.save_steps=[5,8,10,15,20,24]"
+    assert saves(b30, 5) == "checkpoint.save_steps=[5,10,15,20,25,30]"  # a branch starts at 24: 25, 30 matter
+    assert launch.kept_steps(trunk) == {8, 24} and launch.kept_steps(b10) == {10}
+    for step in (5, 8, 10, 24):
+        (tmp_path / "ckpt" / f"iter_{step}").mkdir(parents=True)
+    launch._prune(str(tmp_path), launch.kept_steps(trunk))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["iter_24", "iter_8"]
+
+
+def fake_train(cfg, run_dir):
+    """A stand-in for train_jax.train: val/loss = 3 + (log10(lr) + 2.5)² (best lr 10^-2.5 ≈ 3.2e-3)
+    + 0.1·weight_decay + 1/step, logged every train.val_freq steps from the branch point on."""
+    import math
+
+    lr, wd = float(cfg.optimizer.lr_config.lr), float(cfg.optimizer.get("weight_decay", 0.0))
+    start = int(cfg.checkpoint.load_file.split("_")[1]) if cfg.checkpoint.load else 0
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        for step in range(start + cfg.train.val_freq, cfg.train.max_steps + 1, cfg.train.val_freq):
+            loss = 3 + (math.log10(lr) + 2.5) ** 2 + 0.1 * wd + 1 / step
+            f.write(json.dumps({"step": step, "val/loss": loss, "data/tokens": step * 64, "data/fingerprint": "fp",
+                                "time/elapsed_sec": step * 0.01}) + "\n")
+
+
+def test_lr_extend_runs_lrs_past_the_edge_until_the_best_is_inside(tmp_path, monkeypatch, capsys):
+    """lr.grid [1e-4, 3e-4]: the best (3e-4) is the top edge, so 9e-4 is added, then 2.7e-3; the
+    best is then inside (2.7e-3 beats 9e-4, but 8.1e-3 would be a third: lr.extend_max=2 stops
+    it). The sweep's best weight decay is 0. A rerun skips every run and adds nothing."""
+    script = load_script("compare")
+    monkeypatch.setattr(T, "train", fake_train)
+    reports = []
+    monkeypatch.setattr(script, "build_report", reports.append)
+    argv = ["optimizers=[adamw]", "budgets=[10]", "lr.points=2", "lr.grid.adamw=[1e-4,3e-4]", "lr.extend=true",
+            "sweep.weight_decay=[0.0,0.1]", "warmup=2", *RUN, f"dir={tmp_path}"]
+    assert script.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("compare: lr.extend: 4 more runs beyond the edge of a grid") == 2
+    from utils.compare.report import load_workloads
+
+    (w,) = load_workloads(str(tmp_path))
+    assert w.grid["adamw"] == pytest.approx([1e-4, 3e-4, 9e-4, 2.7e-3]) and w.best["adamw"] == pytest.approx(2.7e-3)
+    assert w.best_setting["adamw"] == (("weight_decay", 0.0),)
+    assert len(list((tmp_path / "runs").iterdir())) == 4 * 2 * 2
+    assert script.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "lr.extend" not in out and out.count("skipped (done before)") == 8 and "0 done, 8 skipped" in out
+    assert reports == [str(tmp_path)] * 2
+
+
+def _launched(tmp_path, cache_dir, *launcher: str) -> tuple[list[str], object]:
+    """The tiny comparison run through a launcher (its report stubbed): (its output lines, its dir)."""
+    script = load_script("compare")
+    path = tmp_path / "launched"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EQTRAIN_CACHE", str(cache_dir))
+        mp.setenv("WANDB_MODE", "disabled")
+        mp.setattr(script, "build_report", lambda d: None)
+        import contextlib
+        import io
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert script.main([*ARGV, *launcher, f"dir={path}"]) == 0
+    return out.getvalue().splitlines(), path
+
+
+def _same_as_reference(lines, path, reference):
+    assert any(line.startswith(f"[1/3] {TRUNK}: submitted (job ") for line in lines)
+    # the branches are submitted only once the trunk is done
+    assert lines.index(next(x for x in lines if x.startswith(f"[1/3] {TRUNK}: done"))) < lines.index(
+        next(x for x in lines if x.startswith(f"[2/3] {S10}: submitted")))
+    assert lines[-1].startswith("compare: 3 runs: 3 done, 0 skipped")
+    for run_id in (TRUNK, S10, S20):
+        assert json.loads((path / "runs" / run_id / "run.json").read_text())["status"] == "done"
+        assert losses(path / "runs" / run_id) == losses(reference / "runs" / run_id), run_id
+
+
+@pytest.mark.slow
+def test_local_launcher_runs_each_run_in_its_own_process(reference, tmp_path, _cache_dir):
+    """hydra/launcher=local: a process per run (submitit's local executor), both branches at once
+    (parallel=2) after their trunk; the losses equal the in-process comparison's bit for bit."""
+    lines, path = _launched(tmp_path, _cache_dir, "hydra/launcher=local", "parallel=2")
+    _same_as_reference(lines, path, reference)
+    assert len([p for p in (path / ".submitit").iterdir() if p.name.isdigit()]) == 3  # a job folder per run
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_slurm_launcher_runs_each_run_as_a_slurm_job(reference, tmp_path, _cache_dir):
+    """hydra/launcher=slurm on the local one-node cluster (scripts/slurm/local_cluster.sh): a
+    SLURM job per run, branches submitted when their trunk is done; the same losses as in-process."""
+    from slurm_cluster import cluster_problem, no_cluster
+
+    problem = cluster_problem("debug")
+    if problem:
+        no_cluster(problem)
+    lines, path = _launched(tmp_path, _cache_dir, "hydra/launcher=slurm", "hydra.launcher.partition=debug",
+                            "hydra.launcher.timeout_min=10", "parallel=2")
+    _same_as_reference(lines, path, reference)
+    scripts = [p.read_text() for p in (path / ".submitit").glob("*/*_submission.sh")]
+    assert len(scripts) == 3 and all("#SBATCH --partition=debug" in s for s in scripts)  # sbatch scripts

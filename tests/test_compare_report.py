@@ -374,7 +374,7 @@ def test_results_csv_has_a_row_per_run(comparison):
 
 def test_edge_of_the_grid_is_noted(comparison):
     _, md, _ = comparison
-    notes = [line for line in md.split("\n") if "extend the grid past that edge" in line]
+    notes = [line for line in md.split("\n") if "rerun with lr.extend=true" in line]
     assert len(notes) == 1 and notes[0].startswith("- shampoo: best lr 0.001 is the smallest of its grid")
 
 
@@ -411,13 +411,19 @@ def test_several_workloads_give_performance_profiles(tmp_path):
 
 
 def test_differing_fingerprints_are_one_line_data_error(tmp_path):
+    """Within a workload every run must have trained on the same data; workloads may differ (e.g.
+    two datasets), and the header names each one's fingerprint."""
     make_comparison(tmp_path, workload="a", budgets=(100,), seeds=1, diverged=(), failed_trunk=())
     make_comparison(tmp_path, workload="b", budgets=(100,), seeds=1, diverged=(), failed_trunk=(), fingerprint="other")
+    header = open(build_report(str(tmp_path))).read().split("\n")[2]
+    assert f"data fingerprint: a: {FP}, b: other;" in header
+    metrics = next((tmp_path / "runs").glob("b-*-trunk")) / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().replace('"other"', '"third"'))
     with pytest.raises(DataError) as e:
         build_report(str(tmp_path))
     message = str(e.value)
-    assert "\n" not in message and "data/fingerprint" in message and "'other' in b-" in message
-    assert "data_seed" in message and not (tmp_path / "report.md").exists()
+    assert "\n" not in message and message.startswith("workload b: runs trained on different data")
+    assert "data/fingerprint" in message and "'third' in b-" in message and "data_seed" in message
 
 
 def test_a_directory_without_runs_is_one_line_data_error(tmp_path):

@@ -312,12 +312,16 @@ def _compare_args(argv):
     utils.compare.plan.compare_config) and the run overrides (validated as a run's)."""
     if argv[:1] == ["--report"]:
         return len(argv) == 2
+    from utils.compare.executor import launcher_config
     from utils.compare.plan import compare_config
     from utils.config import compose_overrides, validate
 
     module = load_script("compare")
-    ours, theirs = module.split_argv(argv)
+    ours, theirs, launcher = module.split_argv(argv)
     compare_config(module.compose_knobs(ours))
+    names = [a.split("=", 1)[1] for a in launcher if a.startswith("hydra/launcher=")]
+    if launcher:
+        launcher_config(names[-1], [a for a in launcher if a.startswith("hydra.")])
     return validate(compose_overrides(theirs, "docs"))
 
 

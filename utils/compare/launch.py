@@ -1,6 +1,7 @@
-"""Running a comparison's plan: in this process, one run after another, resumable.
+"""Running a comparison's plan: resumable, in this process or as one job per run.
 
-    run_plan(plan, compare_dir, train=train_jax.train)
+    run_plan(plan, compare_dir, train=train_jax.train)              # in this process, one run after another
+    run_jobs(plan, compare_dir, submit=..., parallel=4)             # a process or SLURM job per run
 
 `train(cfg, run_dir)` is injected (utils/ never imports train_jax; scripts/compare.py passes it).
 Each run composes its overrides as `train_jax.py` would (conf/config.yaml + the run's overrides +
@@ -10,25 +11,34 @@ run.json says where it stands: planned -> running -> done | failed. Every run sa
 
 - skips done runs (and failed ones: a diverged run is a result; delete its directory to retry),
 - resumes a run that was interrupted (its status still "running") from its newest checkpoint
-  (a trunk's branch points, a branch's end, or the save a SIGTERM/Ctrl-C made), first cutting
-  its metrics.jsonl back to that checkpoint's step so the log reads as an uninterrupted run's,
+  (a trunk's branch points, a branch's end, every `save_every` steps when set, or the save a
+  SIGTERM/Ctrl-C made), first cutting its metrics.jsonl back to that checkpoint's step so the log
+  reads as an uninterrupted run's,
 - and refuses a directory whose compare.json (knobs, run overrides, plan) differs.
 
 A run that raises an EqtrainError is "failed" (a TrainingError, a NaN/inf loss, also
 `diverged`), and the comparison goes on; a failed trunk fails its branches without running
 them. A signal (Preempted, KeyboardInterrupt) or a bug stops the comparison: the run stays
 "running" and the next invocation resumes it.
+
+With a launcher (`run_jobs`), each run is one job running `run_one` (scripts/compare.py --run DIR
+ID); the driver submits trunks first and a branch only once its trunk's run.json says done (a
+failed trunk's branches are recorded failed unrun), keeping at most `parallel` jobs in flight,
+and reads each job's outcome back from run.json when it ends. A job that ends with its run still
+"running" (killed, out of time) is reported interrupted: rerun the command to resume it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from utils.checkpoint.storage import complete_steps
-from utils.compare.plan import Plan, PlannedRun
+from utils.compare.plan import Plan, PlannedRun, override_key, run_json
 from utils.errors import ConfigError, EqtrainError, TrainingError
 from utils.files import atomic_write
 
@@ -42,15 +52,30 @@ class Summary:
     skipped: list[str] = field(default_factory=list)  # done (or failed) before
     failed: dict[str, str] = field(default_factory=dict)  # id -> why (this invocation or before)
     diverged: list[str] = field(default_factory=list)  # failed ones whose loss went non-finite
+    interrupted: list[str] = field(default_factory=list)  # a job ended with its run unfinished
 
     @property
     def user_errors(self) -> list[str]:
         """Failed for another reason than divergence (a bad knob, unreadable data)."""
         return [r for r in self.failed if r not in self.diverged]
 
+    def add(self, outcome: str, record: dict) -> None:
+        run_id = record["id"]
+        if outcome == "done":
+            self.done.append(run_id)
+        elif outcome == "skipped":
+            self.skipped.append(run_id)
+        elif outcome in ("failed", "failed before"):
+            self.failed[run_id] = record.get("error") or "failed"
+            if record.get("diverged"):
+                self.diverged.append(run_id)
+        else:
+            self.interrupted.append(run_id)
+
     def line(self, total: int, compare_dir: str) -> str:
+        stopped = f", {len(self.interrupted)} interrupted (rerun to resume)" if self.interrupted else ""
         return (f"compare: {total} runs: {len(self.done)} done, {len(self.skipped)} skipped (finished before), "
-                f"{len(self.failed)} failed ({len(self.diverged)} diverged) | {compare_dir}")
+                f"{len(self.failed)} failed ({len(self.diverged)} diverged){stopped} | {compare_dir}")
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -70,18 +95,42 @@ def run_dir(compare_dir: str, run_id: str) -> str:
     return os.path.join(compare_dir, "runs", run_id)
 
 
-def run_overrides(run: PlannedRun, compare_dir: str) -> list[str]:
+def _save_steps(run: PlannedRun, save_every: int | None) -> list[int] | None:
+    """The steps a run saves at with `save_every`: its multiples, the trunk's branch points (from
+    its plan) and its end; None without save_every (the plan's own saves)."""
+    if not save_every:
+        return None
+    end = next(int(o.split("=", 1)[1]) for o in run.overrides if override_key(o) == "train.max_steps")
+    planned = next((o.split("=", 1)[1] for o in run.overrides if override_key(o) == "checkpoint.save_steps"), "[]")
+    keep = {int(s) for s in planned.strip("[]").split(",") if s}
+    return sorted({*range(save_every, end + 1, save_every), *keep, end})
+
+
+def kept_steps(run: PlannedRun) -> set[int]:
+    """The checkpoints a finished run keeps: a trunk's branch points, a branch's end."""
+    if run.kind == "branch":
+        return {int(run.budget)}
+    planned = next(o.split("=", 1)[1] for o in run.overrides if override_key(o) == "checkpoint.save_steps")
+    return {int(s) for s in planned.strip("[]").split(",") if s}
+
+
+def run_overrides(run: PlannedRun, compare_dir: str, save_every: int | None = None) -> list[str]:
     """The plan's overrides plus where the run saves (and, for a branch, which checkpoint it loads)."""
     ckpt = lambda run_id: os.path.join(run_dir(compare_dir, run_id), "ckpt")
-    out = [*run.overrides, "checkpoint.save=true", f"checkpoint.save_path={ckpt(run.id)}", "checkpoint.resume=auto"]
+    steps = _save_steps(run, save_every)
+    out = [o for o in run.overrides if steps is None or override_key(o) != "checkpoint.save_steps"]
+    if steps is not None:
+        out.append(f"checkpoint.save_steps=[{','.join(map(str, steps))}]")
+    out += ["checkpoint.save=true", f"checkpoint.save_path={ckpt(run.id)}", "checkpoint.resume=auto"]
     if run.kind == "branch":
         out += ["checkpoint.load=true", f"checkpoint.load_path={ckpt(run.trunk)}",
                 f"checkpoint.load_file=iter_{run.branch_step}", "checkpoint.overwrite_config=true"]
     return out
 
 
-def _open_dir(plan: Plan, compare_dir: str) -> None:
-    """Write compare.json, or check that the one there is this plan's."""
+def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) -> None:
+    """Write compare.json, or check that the one there is this plan's; then a run.json for every
+    run of the plan (and of `runs`, lr.extend's) not there yet."""
     path = os.path.join(compare_dir, COMPARE_JSON)
     want = plan.to_json()
     have = read_json(path)
@@ -92,10 +141,20 @@ def _open_dir(plan: Plan, compare_dir: str) -> None:
         what = next((k for k in want if have.get(k) != json.loads(json.dumps(want[k]))), "runs")
         raise ConfigError(f"{path} holds another comparison (its {what} differ from this command's): rerun the "
                           "command that made it to continue it, or choose a new dir=")
-    for run in plan.runs:  # the whole plan is on disk before the first run starts
+    for run in (*plan.runs, *runs):  # the whole plan is on disk before the first run starts
         json_path = os.path.join(run_dir(compare_dir, run.id), RUN_JSON)
         if not os.path.exists(json_path):
             write_json(json_path, _record(run, run_overrides(run, compare_dir), "planned"))
+
+
+def load_run(compare_dir: str, run_id: str) -> PlannedRun:
+    """A run back from its run.json (what a job is given: the directory and the id)."""
+    record = read_json(os.path.join(run_dir(compare_dir, run_id), RUN_JSON))
+    if record is None:
+        raise ConfigError(f"{run_dir(compare_dir, run_id)}: no {RUN_JSON}; give a run id of that comparison")
+    return PlannedRun(record["id"], record["workload"], record["optimizer"], record["lr"], record["seed"],
+                      record["kind"], record["budget"], record["trunk"], record["branch_step"],
+                      tuple(record["plan_overrides"]), tuple((record.get("sweep") or {}).items()))
 
 
 def _trim_metrics(directory: str, step: int | None) -> None:
@@ -112,69 +171,158 @@ def _trim_metrics(directory: str, step: int | None) -> None:
             f.writelines(kept)
 
 
+def _prune(directory: str, keep: set[int]) -> None:
+    """Delete a finished run's checkpoints other than `keep` (save_every's, needed only to resume)."""
+    ckpt = os.path.join(directory, "ckpt")
+    for step in complete_steps(ckpt):
+        if step not in keep:
+            shutil.rmtree(os.path.join(ckpt, f"iter_{step}"), ignore_errors=True)
+
+
 def _record(run: PlannedRun, overrides: list[str], status: str, error: str | None = None,
             diverged: bool = False) -> dict:
-    return {"id": run.id, "workload": run.workload, "optimizer": run.optimizer, "lr": run.lr, "seed": run.seed,
-            "kind": run.kind, "budget": run.budget, "trunk": run.trunk, "branch_step": run.branch_step,
-            "overrides": overrides, "status": status, "error": error, "diverged": diverged}
+    info = run_json(run)
+    return {**{k: info[k] for k in ("id", "workload", "optimizer", "lr", "seed", "kind", "budget", "trunk",
+                                     "branch_step", "sweep")},
+            "overrides": overrides, "status": status, "error": error, "diverged": diverged,
+            "plan_overrides": info["overrides"]}  # without paths: what a job rebuilds the run from
 
 
-def _fail(summary, run, overrides: list[str], json_path: str, say: Callable[[str], None], head: str, error: str,
-          diverged: bool) -> None:
-    """Record `run` as failed (a diverged run is a result: loss inf in the report) and say so."""
-    write_json(json_path, _record(run, overrides, "failed", error, diverged))
-    summary.failed[run.id] = error
-    if diverged:
-        summary.diverged.append(run.id)
-    say(f"{head} failed ({'diverged: ' if diverged else ''}{error})")
-
-
-def run_plan(plan: Plan, compare_dir: str, train: Callable[..., dict], say: Callable[[str], None] = print,
-             compose: Callable[[list[str]], object] | None = None) -> Summary:
-    """Train every run of `plan` not done yet under `compare_dir` (absolute or relative to the cwd).
-    `compose(overrides)` builds a run's config (default: conf/ composed like train_jax.py's)."""
+def run_one(run: PlannedRun, compare_dir: str, train: Callable[..., Any], compose: Callable | None = None,
+            save_every: int | None = None, say: Callable[[str], None] = print, head: str = "") -> tuple[str, dict]:
+    """Train `run` unless it is done or failed; (outcome, its run.json record after). Outcome:
+    done | skipped | failed | failed before. A signal or a bug propagates, the run left "running"."""
     if compose is None:
         from utils.config import compose_overrides
 
         compose = lambda overrides: compose_overrides(overrides, job_name="compare")
+    head = head or f"{run.id}:"
+    directory = run_dir(compare_dir, run.id)
+    json_path = os.path.join(directory, RUN_JSON)
+    overrides = run_overrides(run, compare_dir, save_every)
+    before = read_json(json_path) or {}
+    if before.get("status") == "done":
+        say(f"{head} skipped (done before)")
+        return "skipped", before
+    if before.get("status") == "failed":
+        say(f"{head} failed before ({before.get('error') or 'failed'}); delete {directory} to run it again")
+        return "failed before", before
+    if run.kind == "branch":
+        trunk = read_json(os.path.join(run_dir(compare_dir, run.trunk), RUN_JSON)) or {}
+        if trunk.get("status") == "failed":
+            return _fail(run, overrides, json_path, say, head, f"its trunk {run.trunk} failed",
+                         bool(trunk.get("diverged")))
+        if trunk.get("status") != "done":
+            raise ConfigError(f"{run.id}: its trunk {run.trunk} is {trunk.get('status') or 'missing'}, not done: "
+                              "run the trunk first")
+    if before.get("status") == "running":
+        saved = complete_steps(os.path.join(directory, "ckpt"))
+        _trim_metrics(directory, saved[-1] if saved else None)
+        say(f"{head} resumed" + (f" from step {saved[-1]}" if saved else " from the start (no checkpoint yet)"))
+    else:
+        _trim_metrics(directory, None)  # planned: nothing of it counts yet
+    write_json(json_path, _record(run, overrides, "running"))
+    try:
+        train(compose(overrides), directory)
+    except EqtrainError as e:
+        return _fail(run, overrides, json_path, say, head, str(e).splitlines()[0] if str(e) else type(e).__name__,
+                     isinstance(e, TrainingError))
+    if save_every:
+        _prune(directory, kept_steps(run))
+    record = _record(run, overrides, "done")
+    write_json(json_path, record)
+    say(f"{head} done")
+    return "done", record
+
+
+def _fail(run, overrides: list[str], json_path: str, say: Callable[[str], None], head: str, error: str,
+          diverged: bool) -> tuple[str, dict]:
+    """Record `run` as failed (a diverged run is a result: loss inf in the report) and say so."""
+    record = _record(run, overrides, "failed", error, diverged)
+    write_json(json_path, record)
+    say(f"{head} failed ({'diverged: ' if diverged else ''}{error})")
+    return "failed", record
+
+
+def run_plan(plan: Plan, compare_dir: str, train: Callable[..., Any], say: Callable[[str], None] = print,
+             compose: Callable[[list[str]], object] | None = None, runs: tuple[PlannedRun, ...] | None = None,
+             save_every: int | None = None) -> Summary:
+    """Train every run of `plan` (or `runs`: lr.extend's) not done yet under `compare_dir`, in this
+    process. `compose(overrides)` builds a run's config (default: conf/ composed like train_jax.py's)."""
     compare_dir = os.path.abspath(compare_dir)
-    _open_dir(plan, compare_dir)
-    summary, total = Summary(), len(plan.runs)
-    for i, run in enumerate(plan.runs, 1):
-        directory = run_dir(compare_dir, run.id)
-        json_path = os.path.join(directory, RUN_JSON)
-        overrides = run_overrides(run, compare_dir)
-        before = read_json(json_path) or {}
-        head = f"[{i}/{total}] {run.id}:"
-        if before.get("status") == "done":
-            summary.skipped.append(run.id)
-            say(f"{head} skipped (done before)")
-            continue
-        if before.get("status") == "failed":
-            summary.failed[run.id] = before.get("error") or "failed"
-            if before.get("diverged"):
-                summary.diverged.append(run.id)
-            say(f"{head} failed before ({summary.failed[run.id]}); delete {directory} to run it again")
-            continue
-        if run.kind == "branch" and run.trunk in summary.failed:
-            _fail(summary, run, overrides, json_path, say, head, f"its trunk {run.trunk} failed",
-                  run.trunk in summary.diverged)
-            continue
-        if before.get("status") == "running":
-            saved = complete_steps(os.path.join(directory, "ckpt"))
-            _trim_metrics(directory, saved[-1] if saved else None)
-            say(f"{head} resumed" + (f" from step {saved[-1]}" if saved else " from the start (no checkpoint yet)"))
-        else:
-            _trim_metrics(directory, None)  # planned: nothing of it counts yet
-        write_json(json_path, _record(run, overrides, "running"))
-        try:
-            train(compose(overrides), directory)
-        except EqtrainError as e:
-            _fail(summary, run, overrides, json_path, say, head, str(e).splitlines()[0] if str(e) else type(e).__name__,
-                  isinstance(e, TrainingError))
-            continue
-        write_json(json_path, _record(run, overrides, "done"))
-        summary.done.append(run.id)
-        say(f"{head} done")
+    todo = plan.runs if runs is None else runs
+    open_dir(plan, compare_dir, todo if runs is not None else ())
+    summary, total = Summary(), len(todo)
+    for i, run in enumerate(todo, 1):
+        outcome, record = run_one(run, compare_dir, train, compose, save_every, say, f"[{i}/{total}] {run.id}:")
+        summary.add(outcome, record)
     say(summary.line(total, compare_dir))
     return summary
+
+
+def run_jobs(plan: Plan, compare_dir: str, submit: Callable[[PlannedRun], Any], parallel: int = 1,
+             say: Callable[[str], None] = print, runs: tuple[PlannedRun, ...] | None = None,
+             poll_s: float = 1.0) -> Summary:
+    """Train every run not done yet as its own job: `submit(run)` starts one (a submitit Job: its
+    `done()`, `job_id`, `exception()`) that runs `run_one`. Trunks are submitted first; a branch once
+    its trunk is done; at most `parallel` jobs at a time."""
+    compare_dir = os.path.abspath(compare_dir)
+    todo = plan.runs if runs is None else runs
+    open_dir(plan, compare_dir, todo if runs is not None else ())
+    summary, total = Summary(), len(todo)
+    index = {run.id: i for i, run in enumerate(todo, 1)}
+    status = lambda run_id: (read_json(os.path.join(run_dir(compare_dir, run_id), RUN_JSON)) or {})
+    queue = []
+    for run in todo:
+        record = status(run.id)
+        if record.get("status") in ("done", "failed"):
+            before = "skipped" if record["status"] == "done" else "failed before"
+            summary.add(before, record)
+            say(f"[{index[run.id]}/{total}] {run.id}: {'skipped (done before)' if before == 'skipped' else before}")
+        else:
+            queue.append(run)
+    flying: dict[str, tuple[Any, PlannedRun]] = {}
+    while queue or flying:
+        for run in list(queue):
+            if len(flying) >= max(1, parallel):
+                break
+            head = f"[{index[run.id]}/{total}] {run.id}:"
+            if run.kind == "branch":
+                trunk = status(run.trunk).get("status")
+                if trunk == "failed":
+                    queue.remove(run)
+                    summary.add(*run_one(run, compare_dir, None, save_every=None, say=say, head=head))
+                    continue
+                if trunk != "done" or run.trunk in flying:  # its trunk's job is over and done
+                    if trunk != "done" and run.trunk not in flying and all(r.id != run.trunk for r in queue):
+                        queue.remove(run)  # its trunk's job ended unfinished: nothing to branch from yet
+                        summary.add("interrupted", status(run.id))
+                        say(f"{head} not started (its trunk {run.trunk} did not finish)")
+                    continue
+            queue.remove(run)
+            job = submit(run)
+            flying[run.id] = (job, run)
+            say(f"{head} submitted (job {job.job_id})")
+        time.sleep(poll_s)
+        for run_id, (job, _run) in list(flying.items()):
+            if not job.done():
+                continue
+            del flying[run_id]
+            record, head = status(run_id), f"[{index[run_id]}/{total}] {run_id}:"
+            if record.get("status") == "done":
+                summary.add("done", record)
+                say(f"{head} done")
+            elif record.get("status") == "failed":
+                summary.add("failed", record)
+                say(f"{head} failed ({'diverged: ' if record.get('diverged') else ''}{record.get('error')})")
+            else:
+                summary.add("interrupted", record)
+                try:
+                    error = job.exception()
+                except Exception as e:  # noqa: BLE001 (submitit: no result file from a killed job)
+                    error = e
+                why = str(error).strip().splitlines()[-1] if error else "it ended before the run did"
+                say(f"{head} interrupted (job {job.job_id}: {why}); rerun the command to resume it")
+    say(summary.line(total, compare_dir))
+    return summary
+

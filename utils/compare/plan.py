@@ -10,14 +10,22 @@ weights, optimizer state, step, rng key and data position, so a branch trains ex
 from scratch with the whole warmup-stable-decay schedule would (tests/test_compare.py checks it).
 The cost is b_max + Σ (S_k - b_k) steps instead of Σ S_k.
 
-`make_plan` is a pure function of the knobs, the run overrides and each optimizer's yaml lr;
-`base_lrs` reads those. Every bad knob is one ConfigError line naming it, before anything trains.
-Paths are not part of the plan: utils/compare/launch.py adds the checkpoint paths of each run.
+Per workload (`workloads.<name>=[overrides]`, default: one named `default` with none), per
+optimizer, every lr of its grid is crossed with every combination of the `sweep.<knob>` values
+(optimizer knobs, e.g. `sweep.weight_decay=[0,0.1]`) and every seed.
+
+`make_plan` is a pure function of the knobs, the run overrides and each optimizer's yaml lr per
+workload; `base_lrs` reads those. Every bad knob is one ConfigError line naming it, before anything
+trains. Paths are not part of the plan: utils/compare/launch.py adds the checkpoint paths of each
+run. `extension_runs` adds the runs of one more lr beyond a grid's edge (`lr.extend=true`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import re
+import shlex
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,7 +33,7 @@ from optimizer import OPTIMIZERS
 from optimizer.schedules import DECAY_SHAPES
 from utils.errors import ConfigError
 
-WORKLOAD = "default"  # one workload per comparison for now (the report groups by this name)
+WORKLOAD = "default"  # the workload's name when `workloads` is empty
 
 # Run knobs the comparison sets itself; a run override that touches one is refused (the knob to
 # use instead is named). Other checkpoint.* knobs (async_save, compress, max_to_keep) pass through.
@@ -49,6 +57,8 @@ CONTROLLED = {
     "checkpoint.overwrite_optimizer": "nothing: a branch continues its trunk's optimizer state",
     "logging.metrics_file": "nothing: the report reads metrics.jsonl",
 }
+# Knobs of how a comparison runs, not of what it compares: a rerun may change them (not in compare.json).
+EXECUTION = ("dir", "save_every", "parallel")
 # Run knobs the comparison sets unless the run overrides set them: no end-of-run sample, no
 # samples at evaluations (the report reads neither).
 QUIET = ("train.sample_tokens=0", "logging.sample_prompts=[]")
@@ -68,6 +78,10 @@ class CompareConfig:
     warmup: int = 0
     cooldown_fraction: float = 0.2
     cooldown_shape: str = "1-sqrt"
+    lr_extend: bool = False  # add lrs beyond a grid's edge while the best lr sits there
+    lr_extend_max: int = 2  # at most this many added lrs per optimizer and workload
+    sweep: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # (optimizer knob, its values), crossed with the lrs
+    workloads: tuple[tuple[str, tuple[str, ...]], ...] = ((WORKLOAD, ()),)  # (name, its run overrides)
 
     def branch_step(self, budget: int) -> int:
         """round((1 - cooldown.fraction)·S): the trunk's step a budget's branch starts from."""
@@ -88,6 +102,7 @@ class PlannedRun:
     trunk: str | None  # a branch's trunk id
     branch_step: int | None  # the trunk checkpoint a branch starts from
     overrides: tuple[str, ...]  # Hydra overrides, without the checkpoint paths (launch.py adds them)
+    sweep: tuple[tuple[str, Any], ...] = ()  # (optimizer knob, value) of this run, one per sweep knob
 
 
 @dataclass(frozen=True)
@@ -100,10 +115,17 @@ class Plan:
         """compare.json's content (without paths: the same command plans the same comparison)."""
         knobs = asdict(self.knobs)
         knobs["lr_grid"] = {opt: list(lrs) for opt, lrs in self.knobs.lr_grid}
+        knobs["sweep"] = {knob: list(values) for knob, values in self.knobs.sweep}
+        knobs["workloads"] = {name: list(overrides) for name, overrides in self.knobs.workloads}
         for key in ("optimizers", "budgets"):
             knobs[key] = list(knobs[key])
-        runs = [{**asdict(r), "overrides": list(r.overrides)} for r in self.runs]
+        runs = [run_json(r) for r in self.runs]
         return {"knobs": knobs, "run_overrides": list(self.run_overrides), "runs": runs}
+
+
+def run_json(run: PlannedRun) -> dict:
+    """A run as compare.json and run.json hold it (the sweep as a mapping)."""
+    return {**asdict(run), "overrides": list(run.overrides), "sweep": dict(run.sweep)}
 
 
 # ----------------------------------------------------------------------------- knobs
@@ -140,7 +162,8 @@ def _optimizer(name: Any, knob: str) -> str:
 def compare_config(node: dict) -> CompareConfig:
     """conf/compare.yaml's composed knobs -> CompareConfig, or one ConfigError line naming the knob."""
     node = dict(node)
-    known = {"optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "dir"}
+    known = {"optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
+             *EXECUTION}
     unknown = sorted(set(node) - known)
     if unknown:
         raise ConfigError(f"unknown comparison knob {unknown[0]!r}: the knobs are {', '.join(sorted(known))}")
@@ -152,10 +175,13 @@ def compare_config(node: dict) -> CompareConfig:
     if any(b <= a for a, b in zip(budgets, budgets[1:])):
         raise ConfigError(f"budgets={budgets} must be strictly increasing (no repeats), e.g. {sorted(set(budgets))}")
     lr = dict(node.get("lr") or {})
-    unknown = sorted(set(lr) - {"points", "factor", "grid"})
+    unknown = sorted(set(lr) - {"points", "factor", "grid", "extend", "extend_max"})
     if unknown:
         raise ConfigError(f"unknown comparison knob 'lr.{unknown[0]}': the lr knobs are lr.points, lr.factor, "
-                          "lr.grid.<optimizer>")
+                          "lr.grid.<optimizer>, lr.extend, lr.extend_max")
+    extend = lr.get("extend", False)
+    if not isinstance(extend, bool):
+        raise ConfigError(f"lr.extend={extend!r} must be true or false")
     points = _int(lr.get("points", 4), "lr.points", 1, "the number of lrs tried per optimizer")
     factor = _float(lr.get("factor", 2.0), "lr.factor")
     if factor <= 1:
@@ -189,7 +215,9 @@ def compare_config(node: dict) -> CompareConfig:
         seeds=_int(node.get("seeds", 1), "seeds", 1, "the number of random_seeds (inits) per optimizer and lr"),
         data_seed=_int(node.get("data_seed", 0), "data_seed", 0, "one data order for the whole comparison"),
         warmup=_int(node.get("warmup", 0), "warmup", 0, "linear warmup steps of every run"),
-        cooldown_fraction=fraction, cooldown_shape=shape)
+        cooldown_fraction=fraction, cooldown_shape=shape, lr_extend=extend,
+        lr_extend_max=_int(lr.get("extend_max", 2), "lr.extend_max", 1, "lrs lr.extend may add per optimizer"),
+        sweep=_sweep(node.get("sweep") or {}), workloads=_workloads(node.get("workloads") or {}))
     for budget in budgets:
         b = knobs.branch_step(budget)
         if budget - b < 1:
@@ -203,6 +231,55 @@ def compare_config(node: dict) -> CompareConfig:
     return knobs
 
 
+def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
+    """{"groups": {"hidden": {"b2": [..]}}} -> {"groups.hidden.b2": [..]}."""
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _sweep(node: dict) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """sweep.<optimizer knob>=[values] -> ((knob, values), ...), sorted by knob."""
+    out = []
+    for knob, values in sorted(_flatten(dict(node)).items()):
+        name = f"sweep.{knob}"
+        if knob == "name" or knob.split(".")[0] == "lr_config" or knob.split(".")[-1] == "lr":
+            raise ConfigError(f"{name}: the comparison sets the optimizer and its lr itself; sweep lrs with "
+                              "lr.points/lr.factor/lr.grid.<optimizer>, other optimizer knobs with sweep.<knob>")
+        values = _list(values, name, "[0.0,0.1]")
+        if any(isinstance(v, (dict, list)) for v in values) or len({repr(v) for v in values}) != len(values):
+            raise ConfigError(f"{name}={values} must be distinct plain values (numbers, true/false or names)")
+        out.append((knob, tuple(values)))
+    return tuple(out)
+
+
+WORKLOAD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*(_[A-Za-z0-9.-]+)*")
+
+
+def _workloads(node: dict) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """workloads.<name>=[overrides] (or one string of space-separated overrides) -> ((name, overrides), ...)."""
+    out = []
+    for name, overrides in sorted(dict(node).items()):
+        knob = f"workloads.{name}"
+        if not WORKLOAD_NAME.fullmatch(str(name)):
+            raise ConfigError(f"{knob}: a workload's name is letters, digits, '.', '-' and single '_' (it is part of "
+                              "every run's directory name), e.g. workloads.small")
+        if isinstance(overrides, str):
+            overrides = shlex.split(overrides)
+        if overrides is None:
+            overrides = []
+        if not isinstance(overrides, (list, tuple)) or any(not isinstance(o, str) or "=" not in o for o in overrides):
+            raise ConfigError(f"{knob}={overrides!r} must be a list of run overrides, e.g. "
+                              f"'{knob}=[model.dim=64,dataset.batch_size=16]'")
+        check_run_overrides(overrides, knob)
+        out.append((str(name), tuple(overrides)))
+    return tuple(out) or ((WORKLOAD, ()),)
+
+
 # ----------------------------------------------------------------------------- overrides
 
 
@@ -211,16 +288,17 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~").strip()
 
 
-def check_run_overrides(overrides: list[str] | tuple[str, ...]) -> None:
+def check_run_overrides(overrides: list[str] | tuple[str, ...], where: str = "") -> None:
     """Refuse a run override of a knob the comparison sets itself, naming the knob to use."""
+    at = f" (in {where})" if where else ""
     for override in overrides:
         key = override_key(override)
         if key.startswith("hydra/") or key.startswith("hydra."):
-            raise ConfigError(f"{override}: a comparison runs its runs in this process, one after another; "
-                              "hydra/launcher and other hydra.* settings are not supported (yet)")
+            raise ConfigError(f"{override}{at}: only hydra/launcher=local|slurm and hydra.launcher.* are comparison "
+                              "knobs (each run its own process or SLURM job); other hydra settings are not supported")
         for knob, instead in CONTROLLED.items():
             if key == knob or ("." in knob and key.startswith(knob + ".")):  # optimizer.<knob> passes
-                raise ConfigError(f"{override}: the comparison sets {knob} itself; use {instead}")
+                raise ConfigError(f"{override}{at}: the comparison sets {knob} itself; use {instead}")
 
 
 def base_lrs(optimizers: tuple[str, ...], run_overrides: tuple[str, ...] = ()) -> dict[str, float]:
@@ -234,6 +312,11 @@ def base_lrs(optimizers: tuple[str, ...], run_overrides: tuple[str, ...] = ()) -
     return out
 
 
+def workload_lrs(knobs: CompareConfig, run_overrides: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
+    """base_lrs per workload (a workload's overrides may change an optimizer's yaml lr)."""
+    return {name: base_lrs(knobs.optimizers, (*run_overrides, *extra)) for name, extra in knobs.workloads}
+
+
 def lr_grid(knobs: CompareConfig, optimizer: str, base_lr: float) -> tuple[float, ...]:
     """lr.grid.<optimizer>, else base·factor^k for k = -(points//2) .. points - points//2 - 1."""
     explicit = dict(knobs.lr_grid).get(optimizer)
@@ -243,9 +326,18 @@ def lr_grid(knobs: CompareConfig, optimizer: str, base_lr: float) -> tuple[float
     return tuple(base_lr * knobs.lr_factor ** k for k in range(low, low + knobs.lr_points))
 
 
-def run_id(optimizer: str, lr: float, seed: int, budget: int | None = None) -> str:
+def _value(v: Any) -> str:
+    """A sweep value as a Hydra override value and in a run id."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def run_id(optimizer: str, lr: float, seed: int, budget: int | None = None, workload: str = WORKLOAD,
+           sweep: tuple[tuple[str, Any], ...] = ()) -> str:
     tail = "trunk" if budget is None else f"S{budget}"
-    return f"{WORKLOAD}__{optimizer}__lr{lr:g}__seed{seed}__{tail}"
+    swept = "".join(f"__{knob}{_value(v)}" for knob, v in sweep)
+    return f"{workload}__{optimizer}__lr{lr:g}{swept}__seed{seed}__{tail}"
 
 
 def _val_freq(knobs: CompareConfig) -> int:
@@ -253,36 +345,91 @@ def _val_freq(knobs: CompareConfig) -> int:
     return math.gcd(*knobs.budgets, *(knobs.branch_step(b) for b in knobs.budgets))
 
 
-def make_plan(knobs: CompareConfig, run_overrides: list[str] | tuple[str, ...], lrs: dict[str, float]) -> Plan:
-    """The comparison's runs, each trunk followed by its branches. `lrs`: each optimizer's yaml lr."""
-    run_overrides = tuple(run_overrides)
-    check_run_overrides(run_overrides)
-    given = {override_key(o) for o in run_overrides}
-    defaults = [o for o in (*QUIET, f"train.val_freq={_val_freq(knobs)}") if override_key(o) not in given]
+def _setting_runs(knobs: CompareConfig, workload: str, optimizer: str, lr: float, overrides: tuple[str, ...],
+                  defaults: list[str]) -> list[PlannedRun]:
+    """The runs of one (workload, optimizer, lr): per sweep combination and seed, a trunk, then its branches."""
     steps = sorted({knobs.branch_step(b) for b in knobs.budgets})
     runs: list[PlannedRun] = []
-    for opt in knobs.optimizers:
-        for lr in lr_grid(knobs, opt, lrs[opt]):
-            for seed in range(knobs.seeds):
-                common = [f"optimizer={opt}", f"optimizer.lr_config.lr={lr!r}",
-                          f"optimizer.lr_config.warmup={knobs.warmup}", f"random_seed={seed}",
-                          f"data_seed={knobs.data_seed}", *defaults, *run_overrides]
-                trunk = run_id(opt, lr, seed)
+    combos = itertools.product(*[[(knob, v) for v in values] for knob, values in knobs.sweep])
+    for sweep in (tuple(c) for c in combos):
+        swept = [f"optimizer.{knob}={_value(v)}" for knob, v in sweep]
+        for seed in range(knobs.seeds):
+            common = [f"optimizer={optimizer}", f"optimizer.lr_config.lr={lr!r}",
+                      f"optimizer.lr_config.warmup={knobs.warmup}", *swept, f"random_seed={seed}",
+                      f"data_seed={knobs.data_seed}", *defaults, *overrides]
+            trunk = run_id(optimizer, lr, seed, None, workload, sweep)
+            runs.append(PlannedRun(
+                trunk, workload, optimizer, lr, seed, "trunk", None, None, None,
+                ("optimizer/lr_config=constant", *common, f"train.max_steps={steps[-1]}",
+                 f"checkpoint.save_steps=[{','.join(map(str, steps))}]"), sweep))
+            for budget in knobs.budgets:
+                b = knobs.branch_step(budget)
                 runs.append(PlannedRun(
-                    trunk, WORKLOAD, opt, lr, seed, "trunk", None, None, None,
-                    ("optimizer/lr_config=constant", *common, f"train.max_steps={steps[-1]}",
-                     f"checkpoint.save_steps=[{','.join(map(str, steps))}]")))
-                for budget in knobs.budgets:
-                    b = knobs.branch_step(budget)
-                    runs.append(PlannedRun(
-                        run_id(opt, lr, seed, budget), WORKLOAD, opt, lr, seed, "branch", budget, trunk, b,
-                        ("optimizer/lr_config=trapezoid", *common, f"train.max_steps={budget}",
-                         f"optimizer.lr_config.decay={budget - b}",
-                         f"optimizer.lr_config.decay_shape={knobs.cooldown_shape}",
-                         "optimizer.lr_config.min_lr=0.0", "optimizer.lr_config.max_steps=null")))
+                    run_id(optimizer, lr, seed, budget, workload, sweep), workload, optimizer, lr, seed, "branch",
+                    budget, trunk, b,
+                    ("optimizer/lr_config=trapezoid", *common, f"train.max_steps={budget}",
+                     f"optimizer.lr_config.decay={budget - b}",
+                     f"optimizer.lr_config.decay_shape={knobs.cooldown_shape}",
+                     "optimizer.lr_config.min_lr=0.0", "optimizer.lr_config.max_steps=null"), sweep))
+    return runs
+
+
+def _workload_overrides(knobs: CompareConfig, run_overrides: tuple[str, ...], workload: str) -> tuple[list, tuple]:
+    """(the defaults a workload's runs get, the user's run overrides then the workload's)."""
+    overrides = (*run_overrides, *dict(knobs.workloads)[workload])
+    given = {override_key(o) for o in overrides}
+    defaults = [o for o in (*QUIET, f"train.val_freq={_val_freq(knobs)}") if override_key(o) not in given]
+    return defaults, overrides
+
+
+def _check_ids(runs: list[PlannedRun]) -> None:
     ids = [r.id for r in runs]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise ConfigError(f"two runs would share the id {dup}: the lrs of lr.grid/lr.factor must differ in their "
                           "first 6 significant digits")
+
+
+def make_plan(knobs: CompareConfig, run_overrides: list[str] | tuple[str, ...],
+              lrs: dict[str, float] | dict[str, dict[str, float]]) -> Plan:
+    """The comparison's runs, each trunk followed by its branches. `lrs`: each optimizer's yaml lr,
+    or per workload name such a mapping (workload_lrs)."""
+    run_overrides = tuple(run_overrides)
+    check_run_overrides(run_overrides)
+    runs: list[PlannedRun] = []
+    for workload, _ in knobs.workloads:
+        defaults, overrides = _workload_overrides(knobs, run_overrides, workload)
+        base = lrs[workload] if isinstance(lrs.get(workload), dict) else lrs
+        for opt in knobs.optimizers:
+            for lr in lr_grid(knobs, opt, base[opt]):
+                runs += _setting_runs(knobs, workload, opt, lr, overrides, defaults)
+    _check_ids(runs)
     return Plan(knobs, run_overrides, tuple(runs))
+
+
+def extension_lr(grid: list[float], best: float | None, base_grid: tuple[float, ...], most: int) -> float | None:
+    """The next lr beyond the edge of `grid` (the lrs run so far, ascending) where `best` sits, at
+    the ratio of the two lrs at that edge; None when best is inside, unknown, the grid has one lr,
+    or `most` lrs were already added on that side of `base_grid`."""
+    if best is None or len(grid) < 2 or best not in (grid[0], grid[-1]):
+        return None
+    if best == grid[-1]:
+        added = sum(lr > max(base_grid) * (1 + 1e-9) for lr in grid)
+        return None if added >= most else grid[-1] * (grid[-1] / grid[-2])
+    added = sum(lr < min(base_grid) * (1 - 1e-9) for lr in grid)
+    return None if added >= most else grid[0] / (grid[1] / grid[0])
+
+
+def extension_runs(plan: Plan, new_lrs: dict[tuple[str, str], float]) -> tuple[PlannedRun, ...]:
+    """The runs of each (workload, optimizer)'s added lr: every sweep combination, seed and budget."""
+    runs: list[PlannedRun] = []
+    for (workload, opt), lr in sorted(new_lrs.items()):
+        defaults, overrides = _workload_overrides(plan.knobs, plan.run_overrides, workload)
+        runs += _setting_runs(plan.knobs, workload, opt, lr, overrides, defaults)
+    _check_ids([*plan.runs, *runs])
+    return tuple(runs)
+
+
+def base_grid(plan: Plan, workload: str, optimizer: str) -> tuple[float, ...]:
+    """The lrs the plan itself gives (workload, optimizer), before any extension."""
+    return tuple(sorted({r.lr for r in plan.runs if r.workload == workload and r.optimizer == optimizer}))

@@ -40,7 +40,7 @@ REFERENCE = "adamw"  # the optimizer every speedup, t-test and cost is relative 
 TAUS = (1.0, 1.5, 2.0, 3.0, 4.0)  # performance-profile points printed in the table (the PNG: 1..4)
 ALPHA = 0.05  # significance level of the t-test's verdict
 MIN_SEEDS = 3  # fewer seeds per side: the t-test's verdict is "needs >= 3 seeds"
-CSV_FIELDS = ("id", "workload", "optimizer", "lr", "seed", "budget", "kind", "status", "diverged",
+CSV_FIELDS = ("id", "workload", "optimizer", "lr", "sweep", "seed", "budget", "kind", "status", "diverged",
               "final_val_loss", "steps", "tokens", "seconds", "step_sec", "state_bytes")
 VAL, TOKENS, ELAPSED, STEP_SEC = "val/loss", "data/tokens", "time/elapsed_sec", "time/step_sec"
 FINGERPRINT, STATE_BYTES = "data/fingerprint", "optim/state_bytes"
@@ -61,6 +61,11 @@ class Run:
         if key in RUN_KEYS and "info" in self.__dict__:
             return self.__dict__["info"].get(key)
         raise AttributeError(key)
+
+    @property
+    def setting(self) -> tuple:
+        """The run's sweep values ((knob, value), ...), sorted; () without a sweep."""
+        return tuple(sorted((self.info.get("sweep") or {}).items()))
 
     @property
     def failed(self) -> bool:
@@ -191,7 +196,8 @@ def csv_row(run: Run, result: Result | None, trunk: Run | None) -> dict:
     pick = lambda a: float(a[0]) if len(a) else math.nan
     own_step = _column(run.records, STEP_SEC)[1]
     state = _column(run.records, STATE_BYTES)[1]
-    return {"id": run.id, "workload": run.workload, "optimizer": run.optimizer, "lr": run.lr, "seed": run.seed,
+    return {"id": run.id, "workload": run.workload, "optimizer": run.optimizer, "lr": run.lr,
+            "sweep": ";".join(f"{k}={v}" for k, v in run.setting), "seed": run.seed,
             "budget": run.info.get("budget"), "kind": run.kind, "status": run.status,
             "diverged": bool(run.info.get("diverged")), "final_val_loss": final,
             "steps": records[-1]["step"] if records else 0, "tokens": pick(last(TOKENS)),
@@ -244,15 +250,41 @@ class Workload:
         self.optimizers = _order(r.optimizer for r in self.runs)
         self.budgets = sorted({int(r.run.budget) for r in self.results})
         self.largest = self.budgets[-1] if self.budgets else None
-        self.losses: dict[tuple, list[float]] = defaultdict(list)  # (optimizer, lr, budget) -> per seed
-        self.by_key: dict[tuple, list[Result]] = defaultdict(list)
-        for res in sorted(self.results, key=lambda r: (r.run.seed, r.run.id)):
+        self.knobs = sorted({k for r in self.runs for k, _ in r.setting})  # the swept optimizer knobs
+        # With a sweep, each optimizer is shown at its best setting (sweep values): every lr-level
+        # table below reads only that setting's runs; section_sweep shows the others.
+        self.settings = {o: sorted({r.setting for r in self.runs if r.optimizer == o}, key=repr)
+                         for o in self.optimizers}
+        self.sweep_table = {o: {st: self._index([res for res in self.results if res.run.optimizer == o
+                                                 and res.run.setting == st])[0] for st in self.settings[o]}
+                            for o in self.optimizers}
+        self.best_setting = {o: self._best_setting(o) for o in self.optimizers}
+        chosen = [res for res in self.results if res.run.setting == self.best_setting[res.run.optimizer]]
+        self.losses, self.by_key = self._index(chosen)  # (optimizer, lr, budget) -> per seed
+        self.grid = {o: sorted({float(r.lr) for r in self.runs if r.optimizer == o
+                                and r.setting == self.best_setting[o]}) for o in self.optimizers}
+        self.best = {o: self._best_lr(o) for o in self.optimizers}
+
+    def _index(self, results: list[Result]) -> tuple[dict, dict]:
+        losses: dict[tuple, list[float]] = defaultdict(list)
+        by_key: dict[tuple, list[Result]] = defaultdict(list)
+        for res in sorted(results, key=lambda r: (r.run.seed, r.run.id)):
             if res.why != "pending":
                 key = (res.run.optimizer, float(res.run.lr), int(res.run.budget))
-                self.losses[key].append(res.loss)
-                self.by_key[key].append(res)
-        self.grid = {o: sorted({float(r.lr) for r in self.runs if r.optimizer == o}) for o in self.optimizers}
-        self.best = {o: self._best_lr(o) for o in self.optimizers}
+                losses[key].append(res.loss)
+                by_key[key].append(res)
+        return losses, by_key
+
+    def setting_best(self, optimizer: str, setting: tuple) -> tuple[float, float | None]:
+        """(the lowest mean final loss over the lrs of `setting` at the largest budget, its lr)."""
+        losses = self.sweep_table[optimizer][setting]
+        means = [(stats.mean_std(v)[0], lr) for (o, lr, b), v in losses.items() if b == self.largest]
+        means = sorted((m, lr) for m, lr in means if math.isfinite(m))
+        return means[0] if means else (math.inf, None)
+
+    def _best_setting(self, optimizer: str) -> tuple:
+        """The sweep values with the lowest mean final loss at their best lr (ties: the first listed)."""
+        return min(self.settings[optimizer], key=lambda st: self.setting_best(optimizer, st)[0])
 
     def _best_lr(self, optimizer: str) -> float | None:
         """The lr with the lowest mean final loss over seeds at the largest budget (ties: the
@@ -275,8 +307,9 @@ def section_summary(w: Workload, h: str) -> list[str]:
     for o in w.optimizers:
         mine = [r for r in w.runs if r.optimizer == o]
         cells = [f_loss(*stats.mean_std(w.at_best(o, b))) for b in w.budgets]
-        rows.append([o, f_lr(w.best[o]), len(mine), sum(r.status == "failed" for r in mine),
-                     sum(bool(r.info.get("diverged")) for r in mine), *cells])
+        best = dict(w.best_setting[o])
+        rows.append([o, f_lr(w.best[o]), *(best.get(k, "–") for k in w.knobs), len(mine),
+                     sum(r.status == "failed" for r in mine), sum(bool(r.info.get("diverged")) for r in mine), *cells])
         grid, best = w.grid[o], w.best[o]
         if best is None:
             notes.append(f"- {o}: no lr has a finite mean at budget {w.largest} (every seed failed at some lr): "
@@ -287,12 +320,30 @@ def section_summary(w: Workload, h: str) -> list[str]:
         elif best in (grid[0], grid[-1]):
             side = "smallest" if best == grid[0] else "largest"
             notes.append(f"- {o}: best lr {f_lr(best)} is the {side} of its grid ({', '.join(map(f_lr, grid))}): "
-                         f"the optimum may lie beyond it; extend the grid past that edge (lr.grid.{o}=[...] "
-                         "or a larger lr.factor) in a new comparison.")
-    out += table(["optimizer", "best lr", "runs", "failed", "diverged", *(f"S={b}" for b in w.budgets)], rows)
+                         "the optimum may lie beyond it: rerun with lr.extend=true (adds lrs past that edge) "
+                         f"or extend the grid (lr.grid.{o}=[...], a larger lr.factor).")
+    out += table(["optimizer", "best lr", *(f"best {k}" for k in w.knobs), "runs", "failed", "diverged",
+                  *(f"S={b}" for b in w.budgets)], rows)
     if notes:
         out += ["Edge of the grid:", "", *notes, ""]
     return out
+
+
+def section_sweep(w: Workload, h: str) -> list[str]:
+    """With sweep.<knob>: every setting's best mean final val/loss at the largest budget."""
+    if not w.knobs:
+        return []
+    out = [f"{h} Sweep", "", f"Per optimizer and setting of the swept knobs ({', '.join(w.knobs)}): the lowest mean "
+           f"final val/loss over its lrs at the largest budget ({w.largest}) and that lr. Each optimizer's "
+           "tables above and below are at its best setting (*).", ""]
+    rows = []
+    for o in w.optimizers:
+        for st in w.settings[o]:
+            loss, lr = w.setting_best(o, st)
+            values = dict(st)
+            rows.append([o + (" *" if st == w.best_setting[o] else ""), *(values.get(k, "–") for k in w.knobs),
+                         f_lr(lr), f_loss(loss)])
+    return out + table(["optimizer", *w.knobs, "best lr", "final val/loss"], rows)
 
 
 def section_sensitivity(w: Workload, h: str, png: str) -> list[str]:
@@ -560,23 +611,26 @@ def section_profiles(workloads: list[Workload], compare_dir: str) -> list[str]:
     return out
 
 
-def build_report(compare_dir: str, target: float | None = None) -> str:
-    """Read the runs under `compare_dir`, write results.csv, the PNGs and report.md there;
-    return report.md's path. DataError: no runs, or runs whose data fingerprints differ."""
-    compare_dir = os.path.abspath(compare_dir)
+def load_workloads(compare_dir: str, target: float | None = None) -> list[Workload]:
+    """The comparison under `compare_dir` read back: a Workload per workload name (sorted), each
+    with its results and target. DataError: no runs, or a workload whose runs' data fingerprints differ."""
+    return _load(os.path.abspath(compare_dir), target)[2]
+
+
+def _load(compare_dir: str, target: float | None) -> tuple[dict[str, Run], dict[str, Result], list[Workload],
+                                                          dict[str, str | None]]:
     runs = load_runs(compare_dir)
-    fingerprint = check_fingerprints(runs)
+    names = sorted({r.workload for r in runs.values()})
+    fingerprints = {}
+    for name in names:
+        try:
+            fingerprints[name] = check_fingerprints({k: r for k, r in runs.items() if r.workload == name})
+        except DataError as e:
+            raise DataError(f"workload {name}: {e}" if len(names) > 1 else str(e)) from None
     results: dict[str, Result] = {}
     for run in runs.values():
         if run.kind == "branch":
             results[run.id] = make_result(run, runs.get(run.info.get("trunk") or ""))
-    write_csv(compare_dir, runs, results)
-
-    knobs = {}
-    if os.path.isfile(os.path.join(compare_dir, "compare.json")):
-        with open(os.path.join(compare_dir, "compare.json"), encoding="utf-8") as f:
-            knobs = json.load(f).get("knobs", {})
-    names = sorted({r.workload for r in runs.values()})
     workloads = []
     for name in names:
         w = Workload(name, [r for r in runs.values() if r.workload == name],
@@ -586,6 +640,30 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
         if w.target is not None:
             time_to_target(w)
         workloads.append(w)
+    return runs, results, workloads, fingerprints
+
+
+def knob_name(key: str) -> str:
+    """compare.json's field -> the knob a user types (lr_points -> lr.points)."""
+    for group in ("lr_", "cooldown_"):
+        if key.startswith(group):
+            return f"{group[:-1]}.{key[len(group):]}"
+    return key
+
+
+def build_report(compare_dir: str, target: float | None = None) -> str:
+    """Read the runs under `compare_dir`, write results.csv, the PNGs and report.md there;
+    return report.md's path. DataError: no runs, or runs whose data fingerprints differ."""
+    compare_dir = os.path.abspath(compare_dir)
+    runs, results, workloads, fingerprints = _load(compare_dir, target)
+    write_csv(compare_dir, runs, results)
+    knobs = {}
+    if os.path.isfile(os.path.join(compare_dir, "compare.json")):
+        with open(os.path.join(compare_dir, "compare.json"), encoding="utf-8") as f:
+            knobs = json.load(f).get("knobs", {})
+    names = [w.name for w in workloads]
+    fingerprint = ", ".join(f"{n}: {fingerprints[n] or 'not logged'}" for n in names) if len(names) > 1 else (
+        fingerprints[names[0]] or "not logged")
 
     pending = [r.run.id for r in results.values() if r.why == "pending"]
     trunks = sum(r.kind == "trunk" for r in runs.values())
@@ -593,7 +671,7 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
              f"{len(runs)} runs ({trunks} trunks, {len(results)} cooldown branches) in `{compare_dir}`; "
              f"data fingerprint: {fingerprint or 'not logged'}; workloads: {', '.join(names)}.", ""]
     if knobs:
-        lines += ["Knobs: " + ", ".join(f"`{k}={v}`" for k, v in knobs.items()), ""]
+        lines += ["Knobs: " + ", ".join(f"`{knob_name(k)}={v}`" for k, v in knobs.items()), ""]
     if pending:
         lines += [f"Pending (not run yet, left out of every table): {len(pending)} branches "
                   f"({', '.join(pending[:5])}{' …' if len(pending) > 5 else ''}).", ""]
@@ -612,6 +690,7 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
         plot_curves(w, "tokens", os.path.join(compare_dir, tok))
         plot_curves(w, "seconds", os.path.join(compare_dir, sec))
         lines += section_summary(w, h)
+        lines += section_sweep(w, h)
         lines += section_sensitivity(w, h, sens)
         lines += [f"{h} Curves at the best lr", "", "val/loss of every seed at each optimizer's best lr and the "
                   "largest budget: the trunk, then the cooldown branch.", "", f"![vs tokens]({tok})", "",
