@@ -9,6 +9,7 @@ saving at 8 and 16, and two cooldown branches (2 and 4 steps).
 """
 
 import json
+import math
 import os
 import shutil
 
@@ -267,8 +268,6 @@ def test_save_every_adds_interval_saves_and_keeps_the_branch_points(tmp_path):
 def fake_train(cfg, run_dir):
     """A stand-in for train_jax.train: val/loss = 3 + (log10(lr) + 2.5)² (best lr 10^-2.5 ≈ 3.2e-3)
     + 0.1·weight_decay + 1/step, logged every train.val_freq steps from the branch point on."""
-    import math
-
     lr, wd = float(cfg.optimizer.lr_config.lr), float(cfg.optimizer.get("weight_decay", 0.0))
     start = int(cfg.checkpoint.load_file.split("_")[1]) if cfg.checkpoint.load else 0
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
@@ -301,6 +300,18 @@ def test_lr_extend_runs_lrs_past_the_edge_until_the_best_is_inside(tmp_path, mon
     out = capsys.readouterr().out
     assert "lr.extend" not in out and out.count("skipped (done before)") == 8 and "0 done, 8 skipped" in out
     assert reports == [str(tmp_path)] * 2
+    # the report at each optimizer's best setting, and the Sweep table: every setting's best lr and loss
+    from utils.compare.report import build_report
+
+    md = open(build_report(str(tmp_path))).read()
+    expect = lambda lr, wd: 3 + (math.log10(lr) + 2.5) ** 2 + 0.1 * wd + 1 / 10
+    sweep = md.split("## Sweep")[1].split("\n## ")[0]
+    rows = [line.split(" | ") for line in sweep.splitlines() if line.startswith("| adamw")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("| adamw *", "0.0", "0.0027"), ("| adamw", "0.1", "0.0027")]
+    assert [float(r[3].rstrip(" |")) for r in rows] == [round(expect(2.7e-3, 0.0), 4), round(expect(2.7e-3, 0.1), 4)]
+    summary = md.split("## Results per optimizer")[1].split("\n## ")[0]
+    assert "| optimizer | best lr | best weight_decay | runs |" in summary
+    assert f"| adamw | 0.0027 | 0.0 | 16 | 0 | 0 | {expect(2.7e-3, 0.0):.4f} |" in summary
 
 
 def _launched(tmp_path, cache_dir, *launcher: str) -> tuple[list[str], object]:
