@@ -12,7 +12,8 @@ arrays (a group's leaves are where `group_state`'s trees hold arrays and not `op
 It returns scalar arrays keyed by a short stat name; `optimizer_metrics` logs each as
 `optim/<group>/<stat>`. It must be pure and jittable (it runs in the logging variant of the
 jitted train step), read only the state, and return {} for a group with no leaves (a tied head).
-An optimizer without the method logs only `optim/state_bytes`.
+An optimizer without the method logs only `optim/state_bytes` (and, under optimizer.cautious,
+`optim/cautious_kept_fraction`, which every optimizer gets).
 
 Find a transform's state by type with `find_states` (e.g. `optax.ScaleByAdamState`), never by
 its position in a chain: chains, masks and wrappers change, types do not.
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optimizer.cautious import CautiousState
 from optimizer.groups import group_hparams
 from utils.train.step_metrics import FnMetric
 
@@ -150,20 +152,35 @@ def step_metric(hparams: Any, overrides: dict[str, dict[str, float]] | None = No
 
 def optimizer_metrics(hparams: Any, opt_state: Any, params: Any,
                       overrides: dict[str, dict[str, float]] | None = None) -> dict[str, jax.Array]:
-    """`optim/<group>/<stat>` from each group's `diagnostics`; pure and jittable.
+    """`optim/<group>/<stat>` from each group's `diagnostics`, and `optim/cautious_kept_fraction`
+    under optimizer.cautious; pure and jittable.
 
     hparams: the run's optimizer dataclass (run.optimizer.hparams); overrides: its per-group
     overrides (run.optimizer.group_overrides), so a group's stats use its own b2/epsilon;
-    params: the model's arrays (eqx.filter(model, eqx.is_array)), for shapes only."""
-    method = getattr(hparams, "diagnostics", None)
-    if method is None:
-        return {}
-    out: dict[str, jax.Array] = {}
+    params: the model's arrays (eqx.filter(model, eqx.is_array)), the ones this state goes with
+    (their shapes; Schedule-Free reads their values, its y)."""
+    out: dict[str, jax.Array] = cautious_kept_fraction(opt_state, params)
+    if getattr(hparams, "diagnostics", None) is None:
+        return out
     for group, state in group_states(opt_state).items():
         own = group_hparams(hparams, group, overrides or {})
         for stat, value in own.diagnostics(group, state, params).items():
             out[f"{PREFIX}/{group}/{stat}"] = value
     return out
+
+
+def cautious_kept_fraction(opt_state: Any, params: Any) -> dict[str, jax.Array]:
+    """{"optim/cautious_kept_fraction": components the last update kept / components masked},
+    over every group's CautiousState (optimizer/cautious.py); {} without one (cautious off).
+    The counts are int32 per leaf, summed in float32 (exact up to 2^24 kept components)."""
+    pairs: list = []  # (kept count, leaf size) of every masked leaf
+    for state in find_states(opt_state, CautiousState):
+        jax.tree.map(lambda k, p: pairs.append((k, p.size)) if _is_array(k) else None, state.kept, params,
+                     is_leaf=is_masked)
+    size = sum(n for _, n in pairs)
+    if not size:
+        return {}
+    return {f"{PREFIX}/cautious_kept_fraction": sum(k.astype(jnp.float32) for k, _ in pairs) / size}
 
 
 def state_bytes(opt_state: Any) -> int:

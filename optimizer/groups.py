@@ -15,6 +15,7 @@ from typing import Any
 
 import optax
 
+from optimizer.cautious import cautious_transform
 from utils.errors import ConfigError
 
 GROUPS = ("hidden", "embed", "head", "scalar")
@@ -74,11 +75,14 @@ def group_schedules(hparams: Any, schedule: optax.Schedule, base_lr: float | Non
 
 
 def per_group(hparams: Any, schedule: optax.Schedule, labels, base_lr: float | None = None,
-              overrides: dict[str, dict[str, float]] | None = None) -> optax.GradientTransformation:
-    """optax.multi_transform over the groups, each built by `hparams.transform`."""
+              overrides: dict[str, dict[str, float]] | None = None,
+              cautious: bool = False) -> optax.GradientTransformation:
+    """optax.multi_transform over the groups, each built by `hparams.transform`, or with
+    `cautious` by `optimizer.cautious.cautious_transform` (the same, its direction masked)."""
     overrides = overrides or {}
     schedules = group_schedules(hparams, schedule, base_lr, overrides)
-    transforms = {g: group_hparams(hparams, g, overrides).transform(g, schedules[g]) for g in GROUPS}
+    build = cautious_transform if cautious else lambda hp, g, s: hp.transform(g, s)
+    transforms = {g: build(group_hparams(hparams, g, overrides), g, schedules[g]) for g in GROUPS}
     # A callable, because a labels tree that is itself callable (an Equinox model) would be called.
     return optax.multi_transform(transforms, lambda _params: labels)
 

@@ -21,7 +21,8 @@ Which leaves are preconditioned (the rule):
     direction stays invariant to the gradient's scale (L^{-1/2} G is full-matrix Adagrad over
     that side). Both sides too long: the diagonal path.
 
-Blocking: a preconditioned side longer than `block_size` is cut into blocks of `block_size`
+Blocking (optimizer/blocking.py, shared with SOAP, as are the statistics and the rule above):
+a preconditioned side longer than `block_size` is cut into blocks of `block_size`
 (the last one zero-padded); each block of the matrix has its own L and R. Zero rows add zero to
 R and a zero block to L, and the padded rows of G are zero, so the true entries of the result
 equal the per-block computation on the true sub-blocks; the padding is sliced off. A side that
@@ -51,12 +52,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optimizer.blocking import (
+    HIGHEST,
+    Plan,
+    eigh,
+    for_each,
+    from_blocks,
+    is_array,
+    leaf_plans,
+    stats_shape,
+    to_blocks,
+    transpose,
+    update_statistics,
+    valid_mask,
+)
 from optimizer.diagnostics import find_states, is_masked, median_nonneg
 from optimizer.groups import check_non_negative, check_unit_interval
 from utils.errors import ConfigError
 
 GRAFTS = ("adam", "sgd", "none")
-_HIGHEST = jax.lax.Precision.HIGHEST  # float32 matmuls in full precision (GPUs default to TF32)
 
 
 class ShampooState(NamedTuple):
@@ -66,96 +80,6 @@ class ShampooState(NamedTuple):
     left_roots: Any  # L^{-1/p} of each block, as of the last recompute
     right_roots: Any
     nu: Any  # diagonal second moment (param-shaped) where the diagonal path or Adam graft needs it
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How one leaf is treated; static (Python ints), derived from its shape alone."""
-
-    kind: str  # "skip" (not an array: MaskedNode/None), "diag" or "shampoo"
-    m: int = 0  # matrix rows / cols (the last two axes)
-    n: int = 0
-    bm: int = 0  # block rows / cols
-    bn: int = 0
-    rows: int = 1  # blocks along m / n
-    cols: int = 1
-    left_p: float | None = None  # root of the left side (None: side not preconditioned)
-    right_p: float | None = None
-
-    def padded(self) -> bool:
-        return self.rows * self.bm != self.m or self.cols * self.bn != self.n
-
-
-def _is_function(labels) -> bool:
-    """A function params -> labels, not a labels tree; as optax decides for masks (an Equinox
-    model of labels is itself callable, but its leaves are strings)."""
-    leaves = jax.tree.leaves(labels)
-    return bool(leaves) and all(callable(leaf) for leaf in leaves)
-
-
-def _is_array(x) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def _plan(x, matrix: bool, block_size: int, max_dim: int, exponent_override: float | None) -> _Plan:
-    if not _is_array(x):
-        return _Plan("skip")
-    if not matrix:
-        return _Plan("diag")
-    m, n = x.shape[-2:]
-    left, right = m <= max_dim, n <= max_dim
-    if not (left or right):
-        return _Plan("diag")
-    p = exponent_override or 2.0 * (left + right)
-    bm = min(m, block_size) if left else m
-    bn = min(n, block_size) if right else n
-    return _Plan("shampoo", m, n, bm, bn, -(-m // bm), -(-n // bn), p if left else None, p if right else None)
-
-
-def _to_blocks(x_MxN: jax.Array, plan: _Plan) -> jax.Array:
-    """(..., m, n) -> (..., R, C, bm, bn), zero-padded to whole blocks."""
-    lead = x_MxN.shape[:-2]
-    pad = [(0, 0)] * len(lead) + [(0, plan.rows * plan.bm - plan.m), (0, plan.cols * plan.bn - plan.n)]
-    x = jnp.pad(x_MxN, pad) if plan.padded() else x_MxN
-    return jnp.swapaxes(x.reshape(*lead, plan.rows, plan.bm, plan.cols, plan.bn), -3, -2)
-
-
-def _from_blocks(x_RxCxMxN: jax.Array, plan: _Plan) -> jax.Array:
-    lead = x_RxCxMxN.shape[:-4]
-    x = jnp.swapaxes(x_RxCxMxN, -3, -2).reshape(*lead, plan.rows * plan.bm, plan.cols * plan.bn)
-    return x[..., : plan.m, : plan.n]
-
-
-def _valid_mask(plan: _Plan) -> np.ndarray:
-    """1 on the true entries of the blocked layout, 0 on the padding (a trace-time constant)."""
-    ones = np.ones((plan.m, plan.n), np.float32)
-    pad = np.pad(ones, [(0, plan.rows * plan.bm - plan.m), (0, plan.cols * plan.bn - plan.n)])
-    return pad.reshape(plan.rows, plan.bm, plan.cols, plan.bn).swapaxes(1, 2)
-
-
-def _t(x: jax.Array) -> jax.Array:
-    return jnp.swapaxes(x, -1, -2)
-
-
-def _eigh(stats_BxB: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """jnp.linalg.eigh over any leading batch axes; on CPU one matrix at a time.
-
-    jaxlib 0.10's CPU LAPACK kernels fan a batch out over XLA's intra-op thread pool and block a
-    pool thread until it is done; two batched eighs running side by side (one per leaf, as here)
-    can take every thread of a small pool and wait forever (seen on a 2-core machine; later
-    jaxlibs drop that fan-out). A single matrix is not fanned out, so on CPU the batch is walked
-    with lax.map; other backends keep the batched call.
-    """
-
-    def one_at_a_time(x_BxB):
-        flat_NxBxB = x_BxB.reshape(-1, *x_BxB.shape[-2:])
-        eigvals_N, eigvecs_N = jax.lax.map(lambda x: tuple(jnp.linalg.eigh(x)), flat_NxBxB)
-        return eigvals_N.reshape(x_BxB.shape[:-1]), eigvecs_N.reshape(x_BxB.shape)
-
-    def batched(x_BxB):
-        return tuple(jnp.linalg.eigh(x_BxB))
-
-    return jax.lax.platform_dependent(stats_BxB, cpu=one_at_a_time, default=batched)
 
 
 def _inverse_root(stats_BxB: jax.Array, p: float, epsilon: float) -> jax.Array:
@@ -172,12 +96,12 @@ def _inverse_root(stats_BxB: jax.Array, p: float, epsilon: float) -> jax.Array:
     at epsilon^(-1/p) per side and agrees with float64 to ~1%. An all-zero statistic (nothing
     seen yet) has no information and gives the identity.
     """
-    eigvals_B, eigvecs_BxB = _eigh(stats_BxB.astype(jnp.float32))
+    eigvals_B, eigvecs_BxB = eigh(stats_BxB.astype(jnp.float32))
     lam_max = jnp.max(eigvals_B, axis=-1, keepdims=True)
     positive = lam_max > 0
     lam_max = jnp.where(positive, lam_max, 1.0)
     scale_B = (jnp.maximum(eigvals_B / lam_max, 0.0) + epsilon) ** (-1.0 / p) * lam_max ** (-1.0 / p)
-    root_BxB = jnp.matmul(eigvecs_BxB * scale_B[..., None, :], _t(eigvecs_BxB), precision=_HIGHEST)
+    root_BxB = jnp.matmul(eigvecs_BxB * scale_B[..., None, :], transpose(eigvecs_BxB), precision=HIGHEST)
     eye = jnp.eye(stats_BxB.shape[-1], dtype=jnp.float32)
     return jnp.where(positive[..., None], root_BxB, eye)
 
@@ -191,8 +115,8 @@ def statistics_spectrum(stats: jax.Array, side: str, true_len: int, epsilon: flo
     sorted spectrum) are left out. λmin is clamped at 0, as `_inverse_root` does; the condition
     number is that of S + epsilon·λmax·I, the matrix whose root the update uses: (1 + epsilon) /
     (λmin/λmax + epsilon), at most 1 + 1/epsilon; 1 for an all-zero statistic (identity root).
-    Cost: one eigh per block (`_eigh`, as a root recompute)."""
-    eigvals_RxCxB = _eigh(stats.astype(jnp.float32))[0]  # ascending
+    Cost: one eigh per block (`optimizer.blocking.eigh`, as a root recompute)."""
+    eigvals_RxCxB = eigh(stats.astype(jnp.float32))[0]  # ascending
     b, rows, cols = stats.shape[-1], stats.shape[-4], stats.shape[-3]
     blocks = rows if side == "left" else cols
     pad = np.maximum(0, (np.arange(blocks) + 1) * b - true_len)  # nonzero on the last block only
@@ -233,33 +157,16 @@ def scale_by_shampoo(
         raise ValueError(f"graft={graft!r} must be one of {GRAFTS}")
 
     def plans(tree):
-        if labels is None:
-            def plan(x):
-                stack = stacked_leading_axes(x) if callable(stacked_leading_axes) else stacked_leading_axes
-                return _plan(x, x.ndim - stack == 2, block_size, max_preconditioner_dim, exponent_override)
+        return leaf_plans(tree, labels, stacked_leading_axes, block_size, max_preconditioner_dim)
 
-            return jax.tree.map(plan, tree)
-        tree_labels = labels(tree) if _is_function(labels) else labels
-
-        def plan_labelled(label, x):
-            matrix = label != "scalar" and _is_array(x) and x.ndim >= 2
-            return _plan(x, matrix, block_size, max_preconditioner_dim, exponent_override)
-
-        # Labels first: where a param is a MaskedNode/None (another group's leaf), the whole
-        # subtree arrives as `x` and the leaf is skipped.
-        return jax.tree.map(plan_labelled, tree_labels, tree)
-
-    def for_each(fn, plan_tree, *trees):
-        """fn(plan, *leaves) on the array leaves; a skipped position keeps the first tree's subtree."""
-        return jax.tree.map(lambda plan, x, *rest: x if plan.kind == "skip" else fn(plan, x, *rest),
-                            plan_tree, *trees)
+    def root_p(plan: Plan, side: str) -> float | None:
+        """The p of `side`'s root S^{-1/p}; None where the side has no statistic."""
+        if not plan.has(side):
+            return None
+        return exponent_override or 2.0 * (plan.left + plan.right)
 
     def empty():  # a field this leaf does not use
         return jnp.zeros((0,), jnp.float32)
-
-    def stats_shape(plan, x, side):
-        b = plan.bm if side == "left" else plan.bn
-        return (*x.shape[:-2], plan.rows, plan.cols, b, b)
 
     def uses_nu(plan):
         return plan.kind == "diag" or graft == "adam"
@@ -268,8 +175,7 @@ def scale_by_shampoo(
         plan_tree = plans(params)
 
         def side(plan, x, which, fill):
-            p = plan.left_p if which == "left" else plan.right_p
-            if plan.kind != "shampoo" or p is None:
+            if not plan.has(which):
                 return empty()
             shape = stats_shape(plan, x, which)
             if fill == "zeros":
@@ -285,11 +191,6 @@ def scale_by_shampoo(
                       plan_tree, params)
         return ShampooState(count=jnp.zeros((), jnp.int32), nu=nu, **fields)
 
-    def accumulate(stats, outer):
-        if beta2 == 1.0:
-            return stats + outer
-        return beta2 * stats + (1.0 - beta2) * outer
-
     def update_fn(updates, state, params=None):
         del params
         plan_tree = plans(updates)
@@ -297,18 +198,8 @@ def scale_by_shampoo(
         grads32 = for_each(lambda plan, g: g.astype(jnp.float32), plan_tree, updates)
 
         # 1. Statistics, every step.
-        def new_stats(which):
-            def fn(plan, g, stats):
-                if plan.kind != "shampoo" or (plan.left_p if which == "left" else plan.right_p) is None:
-                    return stats
-                g_RxCxMxN = _to_blocks(g, plan)
-                if which == "left":
-                    return accumulate(stats, jnp.matmul(g_RxCxMxN, _t(g_RxCxMxN), precision=_HIGHEST))
-                return accumulate(stats, jnp.matmul(_t(g_RxCxMxN), g_RxCxMxN, precision=_HIGHEST))
-
-            return for_each(fn, plan_tree, grads32, getattr(state, f"{which}_stats"))
-
-        left_stats, right_stats = new_stats("left"), new_stats("right")
+        left_stats = update_statistics(plan_tree, grads32, state.left_stats, "left", beta2)
+        right_stats = update_statistics(plan_tree, grads32, state.right_stats, "right", beta2)
 
         # 2. Roots, only on recompute steps: lax.cond runs one branch, so other steps skip eigh.
         def recompute_roots(operands):
@@ -316,8 +207,8 @@ def scale_by_shampoo(
 
             def fn(which):
                 def root(plan, stats, old):
-                    p = plan.left_p if which == "left" else plan.right_p
-                    if plan.kind != "shampoo" or p is None:
+                    p = root_p(plan, which)
+                    if p is None:
                         return old
                     new = _inverse_root(stats, p, epsilon)
                     finite = jnp.all(jnp.isfinite(new), axis=(-2, -1), keepdims=True)
@@ -353,21 +244,21 @@ def scale_by_shampoo(
             if plan.kind == "diag":
                 return adam_direction(g, nu).astype(g_in.dtype)
             graft_MxN = adam_direction(g, nu) if graft == "adam" else g
-            g_RxCxMxN = _to_blocks(g, plan)
+            g_RxCxMxN = to_blocks(g, plan)
             p_RxCxMxN = g_RxCxMxN
-            if plan.left_p is not None:
-                p_RxCxMxN = jnp.matmul(left_root, p_RxCxMxN, precision=_HIGHEST)
-            if plan.right_p is not None:
-                p_RxCxMxN = jnp.matmul(p_RxCxMxN, right_root, precision=_HIGHEST)
+            if plan.left:
+                p_RxCxMxN = jnp.matmul(left_root, p_RxCxMxN, precision=HIGHEST)
+            if plan.right:
+                p_RxCxMxN = jnp.matmul(p_RxCxMxN, right_root, precision=HIGHEST)
             if plan.padded():  # numerical crumbs on the padding would bias the block norms
-                p_RxCxMxN = p_RxCxMxN * _valid_mask(plan)
+                p_RxCxMxN = p_RxCxMxN * valid_mask(plan)
             if graft != "none":
-                graft_RxCxMxN = _to_blocks(graft_MxN, plan)
+                graft_RxCxMxN = to_blocks(graft_MxN, plan)
                 graft_norm = jnp.linalg.norm(graft_RxCxMxN, axis=(-2, -1), keepdims=True)
                 shampoo_norm = jnp.linalg.norm(p_RxCxMxN, axis=(-2, -1), keepdims=True)
                 ratio = graft_norm / jnp.where(shampoo_norm > 0, shampoo_norm, 1.0)
                 p_RxCxMxN = jnp.where(shampoo_norm > 0, p_RxCxMxN * ratio, graft_RxCxMxN)
-            out_MxN = jnp.where(step >= start_preconditioning_step, _from_blocks(p_RxCxMxN, plan), graft_MxN)
+            out_MxN = jnp.where(step >= start_preconditioning_step, from_blocks(p_RxCxMxN, plan), graft_MxN)
             return out_MxN.astype(g_in.dtype)
 
         out = for_each(direction, plan_tree, updates, grads32, nu, left_roots, right_roots)
@@ -466,7 +357,7 @@ class Shampoo:
         found: list = []
 
         def collect(side, stats, param):
-            if _is_array(stats) and stats.size and _is_array(param):
+            if is_array(stats) and stats.size and is_array(param):
                 true_len = param.shape[-2] if side == "left" else param.shape[-1]
                 found.append(statistics_spectrum(stats, side, true_len, self.epsilon))
 

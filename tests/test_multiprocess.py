@@ -206,3 +206,16 @@ def test_sigterm_to_one_process_stops_both_and_the_resume_is_bit_identical(jobs)
     back = losses(where, "back")
     assert sorted(back) == [n + 3, n + 4]
     assert back == pytest.approx({k: full[k] for k in (n + 3, n + 4)}, rel=1e-6)
+
+
+def test_importing_and_validating_leaves_the_jax_backend_unstarted():
+    """jax.distributed.initialize must come before anything starts JAX's backend; train() calls it
+    after importing every module and validating the config (every registry: optimizers, objectives,
+    sinks), so none of that may touch a device. A module that builds an optax state at import did,
+    and every multi-process run then failed."""
+    code = ("import sys; sys.path.insert(0, 'tests'); from helpers import compose_config; import train_jax; "
+            "from utils.config import validate; from jax._src import xla_bridge as xb; "
+            "[validate(compose_config(f'optimizer={o}')) for o in __import__('optimizer').OPTIMIZERS]; "
+            "print('started' if xb._backends else 'not started')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1:] == ["not started"], out.stderr[-2000:]

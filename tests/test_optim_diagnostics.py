@@ -354,6 +354,8 @@ def test_adafactor_implied_v_is_what_the_update_divides_by():
 
 ADAM = ("sqrt_v_min", "sqrt_v_median", "sqrt_v_max")
 SHAMPOO = ("stats_eig_min", "stats_eig_max", "stats_cond_max", "stats_cond_median", "steps_since_roots")
+SOAP = ("precond_cond_max", "precond_cond_median", "eigenbasis_refreshes")
+MARS = ("correction_norm_mean", "correction_norm_max", "clipped_frac")
 NAMES = {  # every optim/<group>/<stat> of the untied GPT, per optimizer: stable names
     "adamw": {g: ADAM for g in GROUPS},
     "adafactor": {g: ADAM for g in GROUPS},
@@ -361,6 +363,12 @@ NAMES = {  # every optim/<group>/<stat> of the untied GPT, per optimizer: stable
     "shampoo": {"hidden": SHAMPOO, "embed": SHAMPOO, "head": SHAMPOO},
     "lion": {},
     "sgdm": {},
+    "nadamw": {g: ADAM for g in GROUPS},
+    "schedule_free_adamw": {g: ("sf_distance_rms", *ADAM) for g in GROUPS},
+    "ademamix": {g: ("slow_ema_norm", "fast_ema_norm", "alpha", "b3", *ADAM) for g in GROUPS},
+    "soap": {"hidden": SOAP, "embed": SOAP, "head": SOAP, "scalar": ADAM},
+    "mars": {"hidden": MARS, "embed": MARS, "head": MARS, "scalar": ADAM},
+    "kron": {g: ("precond_norm_min", "precond_norm_median", "precond_norm_max") for g in GROUPS},
 }
 
 

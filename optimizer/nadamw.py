@@ -1,0 +1,41 @@
+"""NAdamW: Adam with Nesterov momentum (Dozat 2016, "Incorporating Nesterov Momentum into Adam")
+and decoupled weight decay, straight from optax.nadamw. AlgoPerf's strongest external-tuning
+baseline ("Benchmarking Neural Network Training Algorithms", Dahl et al. 2023).
+
+optax.nadamw = scale_by_adam(nesterov=True) -> add_decayed_weights -> scale_by_learning_rate: the
+decay is added after Adam's scaling and before the lr, so it is decoupled and times the lr.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import optax
+
+from optimizer.diagnostics import adam_sqrt_v
+from optimizer.groups import check_non_negative, check_unit_interval
+from utils.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class NAdamW:
+    b1: float = 0.973
+    b2: float = 0.998
+    eps: float = 1e-8
+    weight_decay: float = 0.164
+    decay_embeddings: bool = False
+
+    GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "eps")
+
+    def check(self, prefix: str) -> None:
+        check_unit_interval(prefix, self, "b1", "b2")
+        check_non_negative(prefix, self, "weight_decay")
+        if self.eps <= 0:
+            raise ConfigError(f"{prefix}.eps={self.eps} must be positive")
+
+    def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
+        return optax.nadamw(schedule, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
+
+    def diagnostics(self, group: str, group_state, params) -> dict:
+        """sqrt_v_min / _median / _max, as AdamW's: the state is an optax.ScaleByAdamState too."""
+        return adam_sqrt_v(group_state, self.b2)
