@@ -32,6 +32,18 @@ Measured, in this order:
    --gap steps and the next window's, or the --after steps); the figure against the median of
    all no-save steps is printed beside it.
 
+With --remote (checkpoint.remote, utils/checkpoint/remote.py) it measures the mirror instead:
+windows of steps, each opened by an asynchronous save, alternately to a local-only checkpointer
+and to one that also uploads (ABBA order, so a drift of the machine's speed hits both alike);
+each window lasts at least as long as a save and its upload take, and every write and upload
+finishes, untimed, before the next window. The slowdown is the median over rounds of
+(mean step of the uploading window / mean step of the local one) - 1, printed with tokens/s.
+`--remote local` starts SeaweedFS on this machine (tests/s3_server.py, at nice 19 to stand for a
+server elsewhere; it still shares the cores); `--remote s3://bucket/prefix` uses the AWS
+environment's endpoint and credentials (the bench's objects are deleted at the end).
+
+    python bench/checkpoint_speed.py --remote local model=gpt_bench dataset.batch_size=16
+
 Checkpoint size is what one iter_N holds on disk (model, AdamW mu and nu, step/key, manifest,
 config). A "complete" write is orbax's (files closed and renamed), not an fsync: with free
 memory the bytes may still be in the page cache. The load average is printed at start and end:
@@ -43,6 +55,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 import os
 import resource
 import shutil
@@ -63,7 +76,8 @@ from utils.config import to_dict, validate
 from utils.logging.messages import warn
 from utils.parallel import mesh as meshlib
 
-CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONF = os.path.join(ROOT, "conf")
 MB = 1e6
 DEFAULT_MODEL = "gpt2_124m"
 DEFAULT_BATCH = "dataset.batch_size=1"
@@ -115,6 +129,10 @@ def main() -> None:
     parser.add_argument("--after", type=int, default=3, help="no-save steps timed after the last window")
     parser.add_argument("--max-window-steps", type=int, default=100, help="stop stepping a window after this many")
     parser.add_argument("--tmp", default=None, help="parent of the temporary checkpoint directory (default: $TMPDIR)")
+    parser.add_argument("--remote", default=None, help="measure checkpoint.remote instead: s3://bucket/prefix, or "
+                        "'local' for a SeaweedFS started here")
+    parser.add_argument("--rounds", type=int, default=6, help="--remote: rounds of (local, uploading) windows")
+    parser.add_argument("--remote-window", type=int, default=4, help="--remote: steps per window at least")
     args, overrides = parser.parse_known_args()
     if args.steps < 1 or args.windows < 1 or args.gap < 1 or args.after < 1:
         parser.error("--steps, --windows, --gap and --after must be at least 1")
@@ -162,6 +180,22 @@ def main() -> None:
     cpu_per_step = statistics.median(step_cpu)
     print(f"no-save steps: {statistics.median(first):.3f} s median over {len(first)} (min {min(first):.3f}, "
           f"max {max(first):.3f}) | {cpu_per_step:.2f} CPU-s per step", flush=True)
+
+    def save_step(saver: ckptlib.Checkpointer) -> float:
+        """A step dispatched and `saver.save` called right after it, as run_training does; its wall time."""
+        nonlocal state, metrics
+        batch = meshlib.put_batch(next(data.train), sharding)
+        label = next(labels)
+        t = time.perf_counter()
+        state, metrics = step_fn(state, batch)
+        saver.save(label, state, data.train.state_dict(), {}, "bench")
+        jax.block_until_ready(metrics)
+        return time.perf_counter() - t
+
+    if args.remote:
+        compare_remote(args, run, config_dict, data.tokens_per_step, statistics.median(first), cpu_per_step, one_step,
+                       save_step)
+        return
 
     tmp = tempfile.mkdtemp(prefix="eqtrain_ckpt_bench_", dir=args.tmp)
     savers: list[ckptlib.Checkpointer] = []
@@ -271,6 +305,84 @@ def main() -> None:
     print(f"| {model_name} | {n_params / 1e6:.1f}M | {shape} | {total_b / MB:,.0f} | {sync_total:.2f} | "
           f"{async_block:.2f} | {async_total:.2f} | {paired_base:.2f} | {mean_window:.2f} | {paired:+.1%} | "
           f"{overlapped:.1f} | {paired_extra:+.2f} |")
+
+
+def compare_remote(args, run, config_dict: dict, tokens_per_step: int, step_s: float, cpu_per_step: float,
+                   one_step, save_step) -> None:
+    """--remote: alternating windows without and with the mirror (see the module's docstring)."""
+    server = None
+    if args.remote == "local":
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        import s3_server
+
+        server = s3_server.start(tempfile.mkdtemp(prefix="eqtrain_s3_bench_", dir=args.tmp), nice=19)
+        os.environ.update(server.env())
+        server.client().create_bucket(Bucket="bench")
+        url = "s3://bench/checkpoint-speed"
+    else:
+        url = args.remote
+    tmp = tempfile.mkdtemp(prefix="eqtrain_remote_bench_", dir=args.tmp)
+    savers: dict[str, ckptlib.Checkpointer] = {}
+
+    def settle(saver: ckptlib.Checkpointer) -> float:
+        """Seconds until its write (and upload) is done, the device idle."""
+        t = time.perf_counter()
+        while saver.writing():
+            time.sleep(0.02)
+        return time.perf_counter() - t
+
+    try:
+        for mode, target in (("local", None), ("uploading", url)):
+            ck = dataclasses.replace(run.checkpoint, save=True, save_path=os.path.join(tmp, mode), async_save=True,
+                                     max_to_keep=1, keep_best=False, save_steps=1_000_000_000, remote=target)
+            ck.check("checkpoint")
+            savers[mode] = ckptlib.Checkpointer(ck, {**config_dict, "checkpoint": dataclasses.asdict(ck)},
+                                                dataclasses.asdict(run.model), warn)
+        def quiet_save(saver: ckptlib.Checkpointer) -> tuple[float, float]:
+            """(wall s, this process's CPU-s) of a step, a save and its write (and upload), then idle."""
+            t, c = time.perf_counter(), cpu_seconds()
+            save_step(saver)
+            settle(saver)
+            return time.perf_counter() - t, cpu_seconds() - c
+
+        first = {mode: quiet_save(saver) for mode, saver in savers.items()}  # orbax's and boto3's set-up
+        quiet = {mode: quiet_save(saver) for mode, saver in savers.items()}
+        upload_cpu = quiet["uploading"][1] - quiet["local"][1]
+        window = max(args.remote_window, math.ceil(quiet["uploading"][0] / step_s) + 1)
+        print(f"a step + save + write, then idle: local {quiet['local'][0]:.2f} s, with the upload "
+              f"{quiet['uploading'][0]:.2f} s (first: {first['local'][0]:.2f}, {first['uploading'][0]:.2f} s) | the "
+              f"upload's CPU in this process: {upload_cpu:.2f} CPU-s = {upload_cpu / cpu_per_step:.2f} steps' worth | "
+              f"window {window} steps of ~{step_s:.3f} s | {load()}", flush=True)
+        rows, cpu_rows = [], []
+        for r in range(args.rounds):
+            means = {}
+            for mode in ("local", "uploading") if r % 2 == 0 else ("uploading", "local"):
+                c = cpu_seconds()
+                times = [save_step(savers[mode])] + [one_step() for _ in range(window - 1)]
+                means[mode] = (statistics.mean(times), (cpu_seconds() - c) / window, settle(savers[mode]))
+            (local, local_cpu, _), (up, up_cpu, late) = means["local"], means["uploading"]
+            rows.append(up / local)
+            cpu_rows.append(up_cpu / local_cpu)
+            print(f"round {r + 1}: local {local:.3f} s/step ({tokens_per_step / local:,.0f} tokens/s, "
+                  f"{local_cpu:.2f} CPU-s/step) | uploading {up:.3f} s/step ({tokens_per_step / up:,.0f} tokens/s, "
+                  f"{up_cpu:.2f} CPU-s/step; the upload ended {late:.2f} s after the window) | slowdown "
+                  f"{up / local - 1:+.1%}, CPU {up_cpu / local_cpu - 1:+.1%}", flush=True)
+        print(f"\ncheckpoint.remote slowdown: {statistics.median(rows) - 1:+.1%} median over {len(rows)} rounds "
+              f"(each {', '.join(f'{x - 1:+.1%}' for x in rows)}); this process's CPU per step "
+              f"{statistics.median(cpu_rows) - 1:+.1%} | windows of {window} steps, each opened by a save | {load()}")
+    finally:
+        for saver in savers.values():
+            saver.close()
+        if server is not None:
+            server.close()
+        elif "uploading" in savers:
+            from utils.checkpoint import remote
+
+            u = remote.parse_url(url)
+            client = remote.connect(u)
+            for step, files in remote.listing(client, u).items():
+                remote.delete(client, u, step, files)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ Export layout of an OUT_DIR:
     model.safetensors   one tensor per model array, named by its pytree path
                         (`wte_VxD`, `blocks.attn_qkv.weight_IxO`, ...), dtype as trained
     config.json         the GPTConfig fields (vocab_size resolved), plus `step`, the run's
-                        `tokenizer` section and `trained_context_length` (the window it was
-                        trained on): enough to rebuild the model and its tokenizer
+                        `tokenizer` section, `trained_context_length` (the window it was
+                        trained on) and `objective` (`{name: ar}`, or mdlm's knobs: its
+                        attention is bidirectional and its mask id the vocabulary's last):
+                        enough to rebuild the model, its tokenizer and how to run it
 
 Both files are written to a tmp file in OUT_DIR and renamed, so a crash never leaves half a file
 under the real name.
@@ -53,7 +55,8 @@ def abstract_model(model_cfg: GPTConfig, param_dtype: str) -> GPT:
 
 
 
-def save_export(out_dir: str, model: GPT, step: int, tokenizer: dict, trained_context_length: int) -> None:
+def save_export(out_dir: str, model: GPT, step: int, tokenizer: dict, trained_context_length: int,
+                objective: dict | None = None) -> None:
     """Write OUT_DIR/model.safetensors and OUT_DIR/config.json (see the module docstring).
     `trained_context_length` (dataset.context_length, or the model's) tells a consumer which
     positions were trained: a shorter training window leaves the later position embeddings random."""
@@ -61,7 +64,8 @@ def save_export(out_dir: str, model: GPT, step: int, tokenizer: dict, trained_co
 
     tensors = model_tensors(model)
     config = {**dataclasses.asdict(model.cfg), "step": step, "tokenizer": tokenizer,
-              "trained_context_length": trained_context_length, "format": ckptlib.FORMAT_VERSION}
+              "trained_context_length": trained_context_length, "objective": objective or {"name": "ar"},
+              "format": ckptlib.FORMAT_VERSION}
     # atomic_write's default mode is what `open` gives: the safetensors writer alone makes private 0600 files.
     with files.atomic_write(os.path.join(out_dir, WEIGHTS_FILE)) as tmp:
         save_file(tensors, tmp, metadata={"format": "np"})

@@ -144,9 +144,12 @@ class Block(eqx.Module):
         )
 
     def __call__(self, x_BxTxD: jax.Array, key: jax.Array | None, cfg: GPTConfig, compute_dtype,
-                 segment_ids_BxT: jax.Array | None = None) -> jax.Array:
+                 segment_ids_BxT: jax.Array | None = None, causal: bool = True,
+                 collect: bool = False) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         """`x_BxTxD` is the float32 residual stream: the matmuls run in `compute_dtype`, but the
-        sums of the stream stay float32 (in bfloat16 a block's small update would round away)."""
+        sums of the stream stay float32 (in bfloat16 a block's small update would round away).
+        `collect` (static) also returns the RMS of the attention and MLP outputs and of the stream
+        after the block (logging.activation_norms)."""
         B, T, D = x_BxTxD.shape
         H, K = cfg.num_heads, cfg.head_dim
         k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
@@ -161,25 +164,35 @@ class Block(eqx.Module):
         if self.attn_qkv.bias_O is not None:
             b_Hx3xK = self.attn_qkv.bias_O.astype(h_BxTxD.dtype).reshape(H, 3, K)
             qkv_3xBxHxTxK = qkv_3xBxHxTxK + b_Hx3xK.transpose(1, 0, 2)[:, None, :, None, :]
-        a_BxHxTxK = causal_attention(*qkv_3xBxHxTxK, block_size=cfg.attn_block_size, segment_ids_BxT=segment_ids_BxT)
+        a_BxHxTxK = causal_attention(*qkv_3xBxHxTxK, block_size=cfg.attn_block_size, segment_ids_BxT=segment_ids_BxT,
+                                     causal=causal)
         a_BxTxD = a_BxHxTxK.transpose(0, 2, 1, 3).reshape(B, T, D)
-        x_BxTxD = x_BxTxD + _dropout(self.attn_out(a_BxTxD), cfg.dropout, k_attn).astype(x_BxTxD.dtype)
+        attn_BxTxD = _dropout(self.attn_out(a_BxTxD), cfg.dropout, k_attn).astype(x_BxTxD.dtype)
+        x_BxTxD = x_BxTxD + attn_BxTxD
 
         h_BxTxF = jax.nn.gelu(self.mlp_in(self.ln2(x_BxTxD).astype(compute_dtype)), approximate=True)
-        return x_BxTxD + _dropout(self.mlp_out(h_BxTxF), cfg.dropout, k_mlp).astype(x_BxTxD.dtype)
+        mlp_BxTxD = _dropout(self.mlp_out(h_BxTxF), cfg.dropout, k_mlp).astype(x_BxTxD.dtype)
+        if not collect:
+            return x_BxTxD + mlp_BxTxD
+        out_BxTxD = x_BxTxD + mlp_BxTxD
+        rms = lambda a: jnp.sqrt(jnp.mean(jnp.square(a.astype(jnp.float32))))
+        return out_BxTxD, {"attn": rms(attn_BxTxD), "mlp": rms(mlp_BxTxD), "resid": rms(out_BxTxD)}
 
 
 def causal_attention(q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.Array,
-                     block_size: int | None = None, segment_ids_BxT: jax.Array | None = None) -> jax.Array:
+                     block_size: int | None = None, segment_ids_BxT: jax.Array | None = None,
+                     causal: bool = True) -> jax.Array:
     """Softmax attention where position t sees positions <= t; scores and softmax in float32.
     With `segment_ids_BxT` (packed documents), t sees only earlier positions of its own document.
+    `causal=False` (a static flag: the objective's, e.g. masked diffusion) lets t see every
+    position (of its document), and `block_size` is moot.
 
     With `block_size`, queries go in blocks and block i only multiplies against keys
     [0, (i+1)·block_size): the masked-out upper triangle is mostly never computed (at two
     blocks 25% fewer attention FLOPs, at four 37%), at the price of smaller matmuls.
     """
     T, K = q_BxHxTxK.shape[-2:]
-    if not block_size or block_size >= T or T % block_size:
+    if not block_size or block_size >= T or T % block_size or not causal:
         block_size = T
     outs = []
     for start in range(0, T, block_size):
@@ -188,6 +201,7 @@ def causal_attention(q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.
         scores_BxHxCxS = jnp.matmul(q_BxHxCxK, jnp.swapaxes(k_BxHxTxK[..., :keys, :], -1, -2),
                                     preferred_element_type=jnp.float32)
         visible_CxS = jnp.arange(keys)[None, :] <= (start + jnp.arange(block_size))[:, None]
+        visible_CxS = visible_CxS if causal else jnp.ones_like(visible_CxS)
         if segment_ids_BxT is not None:
             same_BxCxS = segment_ids_BxT[:, start : start + block_size, None] == segment_ids_BxT[:, None, :keys]
             visible_CxS = (visible_CxS & same_BxCxS)[:, None]  # B x 1 x C x S, broadcast over heads
@@ -243,10 +257,15 @@ class GPT(eqx.Module):
         key: jax.Array | None = None,
         compute_dtype: jnp.dtype = jnp.float32,
         segment_ids_BxT: jax.Array | None = None,
-    ) -> jax.Array:
+        causal: bool = True,
+        collect: bool = False,
+    ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         """Logits (float32) for every position. `key=None` disables dropout (evaluation);
         `segment_ids_BxT` keeps attention inside each packed document, and positions restart at 0
-        at each document's first token (as when the document is sampled or evaluated alone)."""
+        at each document's first token (as when the document is sampled or evaluated alone).
+        `causal` is the objective's (models/objectives.py): False lets every position attend to
+        every other, as masked diffusion needs; the weights are the same either way. `collect`
+        (static) returns (logits, per-block activation RMS {"attn","mlp","resid"}, each (num_blocks,))."""
         cfg = self.cfg
         T = tokens_BxT.shape[1]
         if segment_ids_BxT is None:
@@ -259,21 +278,27 @@ class GPT(eqx.Module):
 
         def apply(x_BxTxD, block_and_key):
             block, k = block_and_key
-            return block(x_BxTxD, k, cfg, compute_dtype, segment_ids_BxT), None
+            out = block(x_BxTxD, k, cfg, compute_dtype, segment_ids_BxT, causal, collect)
+            return out if collect else (out, None)
 
         if cfg.remat != "none":
             apply = jax.checkpoint(apply, policy=REMAT_POLICIES[cfg.remat])
         if cfg.scan_blocks:
-            x_BxTxD, _ = jax.lax.scan(apply, x_BxTxD, (self.blocks, keys_L), unroll=cfg.scan_unroll)
+            x_BxTxD, stats_L = jax.lax.scan(apply, x_BxTxD, (self.blocks, keys_L), unroll=cfg.scan_unroll)
         else:
+            per_block = []
             for i in range(cfg.num_blocks):
                 block_i = jax.tree.map(lambda a, i=i: a[i], self.blocks)
-                x_BxTxD, _ = apply(x_BxTxD, (block_i, None if keys_L is None else keys_L[i]))
+                x_BxTxD, stats = apply(x_BxTxD, (block_i, None if keys_L is None else keys_L[i]))
+                per_block.append(stats)
+            stats_L = jax.tree.map(lambda *v: jnp.stack(v), *per_block) if collect else None
 
         x_BxTxD = self.ln_f(x_BxTxD).astype(compute_dtype)
         head_DxV = self.wte_VxD.T if self.head_DxV is None else self.head_DxV
         # float32 accumulation: bfloat16 logits would round the loss's inputs to 3 significant digits.
-        return jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(compute_dtype), preferred_element_type=jnp.float32)
+        logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(compute_dtype),
+                                  preferred_element_type=jnp.float32)
+        return (logits_BxTxV, stats_L) if collect else logits_BxTxV
 
 
 def param_labels(model: GPT) -> GPT:

@@ -3,9 +3,11 @@
     python scripts/export_model.py ckpt/run1 --out exported/
     python scripts/export_model.py ckpt/run1 --load-file iter_2000 --out exported/ --force
 
-Only the model is read (never the optimizer state). Tensors are named by their pytree path
-(`blocks.attn_qkv.weight_IxO`); config.json holds the model config plus `step` and the run's
-`tokenizer` section. `models.export.load_export(OUT_DIR)` rebuilds the model from the two files.
+Only the model is read (never the optimizer state): the one the run evaluates, so a
+Schedule-Free run's averaged weights (the checkpoint's `eval_model`), not the point it trained.
+Tensors are named by their pytree path (`blocks.attn_qkv.weight_IxO`); config.json holds the
+model config plus `step`, the run's `tokenizer` section and its `objective`. `models.export.load_export(OUT_DIR)`
+rebuilds the model from the two files.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
 
-from models import export
+from models import export, objectives
 from utils.checkpoint import inference
 from utils.cli import quiet_jax_probe
 from utils.errors import EqtrainError
@@ -43,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         inference.check_out_dir(args.out, args.force)
         source, run, model = inference.restore_for_inference(args.checkpoint_dir, args.load_file)
-        export.save_export(args.out, model, source.step, source.config.get("tokenizer", {}), run.context_length)
+        export.save_export(args.out, model, source.step, source.config.get("tokenizer", {}), run.context_length,
+                           objectives.as_dict(run.objective))
     except (EqtrainError, OSError) as e:
         return script_error(e, where=args.out, hint="check --out")
     print(f"exported {source.path} (step {source.step}) to {args.out}")

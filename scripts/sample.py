@@ -2,10 +2,13 @@
 
     python scripts/sample.py ckpt/run1 --prompt "def " --tokens 200
     python scripts/sample.py ckpt/run1 --load-file iter_2000 --temperature 0   # greedy
+    python scripts/sample.py ckpt/mdlm --steps 128 --remasking random          # an objective=mdlm run
 
 Only the model is restored (never the optimizer state); the tokenizer is rebuilt from the config
 saved with the checkpoint (a BPE tokenizer from this machine's cache, or retrained on the run's
-training documents when the cache lacks it).
+training documents when the cache lacks it). The checkpoint's objective says how: next-token
+sampling (ar), or iterative unmasking in --steps steps (mdlm: objective.sample_steps and
+objective.remasking unless given here).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
+import dataclasses
 
 from utils.checkpoint import inference
 from utils.cli import quiet_jax_probe
@@ -33,6 +37,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.8,
                    help="softmax temperature; 0 = greedy, the same text every time (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="objective=mdlm: unmasking steps (default: the run's objective.sample_steps)")
+    p.add_argument("--remasking", choices=("confidence", "random"), default=None,
+                   help="objective=mdlm: which masks a step reveals (default: the run's objective.remasking)")
     return p.parse_args(argv)
 
 
@@ -44,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--tokens {args.tokens} must be >= 0")
         if args.temperature < 0:
             raise CheckpointError(f"--temperature {args.temperature} must be >= 0 (0 = greedy)")
+        if args.steps is not None and args.steps <= 0:
+            raise CheckpointError(f"--steps {args.steps} must be a positive integer")
         text = sample(args)
     except EqtrainError as e:
         return script_error(e)
@@ -64,8 +74,15 @@ def sample(args: argparse.Namespace) -> str:
     if tokenizer.vocab_size > run.model.vocab_size:
         raise CheckpointError(f"{source.path}: the rebuilt tokenizer has {tokenizer.vocab_size} ids but the model "
                               f"only {run.model.vocab_size}: the tokenizer is not the one the model was trained with")
+    objective = run.objective
+    if objective.name != "mdlm" and (args.steps is not None or args.remasking is not None):
+        raise CheckpointError(f"{source.path} was trained with objective={objective.name}: --steps and --remasking "
+                              "are for objective=mdlm checkpoints; leave them out")
+    if objective.name == "mdlm":
+        objective = dataclasses.replace(objective, sample_steps=args.steps or objective.sample_steps,
+                                        remasking=args.remasking or objective.remasking)
     return sample_text(model, tokenizer, args.prompt, args.tokens, jax.random.PRNGKey(args.seed), args.temperature,
-                       run.context_length)
+                       run.context_length, objective.generate)
 
 if __name__ == "__main__":
     sys.exit(main())
