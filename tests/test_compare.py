@@ -366,3 +366,42 @@ def test_slurm_launcher_runs_each_run_as_a_slurm_job(reference, tmp_path, _cache
     _same_as_reference(lines, path, reference)
     scripts = [p.read_text() for p in (path / ".submitit").glob("*/*_submission.sh")]
     assert len(scripts) == 3 and all("#SBATCH --partition=debug" in s for s in scripts)  # sbatch scripts
+
+
+def test_optimizers_that_need_no_cooldown_or_read_the_run_length():
+    """Schedule-Free's branches keep the constant lr (it refuses a decay); AdEMAMix's warmup of
+    alpha and b3 (null = the run's length) is the largest budget in every run, unless given."""
+    k = compare_config({**KNOBS, "optimizers": ["schedule_free_adamw", "ademamix"], "budgets": [10, 20]})
+    p = make_plan(k, RUN, {"schedule_free_adamw": 1e-3, "ademamix": 1e-3})
+    sf = [r for r in p.runs if r.optimizer == "schedule_free_adamw"]
+    assert all("optimizer/lr_config=constant" in r.overrides for r in sf)
+    assert not any(o.startswith("optimizer.lr_config.decay") for r in sf for o in r.overrides)
+    ad = [r for r in p.runs if r.optimizer == "ademamix"]
+    assert all("optimizer.alpha_b3_warmup=20" in r.overrides for r in ad)
+    assert "optimizer/lr_config=trapezoid" in ad[1].overrides
+    given = make_plan(k, [*RUN, "optimizer.alpha_b3_warmup=5"], {"schedule_free_adamw": 1e-3, "ademamix": 1e-3})
+    assert not any("alpha_b3_warmup=20" in o for r in given.runs for o in r.overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["schedule_free_adamw", "ademamix"])
+def test_branches_of_length_aware_optimizers_equal_from_scratch_runs(optimizer, tmp_path):
+    """Branching stays exact for them too: the S20 branch (from the trunk's step 16) equals a run
+    of its own overrides from scratch, bit for bit (AdEMAMix's warmup spans 20 steps in both)."""
+    p = plan({**KNOBS, "optimizers": [optimizer]})
+    summary = launch.run_plan(p, str(tmp_path / "c"), train=T.train, say=lambda _: None)
+    assert len(summary.done) == 3
+    run_id = next(r.id for r in p.runs if r.budget == 20)
+    branch = json.loads((tmp_path / "c" / "runs" / run_id / "run.json").read_text())
+    (tmp_path / "scratch").mkdir()
+    T.train(compose_overrides([o for o in branch["overrides"] if not o.startswith("checkpoint.")], job_name="test"),
+            str(tmp_path / "scratch"))
+    scratch, cooled = losses(tmp_path / "scratch"), losses(tmp_path / "c" / "runs" / run_id)
+    trunk = losses(tmp_path / "c" / "runs" / run_id.replace("__S20", "__trunk"))
+    assert {**{s: v for s, v in trunk.items() if s <= 16}, **{s: v for s, v in cooled.items() if s > 16}} == scratch
+    from utils.compare.report import build_report
+
+    md = open(build_report(str(tmp_path / "c"))).read()
+    assert {"schedule_free_adamw": "- schedule_free_adamw needs no cooldown",
+            "ademamix": "- ademamix reads the run's length through optimizer.alpha_b3_warmup: set to 20 for every"
+            }[optimizer] in md

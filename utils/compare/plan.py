@@ -350,12 +350,19 @@ def _setting_runs(knobs: CompareConfig, workload: str, optimizer: str, lr: float
     """The runs of one (workload, optimizer, lr): per sweep combination and seed, a trunk, then its branches."""
     steps = sorted({knobs.branch_step(b) for b in knobs.budgets})
     runs: list[PlannedRun] = []
+    given = {override_key(o) for o in overrides}
+    # An optimizer whose state depends on the run's length (a knob that defaults to it) gets the
+    # largest budget for every run, trunk and branches alike, so a branch stays exact.
+    horizon = getattr(OPTIMIZERS[optimizer], "RUN_LENGTH_KNOB", None)
+    horizon = [f"optimizer.{horizon}={max(knobs.budgets)}"] if horizon and f"optimizer.{horizon}" not in given else []
+    # One that needs no cooldown (its own averaging) has branches that keep the trunk's constant lr.
+    cooldown = getattr(OPTIMIZERS[optimizer], "COOLDOWN", True)
     combos = itertools.product(*[[(knob, v) for v in values] for knob, values in knobs.sweep])
     for sweep in (tuple(c) for c in combos):
         swept = [f"optimizer.{knob}={_value(v)}" for knob, v in sweep]
         for seed in range(knobs.seeds):
             common = [f"optimizer={optimizer}", f"optimizer.lr_config.lr={lr!r}",
-                      f"optimizer.lr_config.warmup={knobs.warmup}", *swept, f"random_seed={seed}",
+                      f"optimizer.lr_config.warmup={knobs.warmup}", *horizon, *swept, f"random_seed={seed}",
                       f"data_seed={knobs.data_seed}", *defaults, *overrides]
             trunk = run_id(optimizer, lr, seed, None, workload, sweep)
             runs.append(PlannedRun(
@@ -364,13 +371,14 @@ def _setting_runs(knobs: CompareConfig, workload: str, optimizer: str, lr: float
                  f"checkpoint.save_steps=[{','.join(map(str, steps))}]"), sweep))
             for budget in knobs.budgets:
                 b = knobs.branch_step(budget)
+                schedule = ("optimizer/lr_config=trapezoid", *common, f"train.max_steps={budget}",
+                            f"optimizer.lr_config.decay={budget - b}",
+                            f"optimizer.lr_config.decay_shape={knobs.cooldown_shape}",
+                            "optimizer.lr_config.min_lr=0.0", "optimizer.lr_config.max_steps=null") if cooldown else (
+                    "optimizer/lr_config=constant", *common, f"train.max_steps={budget}")
                 runs.append(PlannedRun(
                     run_id(optimizer, lr, seed, budget, workload, sweep), workload, optimizer, lr, seed, "branch",
-                    budget, trunk, b,
-                    ("optimizer/lr_config=trapezoid", *common, f"train.max_steps={budget}",
-                     f"optimizer.lr_config.decay={budget - b}",
-                     f"optimizer.lr_config.decay_shape={knobs.cooldown_shape}",
-                     "optimizer.lr_config.min_lr=0.0", "optimizer.lr_config.max_steps=null"), sweep))
+                    budget, trunk, b, schedule, sweep))
     return runs
 
 

@@ -346,6 +346,27 @@ def section_sweep(w: Workload, h: str) -> list[str]:
     return out + table(["optimizer", *w.knobs, "best lr", "final val/loss"], rows)
 
 
+def section_special(runs: dict[str, Run]) -> list[str]:
+    """How optimizers that need no cooldown or read the run's length were run (plan.py), from
+    their optimizer classes and what their runs' overrides say."""
+    from optimizer import OPTIMIZERS
+
+    notes = []
+    for name in _order(r.optimizer for r in runs.values()):
+        cls = OPTIMIZERS.get(name)
+        if cls is not None and not getattr(cls, "COOLDOWN", True):
+            notes.append(f"- {name} needs no cooldown (its averaging replaces the lr decay): its branches keep the "
+                         "trunk's constant lr to each budget.")
+        knob = getattr(cls, "RUN_LENGTH_KNOB", None) if cls is not None else None
+        if knob:
+            values = sorted({o.split("=", 1)[1] for r in runs.values() if r.optimizer == name
+                             for o in (r.info.get("overrides") or []) if o.startswith(f"optimizer.{knob}=")})
+            notes.append(f"- {name} reads the run's length through optimizer.{knob}: set to "
+                         f"{', '.join(values) or 'its default'} for every run, trunks and branches alike, so a "
+                         "branch equals its run from scratch.")
+    return ["Optimizers run apart from the protocol:", "", *notes, ""] if notes else []
+
+
 def section_sensitivity(w: Workload, h: str, png: str) -> list[str]:
     out = [f"{h} LR sensitivity", "", f"Final val/loss at the largest budget ({w.largest}) per lr, mean ± std over "
            f"seeds; n: seeds with a result (∞: a failed or diverged seed).", "", f"![lr sensitivity]({png})", ""]
@@ -677,6 +698,7 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
                   f"({', '.join(pending[:5])}{' …' if len(pending) > 5 else ''}).", ""]
     lines += ["A result is a cooldown branch's final val/loss; failed and diverged runs count as ∞. "
               "Every run: `results.csv`. What each number means: docs/compare.md.", ""]
+    lines += section_special(runs)
     for w in workloads:
         h = "###" if len(workloads) > 1 else "##"
         suffix = f"_{w.name}" if len(workloads) > 1 else ""
