@@ -25,9 +25,9 @@ from loaders.config import DataRequest
 from loaders.pipeline import Data, build_data, source_documents
 from loaders.tokenizers import Tokenizer
 from loaders.windows import WindowDataset
-from models.gpt import GPT, count_params, eval_sums, flops_per_token, loss_fn, param_axes, param_labels
+from models.gpt import GPT, count_params, eval_sums, flops_per_token, loss_fn, param_axes, param_labels  # noqa: F401 - tests
 from models.sample import sampler
-from optimizer import diagnostics, group_schedules, make_optimizer
+from optimizer import diagnostics, eval_view, group_schedules, make_optimizer
 from optimizer.nonfinite import skip_nonfinite
 from optimizer.restart import fresh_state
 from utils import cli
@@ -39,8 +39,9 @@ from utils.logging.messages import say, warn
 from utils.logging.sinks import open_sinks
 from utils.parallel import layout
 from utils.parallel import mesh as meshlib
-from utils.train import aux_state, step_metrics
+from utils.train import aux_state, early_stopping, loss_scale, step_metrics
 from utils.train import hooks as H
+from utils.train.activations import ActivationNorms
 from utils.train.flops import peak_flops
 from utils.train.step import TrainState, build_train_step
 
@@ -66,7 +67,7 @@ def init_scheduler(run: RunConfig) -> optax.Schedule:
 
 def init_optimizer(run: RunConfig, schedule: optax.Schedule, labels) -> optax.GradientTransformation:
     o, t = run.optimizer, run.train
-    tx = make_optimizer(o.hparams, schedule, labels, t.gradient_clip_val, o.schedule.lr, o.group_overrides)
+    tx = make_optimizer(o.hparams, schedule, labels, t.gradient_clip_val, o.schedule.lr, o.group_overrides, o.cautious)
     # A non-finite gradient leaves weights and optimizer state as they were (trainit's apply_if_finite);
     # the lr schedule still follows the step (optimizer/nonfinite.py).
     return skip_nonfinite(tx, t.max_consecutive_skips) if t.skip_nonfinite else tx
@@ -81,7 +82,7 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, metrics=(
         model_key, train_key = jax.random.split(jax.random.PRNGKey(run.random_seed))
         model = init_model(run, model_key)
         return TrainState(model, tx.init(eqx.filter(model, eqx.is_array)), jnp.zeros((), jnp.int32), train_key,
-                          init_metrics(model))
+                          init_metrics(model), loss_scale.initial(run.train))
 
     abstract = jax.eval_shape(build)
     shardings = layout.state_shardings(mesh, abstract, abstract.model, param_axes(abstract.model),
@@ -98,7 +99,8 @@ def make_evaluate(run: RunConfig, val: WindowDataset, mesh, eval_step: Callable 
     """model -> val/loss, perplexity, accuracy over min(len(val), max_val_steps·batch_size) windows,
     each once, drawn by a fixed seed (not random_seed): the same windows at every evaluation, resume
     and seed of a sweep, so evaluations compare; random, so not just the first files'."""
-    eval_step = eval_step or eqx.filter_jit(functools.partial(eval_sums, compute_dtype=run.train.compute_dtype))
+    eval_step = eval_step or eqx.filter_jit(functools.partial(run.objective.eval_sums,  # mdlm: fixed seeded masks
+                                                              compute_dtype=run.train.compute_dtype))
     return H.evaluator(eval_step, mesh, functools.partial(
         eval_batches, val, run.dataset.batch_size, run.train.max_val_steps, process_index=jax.process_index(),
         process_count=jax.process_count()))
@@ -115,6 +117,7 @@ class Trainer:  # everything a run builds before its first step; benchmarks and 
     state: TrainState
     train_step: step_metrics.TrainStep
     evaluate: Callable[[GPT], dict[str, float]]
+    eval_view: Callable | None = None  # state -> the model to evaluate (optimizer.eval_view); None: state.model
 
 
 def build_trainer(run: RunConfig, source: Source | None = None, schedule: optax.Schedule | None = None) -> Trainer:
@@ -126,7 +129,8 @@ def build_trainer(run: RunConfig, source: Source | None = None, schedule: optax.
     run = resolve_vocab(run, tokenizer.vocab_size)
     data = init_data(run, tokenizer, docs, source.manifest["data"] if source is not None else None)
     schedule, tx, state, train_step = init_training(run, mesh, source, schedule=schedule)
-    return Trainer(run, mesh, tokenizer, data, schedule, tx, state, train_step, make_evaluate(run, data.val, mesh))
+    return Trainer(run, mesh, tokenizer, data, schedule, tx, state, train_step, make_evaluate(run, data.val, mesh),
+                   eval_view(run.optimizer.hparams))
 
 
 def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=None,
@@ -139,8 +143,9 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
     tx = init_optimizer(run, schedule, labels)
     metrics = default_metrics(run, schedule, labels) if metrics is None else metrics
     state, shardings = init_state(run, tx, mesh, metrics, source)
-    return schedule, tx, state, build_train_step(loss_fn, tx, metrics, shardings, mesh, run.train.compute_dtype,
-                                                 use_dropout=run.model.dropout > 0)
+    loss, use_key = run.objective.loss_fn, run.model.dropout > 0 or run.objective.needs_key  # mdlm draws masks
+    return schedule, tx, state, build_train_step(loss, tx, metrics, shardings, mesh, run.train.compute_dtype,
+                                                 use_dropout=use_key)
 
 
 def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[step_metrics.StepMetric]:
@@ -155,6 +160,8 @@ def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[st
         metrics.append(aux_state.per_layer(lambda tree: tree.blocks, run.model.num_blocks))
     if aux.on and aux.optim_diagnostics:
         metrics.append(diagnostics.step_metric(o.hparams, o.group_overrides))
+    if run.logging.activation_norms:
+        metrics.append(ActivationNorms(run.model.num_blocks, run.train.compute_dtype, run.objective.causal))
     return metrics
 
 
@@ -169,14 +176,18 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
                                         resumed.get("metrics", {}).get("time/elapsed_sec", 0.0))]
     if not t.skip_validation:
         hooks.append(H.Evaluation(trainer.evaluate, t.val_freq, t.max_steps, t.val_at_start))
-    saver = Checkpointer(ck, run.config_dict, dataclasses.asdict(run.model), warn) if ck.save else None
+    saver = (Checkpointer(ck, run.config_dict, dataclasses.asdict(run.model), warn, trainer.eval_view)
+             if ck.save else None)
     # Opened last, so a hook that fails to build leaves no open file, bar or wandb run behind.
     sinks = open_sinks(run.logging, run_dir, t.max_steps, int(trainer.state.step), run.config_dict,
                        saved=resumed.get("sinks"))  # a resumed run continues its wandb run
     if saver:
         saver.add_to_manifest("sinks", sinks.state_dict)
+    if t.early_stopping.patience:  # after the evaluation, before the log and the saves
+        hooks.append(early_stopping.EarlyStopping(t.early_stopping, resumed.get(early_stopping.MANIFEST_KEY), saver))
     vouchers = (step_metrics.UPDATE_NORM,) if t.skip_nonfinite else H.VOUCHERS  # a skipped step's loss is NaN
-    sample = sampler(trainer.tokenizer, jax.random.PRNGKey(run.random_seed), t.sample_temperature, run.context_length)
+    sample = sampler(trainer.tokenizer, jax.random.PRNGKey(run.random_seed), t.sample_temperature, run.context_length,
+                     run.objective.generate)  # mdlm: iterative unmasking
     hooks.append(H.Log(sinks))
     if not t.skip_validation and run.logging.sample_prompts:
         hooks.append(H.EvalSamples(sample, run.logging.sample_prompts, run.logging.sample_tokens, sinks))
@@ -193,6 +204,8 @@ def train_loop(trainer: Trainer, hooks: H.Hooks, ctx: H.LoopContext) -> None:
     batch_sharding, log_every = meshlib.batch_sharding(trainer.mesh, 1), trainer.run.logging.log_every
     hooks.run(ctx)  # the start: the throughput clock, the baseline evaluation
     for step in range(ctx.start + 1, ctx.end + 1):
+        if ctx.finished:  # early stopping decided (at the start: a resumed run that had stopped)
+            return
         batch = ctx.fetch(lambda: meshlib.put_batch(next(trainer.data.train), batch_sharding))
         logging_step = step % log_every == 0 or step == ctx.end
         ctx.advance(step, *ctx.dispatch(trainer.train_step, batch, logging_step))  # the host moves on
@@ -222,7 +235,7 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
     if start >= run.train.max_steps:
         say(f"nothing to train: the run is at step {start} = train.max_steps")
         return dict(source.manifest.get("metrics", {})) if source else {}
-    ctx = H.LoopContext(start, end, trainer.state, trainer.data.train)
+    ctx = H.LoopContext(start, end, trainer.state, trainer.data.train, eval_view=trainer.eval_view)
     # Logged once, with the first record: the data stream's fingerprint and what the source counted.
     ctx.add({**diagnostics.state_bytes_metric(trainer.state.opt_state), "data/fingerprint": trainer.data.fingerprint,
              **trainer.data.info})

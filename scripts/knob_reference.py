@@ -30,7 +30,7 @@ PAGE = os.path.join(ROOT, "docs", "knobs.md")
 
 # Config groups (a folder of conf/: one option per yaml) and sections (one yaml), in the order
 # the page lists them.
-GROUPS = ("model", "dataset", "tokenizer", "optimizer", "optimizer/lr_config")
+GROUPS = ("model", "dataset", "tokenizer", "optimizer", "optimizer/lr_config", "objective")
 SECTIONS = ("train", "logging", "parallel", "checkpoint")
 
 
@@ -170,9 +170,15 @@ def _classes(where: str) -> list[type]:
     if group == "tokenizer":
         return [TOKENIZERS[option]] if option in TOKENIZERS else []
     if group == "optimizer":
-        return [OPTIMIZERS[option]] if option in OPTIMIZERS else []
+        from utils.config import OptimizerConfig  # the knobs every optimizer takes beside `name` (cautious)
+
+        return [OPTIMIZERS[option], OptimizerConfig] if option in OPTIMIZERS else []
     if group == "optimizer/lr_config":
         return [SCHEDULES[option]] if option in SCHEDULES else []
+    if group == "objective":
+        from models.objectives import OBJECTIVES
+
+        return [OBJECTIVES[option]] if option in OBJECTIVES else []
     return []
 
 
@@ -189,8 +195,13 @@ def _type_name(tp) -> str:
 
 
 def knob_type(classes: list[type], key: str) -> str:
+    """`key`'s annotation in the first class that has it; a dotted key under a nested config
+    dataclass (`loss_scale.init`) is looked up in that dataclass."""
+    head, _, rest = key.partition(".")
     for cls in classes:
         hints = typing.get_type_hints(cls)
+        if rest and head in hints and dataclasses.is_dataclass(hints[head]):
+            return knob_type([hints[head]], rest)
         if key in hints:
             return _type_name(hints[key])
     return ""
@@ -214,7 +225,7 @@ def _table(knobs: list[Knob], classes: list[type], prefix: str) -> list[str]:
         if k.path == "name":
             continue  # the option's own name: the heading says it
         value = f"`{_cell(k.value)}`" if k.value else ""
-        tp = knob_type(classes, k.path.split(".")[0])
+        tp = knob_type(classes, k.path) or knob_type(classes, k.path.split(".")[0])
         tp += " | null" if k.value == "null" and tp and not tp.endswith("null") else ""
         rows.append(f"| `{prefix}{k.path}` | {_cell(tp)} | {value} | "
                     f"{_cell(k.doc)} |")

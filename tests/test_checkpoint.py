@@ -124,15 +124,27 @@ def as_legacy_aux_checkpoint(step_dir: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra,legacy", [((), False), (("dataset.total_batch_size=16",), True),
-                                          (("optimizer=shampoo", "optimizer.precondition_every=3"), False)],
-                         ids=["plain", "accumulation-legacy-aux-item", "shampoo"])
+                                          (("optimizer=shampoo", "optimizer.precondition_every=3"), False),
+                                          (("optimizer=nadamw",), False), (("optimizer=schedule_free_adamw",), False),
+                                          (("optimizer=ademamix",), False),
+                                          (("optimizer=soap", "optimizer.precondition_frequency=3"), False),
+                                          (("optimizer=mars",), False), (("optimizer=kron",), False),
+                                          (("train.compute_dtype=float16", "train.loss_scale.growth_interval=2"),
+                                           False)],
+                         ids=["plain", "accumulation-legacy-aux-item", "shampoo", "nadamw", "schedule_free_adamw",
+                              "ademamix", "soap", "mars", "kron", "float16-loss-scale"])
 def test_resume_is_bit_identical(tmp_path, extra, legacy):
     """Stop at step 5 and resume: losses at every step and the final weights and optimizer state
     equal an uninterrupted run's exactly (data order and dropout keys included), and so do the
     aux-state diagnostics, whose buffers and running sums the checkpoint carries. The second case
     resumes a checkpoint written before metric_states (the aux hook's state as the item `aux`); the
     third, Shampoo's, whose state holds zero-size placeholders (orbax refuses to save those: the
-    checkpoint leaves them out and the restore makes them anew)."""
+    checkpoint leaves them out and the restore makes them anew). Schedule-Free evaluates x, not the
+    y it trains (its val/loss checks that point too); AdEMAMix's α/β3 warmup (over the 12 steps)
+    reads its step count from the optimizer state, so the resume at 5 lands mid-warmup. float16's loss
+    scale grows every 2 finite steps: the resume at 5 lands mid-count (the item `loss_scale` holds both).
+    SOAP refreshes its eigenbases on updates 4, 7 and 10 (frequency 3), across the resume; Kron draws
+    its random probes from a key folded with the update count, so the resumed run draws the same."""
     full_ck, seg_ck = Path("ckpt/full"), Path("ckpt/seg")  # relative, as in the docs
     # The aux diagnostics' buffers must resume exactly too; the optimizer's own diagnostics carry no
     # state (and double the compile), so they stay off.
@@ -151,10 +163,15 @@ def test_resume_is_bit_identical(tmp_path, extra, legacy):
     assert sorted(resumed) == list(range(1, 13))
     assert resumed == full  # exact float equality, step by step
     assert 0 not in losses(second) and min(losses(second)) == 6
-    for item in ("model", "opt_state", "progress", "metric_states"):
+    scaled = "train.compute_dtype=float16" in extra
+    for item in ("model", "opt_state", "progress", "metric_states") + (("loss_scale",) if scaled else ()):
         assert_same_arrays(full_ck / "iter_12", seg_ck / "iter_12", item)
+    if scaled:
+        assert len(set(losses(second, "train/loss_scale").values())) > 1  # it grew after the resume
+        assert {**losses(first, "train/loss_scale"), **losses(second, "train/loss_scale")} == losses(
+            tmp_path / "full", "train/loss_scale")
     for name in ("update/<gn, Delta(n)>_sum", "grads/cos(gn, g(n-1))", "grads/cos(gn, g(1:n-1))",
-                 "update/cos(Delta(n+1), Delta(n))"):
+                 "update/cos(Delta(n+1), Delta(n))", "val/loss"):
         assert {**losses(first, name), **losses(second, name)} == losses(tmp_path / "full", name), name
 
 

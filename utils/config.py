@@ -22,7 +22,9 @@ from omegaconf.errors import OmegaConfBaseException
 from loaders import dataset_config, tokenizer_config
 from loaders.config import DatasetConfig
 from models.gpt import GPTConfig
-from optimizer import OPTIMIZERS
+from models.objectives import AR, OBJECTIVES, check_vocab
+from optimizer import OPTIMIZERS, for_run
+from optimizer import cautious as cautious_mask
 from optimizer.groups import GROUPS, group_hparams, group_knobs
 from optimizer.schedules import SCHEDULES, warmup_warning
 from utils.checkpoint.storage import CheckpointConfig
@@ -31,8 +33,11 @@ from utils.files import user_path
 from utils.logging.sinks import LoggingConfig, logging_config
 from utils.parallel.mesh import ParallelConfig
 from utils.sections import _coerce, build_registered, build_section
+from utils.train.early_stopping import EarlyStoppingConfig
+from utils.train.loss_scale import LossScaleConfig
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16")  # of the weights and optimizer state
+COMPUTE_DTYPES = DTYPES + ("float16",)  # float16 with dynamic loss scaling (utils/train/loss_scale.py)
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class TrainConfig:
     max_steps: int = 500
     gradient_clip_val: float | None = 1.0  # global-norm clip; null or 0 turns it off
     param_dtype: str = "float32"
-    compute_dtype: str = "float32"  # bfloat16 for GPUs; no faster on CPU
+    compute_dtype: str = "float32"  # bfloat16 (or float16, loss-scaled) for GPUs; no faster on CPU
     val_freq: int = 100
     max_val_steps: int = 20
     skip_validation: bool = False
@@ -50,6 +55,10 @@ class TrainConfig:
     sample_temperature: float = 0.8
     skip_nonfinite: bool = False  # a step with a non-finite gradient is skipped instead of stopping the run
     max_consecutive_skips: int = 10  # after this many in a row the update is applied and the run stops
+    # built from the train.early_stopping mapping in validate (a nested section)
+    early_stopping: EarlyStoppingConfig = dataclasses.field(default_factory=EarlyStoppingConfig)
+    # built from the train.loss_scale mapping in validate; read under compute_dtype=float16 only
+    loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
 
     def check(self, prefix: str) -> None:
         for knob in ("max_steps", "val_freq", "max_val_steps"):
@@ -57,9 +66,17 @@ class TrainConfig:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be a positive integer")
         if self.gradient_clip_val is not None and self.gradient_clip_val < 0:
             raise ConfigError(f"{prefix}.gradient_clip_val={self.gradient_clip_val} must be >= 0 or null")
-        for knob in ("param_dtype", "compute_dtype"):
-            if getattr(self, knob) not in DTYPES:
-                raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)!r} must be one of {', '.join(DTYPES)}")
+        if self.param_dtype == "float16":  # no float32 master copy: loss scaling could not help
+            raise ConfigError(f"{prefix}.param_dtype='float16' is refused: float16 weights round small updates "
+                              f"away and Adam's second moment underflows; keep float32 and set "
+                              f"{prefix}.compute_dtype=float16")
+        for knob, allowed in (("param_dtype", DTYPES), ("compute_dtype", COMPUTE_DTYPES)):
+            if getattr(self, knob) not in allowed:
+                raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)!r} must be one of {', '.join(allowed)}")
+        if self.compute_dtype == "float16" and self.param_dtype != "float32":
+            raise ConfigError(f"{prefix}.compute_dtype=float16 needs {prefix}.param_dtype=float32 (the master weights "
+                              f"its loss scaling unscales into); with {self.param_dtype} weights use "
+                              f"{prefix}.compute_dtype=bfloat16, which needs no loss scale")
         if self.max_consecutive_skips <= 0:
             raise ConfigError(f"{prefix}.max_consecutive_skips={self.max_consecutive_skips} must be a positive integer")
         if self.sample_tokens < 0:
@@ -76,6 +93,7 @@ class OptimizerConfig:
     schedule: Any  # e.g. optimizer.schedules.Cosine
     schedule_steps: int  # lr_config.max_steps, or train.max_steps when null
     group_overrides: dict  # {"hidden": {"lr": 0.02}, ...}: only the knobs set (non-null)
+    cautious: bool = False  # optimizer.cautious, beside `name`: every optimizer takes it (optimizer/cautious.py)
 
 
 @dataclass(frozen=True)
@@ -91,6 +109,7 @@ class RunConfig:
     data_seed: int  # data order; the yaml's null resolves to random_seed
     cache_dir: str  # trained tokenizers, tokenized corpora, the measured CPU peak
     checkpoint: CheckpointConfig = CheckpointConfig()
+    objective: Any = AR()  # models.objectives: ar | mdlm (the loss, attention's causality, evaluation, sampling)
     warnings: tuple[str, ...] = ()  # legal but probably unintended settings, printed at start
     config_dict: dict | None = None  # the plain config this was validated from: saved with checkpoints, sent to wandb
 
@@ -175,18 +194,29 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
 
     expected = {"model", "tokenizer", "dataset", "optimizer", "train", "logging", "parallel", "random_seed",
                 "data_seed", "cache_dir"}
-    unknown = sorted(set(raw) - expected - {"checkpoint"})
+    optional = {"checkpoint", "objective"}  # configs saved before the objective group have none: ar
+    unknown = sorted(set(raw) - expected - optional)
     if unknown:
         raise ConfigError(f"unknown top-level config key {unknown[0]!r}: known keys are "
-                          f"{', '.join(sorted(expected | {'checkpoint'}))}")
+                          f"{', '.join(sorted(expected | optional))}")
     missing = sorted(expected - set(raw))
     if missing:
         raise ConfigError(f"config lacks the {missing[0]!r} section: is conf/config.yaml's defaults list intact?")
 
-    train = build_section(TrainConfig, raw["train"], "train")
+    train_node = dict(raw["train"])
+    stopping = build_section(EarlyStoppingConfig, train_node.pop("early_stopping", None) or {}, "train.early_stopping")
+    scaling = build_section(LossScaleConfig, train_node.pop("loss_scale", None) or {}, "train.loss_scale")
+    train = dataclasses.replace(build_section(TrainConfig, train_node, "train"), early_stopping=stopping,
+                                loss_scale=scaling)
+    if train.compute_dtype == "float16":  # an overflow is loss scaling's signal to back off, not a divergence
+        train = dataclasses.replace(train, skip_nonfinite=True)
+    if stopping.patience and train.skip_validation:
+        raise ConfigError("train.early_stopping.patience watches val/loss, but train.skip_validation=true: "
+                          "set one of them off")
     opt_node = dict(raw["optimizer"])
     lr_node = dict(opt_node.pop("lr_config", None) or {})
     groups_node = opt_node.pop("groups", None) or {}
+    cautious = _coerce(opt_node.pop("cautious", False), bool, "optimizer.cautious")  # absent in old checkpoints
     schedule_name, schedule = build_registered(SCHEDULES, lr_node, "optimizer.lr_config")
     schedule_steps = getattr(schedule, "max_steps", None) or train.max_steps
     if hasattr(schedule, "check_steps"):
@@ -196,6 +226,9 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
     else:
         warning = warmup_warning("optimizer.lr_config", getattr(schedule, "warmup", 0), schedule_steps)
     opt_name, hparams = build_registered(OPTIMIZERS, opt_node, "optimizer")
+    hparams = for_run(hparams, schedule_name, schedule, train.max_steps)  # knobs that depend on the run
+    if cautious:
+        cautious_mask.check(hparams, opt_name)
     optimizer = OptimizerConfig(
         name=opt_name,
         hparams=hparams,
@@ -203,6 +236,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         schedule_name=schedule_name,
         schedule=schedule,
         schedule_steps=schedule_steps,
+        cautious=cautious,
     )
     seed = raw["random_seed"]
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -223,6 +257,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         data_seed=data_seed,
         cache_dir=user_path(str(raw["cache_dir"])),
         checkpoint=build_section(CheckpointConfig, raw.get("checkpoint") or {}, "checkpoint").resolved(),
+        objective=build_registered(OBJECTIVES, raw.get("objective") or {"name": "ar"}, "objective")[1],
         warnings=(warning,) if warning else (),
         config_dict=raw,
     )
@@ -240,6 +275,9 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         raise ConfigError(f"optimizer.groups.head.{knob} is set but model.tie_embeddings=true: there is no separate "
                           "head (the embedding matrix is reused; tune optimizer.groups.embed instead) or set "
                           "model.tie_embeddings=false")
+    if m.attn_block_size is not None and not run.objective.causal:
+        raise ConfigError(f"model.attn_block_size={m.attn_block_size} skips the causal mask's upper triangle, but "
+                          f"objective={run.objective.name} attends both ways: set model.attn_block_size=null")
     if m.attn_block_size is not None and (m.attn_block_size >= run.context_length
                                           or run.context_length % m.attn_block_size):
         raise ConfigError(f"model.attn_block_size={m.attn_block_size} must divide the training context "
@@ -258,12 +296,14 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
 
 
 def resolve_vocab(run: RunConfig, vocab_size: int) -> RunConfig:
-    """model.vocab_size null -> the tokenizer's `vocab_size`, padded to model.vocab_multiple."""
+    """model.vocab_size null -> the tokenizer's `vocab_size`, padded to model.vocab_multiple, with
+    room for the ids the objective adds (mdlm: the mask id, the vocabulary's last)."""
     m = run.model
     if m.vocab_size is None:
-        padded = -(-vocab_size // m.vocab_multiple) * m.vocab_multiple
+        padded = -(-(vocab_size + run.objective.extra_ids) // m.vocab_multiple) * m.vocab_multiple
         return dataclasses.replace(run, model=dataclasses.replace(m, vocab_size=padded))
     if m.vocab_size < vocab_size:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {vocab_size} "
                           "ids: raise it or set it to null")
+    check_vocab(run.objective, m.vocab_size, vocab_size)
     return run

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import jax
 
+from utils.checkpoint import remote
 from utils.checkpoint.storage import (
     CheckpointConfig,
     Source,
@@ -33,7 +34,10 @@ LOCAL_KEYS = ("checkpoint", "cache_dir", "hydra", "parallel")
 def resume_source(cfg: CheckpointConfig, warn: Callable[[str], None]) -> Source | None:
     """Where this run starts from: the newest checkpoint in save_path (resume=auto), else
     load_path/load_file (load=true), else nothing. Raises before anything is compiled when a new
-    run would write into an existing save_path."""
+    run would write into an existing save_path. With checkpoint.remote, the remote is checked first,
+    and resume=auto pulls its newest checkpoint into save_path when that is newer (remote.prepare)."""
+    if cfg.save and cfg.remote:
+        remote.prepare(cfg)
     if cfg.save:
         exists = os.path.exists(cfg.save_path)
         if cfg.resume == "auto":
@@ -105,8 +109,8 @@ def restore_state(source: Source, abstract, shardings, model_config: dict, fresh
     """The TrainState saved in `source`, read straight into `shardings` (no host copy of the whole
     state; any mesh shape, any process count). `abstract`: the state's shapes. What the checkpoint
     lacks is made anew: the optimizer state (`fresh_opt_state(model, step)`, for
-    overwrite_optimizer) and the step metrics' states (`init_metrics(model)`, when a run switches
-    them on or changes them)."""
+    overwrite_optimizer), the step metrics' states (`init_metrics(model)`, when a run switches
+    them on or changes them) and a float16 run's loss scale (at its init)."""
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
     restored = restore(source, target, model_config)
     model, progress = restored["model"], restored["progress"]
@@ -115,4 +119,7 @@ def restore_state(source: Source, abstract, shardings, model_config: dict, fresh
         {"aux": restored["aux"]} if "aux" in restored else None)
     if metric_states is None:
         metric_states = init_metrics(model) if abstract.metric_states else {}
-    return TrainState(model, opt_state, progress["step"], progress["key"], metric_states)
+    loss_scale = restored.get("loss_scale")  # a float16 run from a checkpoint without one starts its scale afresh
+    if loss_scale is None and abstract.loss_scale is not None:
+        loss_scale = jax.jit(abstract.loss_scale.fresh, out_shardings=shardings.loss_scale)()
+    return TrainState(model, opt_state, progress["step"], progress["key"], metric_states, loss_scale)

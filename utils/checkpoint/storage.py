@@ -5,6 +5,9 @@ Layout of `checkpoint.save_path`:
     iter_{N}/model/        orbax (OCDBT) arrays of the model
     iter_{N}/opt_state/    orbax arrays of the optimizer state
     iter_{N}/progress/     orbax arrays: step (int32) and the training RNG key
+    iter_{N}/eval_model/   orbax arrays of the model to evaluate, when the optimizer trains another
+                           point (Schedule-Free: the average x; `model` holds the y it trains)
+    iter_{N}/loss_scale/   orbax arrays of a float16 run's loss scale and its count of finite steps
     iter_{N}/manifest/manifest.json   step, time, metrics, data-iterator position, resolved model
                                       config, library versions (JSON: no pickle anywhere)
     iter_{N}/config/config.yaml       the run's resolved config
@@ -17,7 +20,8 @@ returns once the arrays are copied off the device, and the files are written whi
 goes on.
 
 This module is storage only: which checkpoint a run starts from and which config it then trains
-with is `utils/checkpoint/resume.py`; stopping on a signal (and the exit codes) is `utils/checkpoint/signals.py`.
+with is `utils/checkpoint/resume.py`; stopping on a signal (and the exit codes) is `utils/checkpoint/signals.py`;
+the copy of every checkpoint on S3-compatible storage (checkpoint.remote) is `utils/checkpoint/remote.py`.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ TMP_MARKER = ".orbax-checkpoint-tmp"
 ARRAY_ITEMS = ("model", "opt_state", "progress")  # every checkpoint has these
 # The stateful step metrics' states ({name: state}: the aux-state hook's buffers, ...) when the
 # run has any; "aux" is where checkpoints written before metric_states kept the aux hook's alone.
-OPTIONAL_ITEMS = ("metric_states", "aux")
+OPTIONAL_ITEMS = ("metric_states", "aux", "eval_model", "loss_scale")
+EVAL_MODEL = "eval_model"  # what export and sampling read when it is there (optimizer.eval_params)
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.yaml"
 # 2: the fused attention projection's columns are head-major (models/gpt.py `_head_major`); a
@@ -79,6 +84,7 @@ class CheckpointConfig:
     load_file: str = "latest"  # iter_N | iter_N.ckpt | latest
     overwrite_config: bool = False  # false: the checkpoint's config wins over this command line
     overwrite_optimizer: bool = False  # true: keep weights and step, fresh optimizer state (any family)
+    remote: str | None = None  # s3://bucket/prefix: mirror every checkpoint there (utils/checkpoint/remote.py)
 
     def check(self, prefix: str) -> None:
         steps = self.save_steps
@@ -104,6 +110,12 @@ class CheckpointConfig:
                 raise ConfigError(f"{prefix}.{knob}={value} must be a positive integer or null")
         if self.load_file != "latest" and parse_step(self.load_file) is None:
             raise ConfigError(f"{prefix}.load_file={self.load_file!r} must be iter_N, iter_N.ckpt or latest")
+        if self.remote is not None:
+            from utils.checkpoint.remote import parse_url  # here: remote.py imports this module
+
+            parse_url(self.remote)
+            if not self.save:
+                raise ConfigError(f"{prefix}.remote mirrors {prefix}.save_path: set {prefix}.save=true too")
 
     def resolved(self) -> "CheckpointConfig":
         """save_path and load_path made absolute against this process's working directory, once,
@@ -197,6 +209,15 @@ def _manager(directory: str, cfg: CheckpointConfig, best: bool = False) -> ocp.C
                           for item in ARRAY_ITEMS + OPTIONAL_ITEMS},
                        "manifest": ocp.JsonCheckpointHandler(filename=MANIFEST_FILE), "config": _YamlHandler()},
     )
+
+
+def _mirror(cfg: CheckpointConfig, manager: ocp.CheckpointManager, best: bool):
+    """checkpoint.remote's uploader of `manager`'s checkpoints on process 0, else None."""
+    if not cfg.remote:
+        return None
+    from utils.checkpoint.remote import Mirror  # here: remote.py imports this module, and boto3 is slow to import
+
+    return Mirror.of(cfg, manager.is_saving_in_progress, best)
 
 
 def _quiet_orbax() -> None:
@@ -345,16 +366,18 @@ def _check_model_fits(source: Source, abstract_model: Any, model_config: dict) -
 def restore_model(source: Source, abstract_model: Any) -> Any:
     """Only the model of `source`, into the shapes (and shardings, if any) of `abstract_model`
     (e.g. `eqx.filter_eval_shape(GPT, GPTConfig(**source.manifest["model"]), key)`): for export
-    and sampling, which need no optimizer state."""
+    and sampling, which need no optimizer state. The model to evaluate (`eval_model`) where the
+    checkpoint has one, else the trained one."""
     _quiet_orbax()
     _check_model_fits(source, _arrays(abstract_model), {})
+    item = EVAL_MODEL if os.path.isdir(os.path.join(source.path, EVAL_MODEL)) else "model"
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             restored = checkpointer.restore(
-                source.path, args=ocp.args.Composite(model=_restore_args(_arrays(abstract_model))))
+                source.path, args=ocp.args.Composite(**{item: _restore_args(_arrays(abstract_model))}))
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types; the user needs the file
         raise _restore_error(source, e) from None
-    return eqx.combine(restored["model"], abstract_model)
+    return eqx.combine(restored[item], abstract_model)
 
 
 def _restore_args(target: Any) -> ocp.args.PyTreeRestore:
@@ -366,7 +389,11 @@ def _restore_error(source: Source, e: Exception) -> CheckpointError:
     where = re.search(r"(/[^\s'\"]+)", str(e))
     detail = where.group(1) if where and source.path in where.group(1) else source.path
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    hint = " (a different optimizer's state? set checkpoint.overwrite_optimizer=true)" if "opt_state" in str(e) else ""
+    # A tree that does not match is the optimizer state's (the model's shapes were checked first): another
+    # optimizer, or train.skip_nonfinite switched (compute_dtype=float16 switches it on), which wraps the state.
+    hint = (" (a different optimizer's state, or train.skip_nonfinite switched, as compute_dtype=float16 does? "
+            "set checkpoint.overwrite_optimizer=true)"
+            if "opt_state" in str(e) or "tree structures do not match" in str(e) else "")
     return CheckpointError(f"cannot restore {detail}: {first}{hint}: the checkpoint is corrupt or incomplete; "
                            "load another one")
 
@@ -377,7 +404,7 @@ def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str
     "metric_states" when the run keeps some, the checkpoint has them in the same layout, and it
     continues the optimizer state (a fresh optimizer starts fresh diagnostics). A checkpoint from
     before metric_states gives its "aux" item, the aux hook's state alone, when that is all the
-    run keeps."""
+    run keeps. "loss_scale" (float16 runs) whenever the run scales and the checkpoint has one."""
     _quiet_orbax()
     abstract_model = _arrays(abstract_state.model)
     _check_model_fits(source, abstract_model, model_config)
@@ -391,6 +418,9 @@ def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str
         elif set(abstract_metrics) == {"aux"} and _same_layout(os.path.join(source.path, "aux"),
                                                                 abstract_metrics["aux"]):
             items["aux"] = _restore_args(abstract_metrics["aux"])
+    loss_scale = getattr(abstract_state, "loss_scale", None)
+    if loss_scale is not None and os.path.isdir(os.path.join(source.path, "loss_scale")):
+        items["loss_scale"] = _restore_args(_arrays(loss_scale))
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             restored = checkpointer.restore(source.path, args=ocp.args.Composite(**items))
@@ -398,7 +428,8 @@ def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str
         raise _restore_error(source, e) from None
     abstract = {"model": abstract_state.model, "progress": None, "opt_state": abstract_state.opt_state,
                 "metric_states": abstract_state.metric_states,
-                "aux": abstract_state.metric_states.get("aux") if abstract_state.metric_states else None}
+                "aux": abstract_state.metric_states.get("aux") if abstract_state.metric_states else None,
+                "loss_scale": loss_scale}
     return {name: _with_empty(restored[name], abstract[name]) for name in items}
 
 
@@ -437,16 +468,22 @@ def _versions() -> dict[str, str]:
 
 class Checkpointer:
     """Saves a run's state at the configured iterations, on demand (preemption, end of a
-    segment) and at new best val/loss, asynchronously; `close` waits for pending writes."""
+    segment) and at new best val/loss, asynchronously; `close` waits for pending writes (and, with
+    checkpoint.remote, for their uploads)."""
 
-    def __init__(self, cfg: CheckpointConfig, config_dict: dict, model_config: dict, warn: Callable[[str], None]):
+    def __init__(self, cfg: CheckpointConfig, config_dict: dict, model_config: dict, warn: Callable[[str], None],
+                 eval_view: Callable[[Any], Any] | None = None):
         _quiet_orbax()
         self.cfg = cfg
+        self._eval_view = eval_view  # state -> the model to evaluate, saved as `eval_model` (optimizer.eval_view)
         self._config = {k: v for k, v in config_dict.items() if k != "hydra"}
         self._model = model_config
         remove_incomplete(cfg.save_path, warn)
         self._manager = _manager(cfg.save_path, cfg)
         self._best = _manager(os.path.join(cfg.save_path, "best"), cfg, best=True) if cfg.keep_best else None
+        # checkpoint.remote: uploaders of each completed checkpoint (process 0; boto3 is imported only then)
+        self._mirror = _mirror(cfg, self._manager, best=False)
+        self._best_mirror = _mirror(cfg, self._best, best=True) if self._best is not None else None
         self.best_val = math.inf  # carried over from best/ when a run resumes
         self._extra: dict[str, Callable[[], Any]] = {}  # more manifest entries, e.g. the sinks' state
         if self._best is not None and self._best.latest_step() is not None:
@@ -479,6 +516,10 @@ class Checkpointer:
         # The step metrics' states (the diagnostics' buffers) when the run keeps some: they resume exactly too.
         metric_states = _arrays(state.metric_states)
         extra = {"metric_states": ocp.args.PyTreeSave(metric_states)} if metric_states else {}
+        if self._eval_view is not None:
+            extra[EVAL_MODEL] = ocp.args.PyTreeSave(_arrays(self._eval_view(state)))
+        if getattr(state, "loss_scale", None) is not None:  # float16 runs: the scale resumes exactly too
+            extra["loss_scale"] = ocp.args.PyTreeSave(_arrays(state.loss_scale))
         return ocp.args.Composite(
             model=ocp.args.PyTreeSave(_arrays(state.model)),
             opt_state=ocp.args.PyTreeSave(_arrays(state.opt_state)),
@@ -494,6 +535,8 @@ class Checkpointer:
         if step in self._manager.all_steps():
             return False
         self._manager.save(step, args=self._args(step, state, data_state, metrics, reason), force=True)
+        if self._mirror is not None:
+            self._mirror.submit(step)
         return True
 
     def maybe_save_best(self, step: int, state, data_state: dict, metrics: dict) -> bool:
@@ -503,11 +546,13 @@ class Checkpointer:
         self.best_val = val
         self._best.save(step, args=self._args(step, state, data_state, metrics, "best"),
                         metrics={"val/loss": val}, force=True)
+        if self._best_mirror is not None:
+            self._best_mirror.submit(step)
         return True
 
     def writing(self) -> bool:
-        """True while an asynchronous save is still writing files."""
-        return self._manager.is_saving_in_progress()
+        """True while an asynchronous save is still writing files (or, with checkpoint.remote, uploading them)."""
+        return self._manager.is_saving_in_progress() or (self._mirror is not None and self._mirror.busy())
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
@@ -519,3 +564,6 @@ class Checkpointer:
         self._manager.close()
         if self._best is not None:
             self._best.close()
+        for mirror in (self._mirror, self._best_mirror):  # the last checkpoints reach the remote before the run ends
+            if mirror is not None:
+                mirror.close()

@@ -64,7 +64,8 @@ def peak_flops(compute_dtype: str, cache_dir: str, fresh: bool = False) -> float
     if device.platform != "cpu":
         for name, peaks in ACCELERATOR_PEAKS.items():
             if name.lower() in device.device_kind.lower():
-                per_device = peaks.get(compute_dtype)
+                # float16 counted at the bfloat16 peak (NVIDIA's tensor cores run both at one rate)
+                per_device = peaks.get("bfloat16" if compute_dtype == "float16" else compute_dtype)
                 return None if per_device is None else per_device * jax.device_count()
         return None
     return _cpu_peak(cache_dir, fresh) * jax.process_count()

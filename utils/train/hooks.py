@@ -55,15 +55,35 @@ class LoopContext:
     record: dict[str, float] = field(default_factory=dict)  # values of this step, logged by the sinks
     last: dict[str, float] = field(default_factory=dict)  # latest value of every metric so far
     stop: str | None = None  # a stop signal every process agreed on
+    finished: str | None = None  # why the run ends at this step, before `end` (early stopping)
     pulled: bool = False  # this step's metrics are in `record` already
     data_wait: float = 0.0  # seconds the loop waited for this step's batch
     compile_sec: float = 0.0  # seconds this step's dispatch waited for a compilation
+    # state -> the model to evaluate, sample and rank (optimizer.eval_view: Schedule-Free's average);
+    # None: the state's own model
+    eval_view: Callable[[Any], Any] | None = None
+    _eval_model: Any = field(default=None, init=False, repr=False)  # eval_view's model of this step, made once
 
     def __post_init__(self) -> None:
         self.step = self.start
 
+    @property
+    def ending(self) -> bool:
+        """The segment's last step: `end`, or the step early stopping ends the run at."""
+        return self.step == self.end or self.finished is not None
+
     def advance(self, step: int, state: Any, metrics: dict) -> None:
         self.step, self.state, self.metrics, self.record, self.pulled = step, state, metrics, {}, False
+        self._eval_model = None
+
+    def eval_model(self) -> Any:
+        """The model evaluation, samples and the best checkpoint's ranking use: the state's own,
+        unless the optimizer evaluates another point (`eval_view`)."""
+        if self.eval_view is None:
+            return self.state.model
+        if self._eval_model is None:
+            self._eval_model = self.eval_view(self.state)
+        return self._eval_model
 
     def add(self, values: dict[str, float]) -> None:
         self.record.update(values)
@@ -105,7 +125,7 @@ class Hook:
     def due(self, ctx: LoopContext) -> bool:
         if ctx.step == ctx.start:
             return self.at_start
-        return bool(self.every and ctx.step % self.every == 0) or (self.at_end and ctx.step == ctx.end)
+        return bool(self.every and ctx.step % self.every == 0) or (self.at_end and ctx.ending)
 
     def __call__(self, ctx: LoopContext) -> None:
         raise NotImplementedError
@@ -264,7 +284,7 @@ class Evaluation(Hook):
 
     def __call__(self, ctx: LoopContext) -> None:
         began = clock()
-        ctx.add(self.evaluate(ctx.state.model))
+        ctx.add(self.evaluate(ctx.eval_model()))
         ctx.add({"time/eval_sec": clock() - began})
 
 
@@ -321,15 +341,15 @@ class Checkpoint(Hook):
         self.saver, self.save_path, self.vouchers = saver, save_path, vouchers
 
     def due(self, ctx: LoopContext) -> bool:
-        return ctx.step > ctx.start and (self.saver.due(ctx.step) or ctx.step == ctx.end or "val/loss" in ctx.record)
+        return ctx.step > ctx.start and (self.saver.due(ctx.step) or ctx.ending or "val/loss" in ctx.record)
 
     def __call__(self, ctx: LoopContext) -> None:
         best = "val/loss" in ctx.record and self.saver.maybe_save_best(ctx.step, ctx.state, ctx.data.state_dict(),
                                                                        ctx.last)
         if best:
             say(f"checkpoint: new best val/loss {ctx.record['val/loss']:.4f}, saving {self.save_path}/best")
-        if self.saver.due(ctx.step) or ctx.step == ctx.end:
-            self.save(ctx, "end" if ctx.step == ctx.end else "scheduled")
+        if self.saver.due(ctx.step) or ctx.ending:
+            self.save(ctx, "end" if ctx.step == ctx.end else "early stop" if ctx.finished else "scheduled")
 
     def on_stop(self, ctx: LoopContext) -> None:
         self.save(ctx, ctx.stop)
@@ -375,7 +395,7 @@ class EvalSamples(Hook):
         return "val/loss" in ctx.record
 
     def __call__(self, ctx: LoopContext) -> None:
-        self.sinks.log_samples(ctx.step, [(p, self.sample(ctx.state.model, p, self.tokens)) for p in self.prompts])
+        self.sinks.log_samples(ctx.step, [(p, self.sample(ctx.eval_model(), p, self.tokens)) for p in self.prompts])
 
 
 class Sample(Hook):
@@ -387,4 +407,4 @@ class Sample(Hook):
         self.sample, self.prompt, self.tokens = sample, prompt, tokens
 
     def __call__(self, ctx: LoopContext) -> None:
-        say("---- sample ----\n" + self.sample(ctx.state.model, self.prompt, self.tokens) + "\n----------------")
+        say("---- sample ----\n" + self.sample(ctx.eval_model(), self.prompt, self.tokens) + "\n----------------")

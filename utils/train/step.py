@@ -24,6 +24,7 @@ class TrainState(eqx.Module):
     step: jax.Array  # int32 scalar: optimizer updates done
     key: jax.Array  # uint32[2]: dropout randomness, split once per step
     metric_states: dict = eqx.field(default_factory=dict)  # {name: state} of the stateful step metrics
+    loss_scale: Any = None  # float16 compute: a LossScale (utils/train/loss_scale.py); else None, no scaling
 
 
 def num_micro_batches(batch) -> int:
@@ -75,7 +76,9 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
     optimizer inside `tx`, every step metric updated (its state carried in `metric_states`),
     metrics returned as device arrays (pulled only on logging steps). `loss_fn(model, batch_BxT1,
     key or None, compute_dtype) -> (loss, aux)`, where a batch is a token array or a dict of
-    arrays (see `with_loss_norm`)."""
+    arrays (see `with_loss_norm`). A state with a `loss_scale` (float16 compute) has its loss scaled
+    before the gradient and the gradient unscaled after, and the scale adjusted to whether it was
+    finite (utils/train/loss_scale.py)."""
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     compute_dtype = jnp.dtype(compute_dtype)
     step_metrics.stateful(metrics)  # unique state names, checked once here
@@ -83,29 +86,38 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
     def train_step(state: TrainState, batch_AxBxT1: jax.Array, logging: bool):
         batch_AxBxT1 = with_loss_norm(batch_AxBxT1)
         key, micro_keys = step_keys(state.key, num_micro_batches(batch_AxBxT1))
+        scaler = state.loss_scale  # static: None unless float16 compute
+        value_and_grad = grad_fn if scaler is None else eqx.filter_value_and_grad(scaler.scaled(loss_fn), has_aux=True)
 
         def grads_at(model):
             def fn(tokens_BxT1, k):
-                (_, aux), grads = grad_fn(model, tokens_BxT1, k if use_dropout else None, compute_dtype)
+                (_, aux), grads = value_and_grad(model, tokens_BxT1, k if use_dropout else None, compute_dtype)
                 return grads, aux
             return fn
+
+        def mean_grads(model):
+            """(this batch's gradient at `model`, averaged over micro-batches and unscaled; aux stacked)."""
+            grads, aux = over_micro_batches(grads_at(model), batch_AxBxT1, micro_keys)
+            return (grads if scaler is None else scaler.unscale(grads)), aux
 
         def loss_at(model, with_grads: bool):
             """This batch at `model`, with this step's dropout keys: (mean loss, mean grads or None)."""
             if with_grads:
-                grads, aux = over_micro_batches(grads_at(model), batch_AxBxT1, micro_keys)
+                grads, aux = mean_grads(model)
                 return aux["loss"].mean(), grads
 
             def fn(tokens_BxT1, k):
                 return (), loss_fn(model, tokens_BxT1, k if use_dropout else None, compute_dtype)[1]
             return over_micro_batches(fn, batch_AxBxT1, micro_keys)[1]["loss"].mean(), None
 
-        grads, aux = over_micro_batches(grads_at(state.model), batch_AxBxT1, micro_keys)
+        grads, aux = mean_grads(state.model)
         params = eqx.filter(state.model, eqx.is_array)
+        # A non-finite gradient (under float16: an overflow) is skipped inside `tx` (optimizer/nonfinite.py).
         updates, opt_state = tx.update(grads, state.opt_state, params)
         new_state = TrainState(eqx.apply_updates(state.model, updates), opt_state, state.step + 1, key,
-                               state.metric_states)
-        inputs = step_metrics.StepInputs(state, new_state, grads, updates, aux, loss_at)
+                               state.metric_states,
+                               None if scaler is None else scaler.adjust(step_metrics.all_finite(grads)))
+        inputs = step_metrics.StepInputs(state, new_state, grads, updates, aux, loss_at, batch_AxBxT1)
         metric_states, out = step_metrics.compute(metrics, inputs, logging)
         return eqx.tree_at(lambda s: s.metric_states, new_state, metric_states), out
 

@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from utils.train import loss_scale
+
 MetricFn = Callable[[Any, Any, Any, dict], dict[str, jax.Array]]
 
 
@@ -52,6 +54,7 @@ class StepInputs:
     updates: Any  # what the optimizer adds to the weights
     aux: dict  # the loss's aux outputs, stacked over micro-batches
     loss_at: Callable[[Any, bool], tuple[jax.Array, Any]]  # (model, with_grads) -> (mean loss, grads or None)
+    batch: Any = None  # this step's batch, micro-batches stacked on axis 0 (a token array or the loaders' dict)
 
 
 @runtime_checkable
@@ -133,8 +136,10 @@ def skipped_steps(state, grads, updates, aux) -> dict[str, jax.Array]:
 
 def defaults(schedule: optax.Schedule, by_group: dict[str, optax.Schedule], groups: Iterable[str],
              skip_nonfinite: bool = False) -> list[StepMetric]:
-    """What every run logs: train/loss, the norms, the learning rates (and the skipped steps)."""
-    metrics = [FnMetric(loss), FnMetric(norms), FnMetric(learning_rates(schedule, by_group, groups))]
+    """What every run logs: train/loss, the norms, the learning rates (and the skipped steps; under
+    float16 compute the loss scale)."""
+    metrics = [FnMetric(loss), FnMetric(norms), FnMetric(learning_rates(schedule, by_group, groups)),
+               FnMetric(loss_scale.metric)]
     return metrics + ([FnMetric(skipped_steps)] if skip_nonfinite else [])
 
 

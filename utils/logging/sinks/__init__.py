@@ -47,6 +47,7 @@ class LoggingConfig:
     log_every: int = 10  # pull metrics from the device every N steps (no host sync in between)
     sample_prompts: tuple[str, ...] = ("def ", "import ")  # sampled from at each evaluation; [] = none
     sample_tokens: int = 32  # tokens per evaluation sample
+    activation_norms: bool = False  # per-block activation RMS on logging steps (utils/train/activations.py)
     aux: AuxConfig = AuxConfig()  # the aux-state hook's flags (utils/train/aux_state.py)
     sinks: tuple = ()  # one built config per entry of SINKS, in its order
 
@@ -62,7 +63,7 @@ def logging_config(node: dict, prefix: str = "logging") -> LoggingConfig:
     fields (knob names are the users'); a knob no sink has is refused."""
     if not isinstance(node, dict):
         raise ConfigError(f"{prefix} must be a mapping of knobs, got {node!r}")
-    own = ("log_every", "sample_prompts", "sample_tokens")
+    own = ("log_every", "sample_prompts", "sample_tokens", "activation_norms")
     aux_knobs = {f.name for f in dataclasses.fields(AuxConfig)}
     owned = set(own) | aux_knobs
     sinks = []
