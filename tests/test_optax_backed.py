@@ -21,7 +21,7 @@ from optimizer import eval_params, make_optimizer
 from optimizer.ademamix import AdEMAMix, alpha_schedule, b3_schedule
 from optimizer.diagnostics import optimizer_metrics
 from optimizer.nadamw import NAdamW
-from optimizer.schedule_free import RMS_STATE, ScheduleFreeAdamW
+from optimizer.schedule_free import ScheduleFreeAdamW, rms_state
 from utils.errors import ConfigError
 
 EPS32 = 2.0**-23
@@ -223,7 +223,7 @@ def test_schedule_free_distance_and_second_moment_match_numpy():
                                    rtol=0, atol=2 * EPS32 * largest, err_msg=group)
         assert np.sqrt(np.mean(diff**2)) > 100 * EPS32 * largest  # y and x apart: the check is not vacuous
         rms = _group_state(state, group).base_optimizer_state[0]
-        assert isinstance(rms, RMS_STATE)
+        assert isinstance(rms, rms_state())
         _check_sqrt_v(metrics, group, _sqrt_v(rms.nu, rms.count, _knob(name, group, "b2"), group))
 
 
