@@ -76,3 +76,27 @@ def load_script(name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def run_updates(tx, grads_seq):
+    """An optax transform's jitted init + updates over a list of gradient trees -> (the updates as
+    NumPy, the states after each update): the optimizer tests' way of stepping one on its own."""
+    import jax
+    import numpy as np
+
+    state = jax.jit(tx.init)(grads_seq[0])
+    update = jax.jit(tx.update)
+    outs, states = [], []
+    for g in grads_seq:
+        u, state = update(g, state)
+        outs.append(jax.tree.map(np.asarray, u))
+        states.append(state)
+    return outs, states
+
+
+def random_grads(shapes: dict, steps: int, seed=0):
+    """`steps` gradient trees {name: float32 normal array of shape}."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [{k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()} for _ in range(steps)]

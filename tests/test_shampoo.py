@@ -15,6 +15,8 @@ import numpy as np
 import optax
 import pytest
 import scipy.linalg
+from helpers import random_grads
+from helpers import run_updates as run
 
 from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import make_optimizer, shampoo
@@ -78,21 +80,6 @@ def rel_err(a, b):
     return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
 
 
-def run(tx, grads_seq):
-    """Jitted init + updates over a list of gradient trees -> (updates as NumPy, states)."""
-    state = jax.jit(tx.init)(grads_seq[0])
-    update = jax.jit(tx.update)
-    outs, states = [], []
-    for g in grads_seq:
-        u, state = update(g, state)
-        outs.append(jax.tree.map(np.asarray, u))
-        states.append(state)
-    return outs, states
-
-
-def random_grads(shapes: dict, steps: int, seed=0):
-    rng = np.random.default_rng(seed)
-    return [{k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()} for _ in range(steps)]
 
 
 # --- the preconditioner --------------------------------------------------------------------------

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import random_grads
+from helpers import run_updates as run
 
 from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import make_optimizer
@@ -127,21 +129,6 @@ def assert_matches(outs, key, reference, where=""):
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-def run(tx, grads_seq):
-    """Jitted init + updates -> (updates as NumPy, states after each update)."""
-    state = jax.jit(tx.init)(grads_seq[0])
-    update = jax.jit(tx.update)
-    outs, states = [], []
-    for g in grads_seq:
-        u, state = update(g, state)
-        outs.append(jax.tree.map(np.asarray, u))
-        states.append(state)
-    return outs, states
-
-
-def random_grads(shapes: dict, steps: int, seed=0):
-    rng = np.random.default_rng(seed)
-    return [{k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()} for _ in range(steps)]
 
 
 def rel_err(a, b):
