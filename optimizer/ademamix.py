@@ -26,7 +26,7 @@ import optax
 from optax.contrib import ScaleByAdemamixState, ademamix
 
 from optimizer.diagnostics import array_leaves, find_states, sqrt_v_stats
-from optimizer.groups import check_non_negative, check_unit_interval
+from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 from utils.errors import ConfigError
 
 
@@ -82,8 +82,7 @@ class AdEMAMix:
     def check(self, prefix: str) -> None:
         check_unit_interval(prefix, self, "b1", "b2", "b3")
         check_non_negative(prefix, self, "weight_decay", "alpha")
-        if self.eps <= 0:
-            raise ConfigError(f"{prefix}.eps={self.eps} must be positive")
+        check_positive(prefix, self, "eps")
         if self.alpha_b3_warmup is not None and self.alpha_b3_warmup < 0:
             raise ConfigError(f"{prefix}.alpha_b3_warmup={self.alpha_b3_warmup} must be >= 0 "
                               "(or null for train.max_steps)")

@@ -99,3 +99,9 @@ def check_non_negative(prefix: str, hparams: Any, *knobs: str) -> None:
     for knob in knobs:
         if getattr(hparams, knob) < 0:
             raise ConfigError(f"{prefix}.{knob}={getattr(hparams, knob)} must be >= 0")
+
+
+def check_positive(prefix: str, hparams: Any, *knobs: str) -> None:
+    for knob in knobs:
+        if getattr(hparams, knob) <= 0:
+            raise ConfigError(f"{prefix}.{knob}={getattr(hparams, knob)} must be positive")

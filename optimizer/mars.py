@@ -26,9 +26,8 @@ import jax.numpy as jnp
 import optax
 
 from optimizer.diagnostics import adam_sqrt_v, array_leaves, find_states
-from optimizer.groups import check_non_negative, check_unit_interval
+from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 from optimizer.trees import map_unzipped
-from utils.errors import ConfigError
 
 
 class MARSState(NamedTuple):
@@ -114,10 +113,8 @@ class MARS:
     def check(self, prefix: str) -> None:
         check_unit_interval(prefix, self, "b1", "b2", "adam_b1", "adam_b2")
         check_non_negative(prefix, self, "weight_decay", "gamma")
-        if self.eps <= 0:
-            raise ConfigError(f"{prefix}.eps={self.eps} must be positive")
-        if self.adam_lr <= 0:
-            raise ConfigError(f"{prefix}.adam_lr={self.adam_lr} must be positive")
+        check_positive(prefix, self, "eps")
+        check_positive(prefix, self, "adam_lr")
 
     def default_group_lr(self, group: str, base_lr: float) -> float:
         return self.adam_lr if group == "scalar" else base_lr

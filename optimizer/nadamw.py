@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import optax
 
 from optimizer.diagnostics import adam_sqrt_v
-from optimizer.groups import check_non_negative, check_unit_interval
-from utils.errors import ConfigError
+from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 
 
 @dataclass(frozen=True)
@@ -30,8 +29,7 @@ class NAdamW:
     def check(self, prefix: str) -> None:
         check_unit_interval(prefix, self, "b1", "b2")
         check_non_negative(prefix, self, "weight_decay")
-        if self.eps <= 0:
-            raise ConfigError(f"{prefix}.eps={self.eps} must be positive")
+        check_positive(prefix, self, "eps")
 
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
         return optax.nadamw(schedule, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)

@@ -24,7 +24,7 @@ import optax
 from optax.contrib import ScheduleFreeState, schedule_free_adamw, schedule_free_eval_params
 
 from optimizer.diagnostics import array_leaves, find_states, is_masked, sqrt_v_stats
-from optimizer.groups import check_non_negative, check_unit_interval
+from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 from utils.errors import ConfigError
 
 
@@ -89,8 +89,7 @@ class ScheduleFreeAdamW:
         check_non_negative(prefix, self, "weight_decay", "weight_lr_power")
         if self.b1 <= 0:  # x = (y - (1 - b1)·z) / b1
             raise ConfigError(f"{prefix}.b1={self.b1} must be in (0, 1): Schedule-Free divides by it")
-        if self.eps <= 0:
-            raise ConfigError(f"{prefix}.eps={self.eps} must be positive")
+        check_positive(prefix, self, "eps")
 
     def for_run(self, schedule_name: str, schedule, total_steps: int) -> "ScheduleFreeAdamW":
         del total_steps

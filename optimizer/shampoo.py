@@ -67,7 +67,7 @@ from optimizer.blocking import (
     valid_mask,
 )
 from optimizer.diagnostics import find_states, is_masked, median_nonneg
-from optimizer.groups import check_non_negative, check_unit_interval
+from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 from utils.errors import ConfigError
 
 GRAFTS = ("adam", "sgd", "none")
@@ -312,8 +312,7 @@ class Shampoo:
         if not 0.0 < self.epsilon < 1.0:
             raise ConfigError(f"{prefix}.epsilon={self.epsilon} must be in (0, 1): it is relative to the "
                               "largest eigenvalue of each statistic (try 1e-6 to 1e-4; float32 eigh noise is ~1e-7)")
-        if self.graft_eps <= 0:
-            raise ConfigError(f"{prefix}.graft_eps={self.graft_eps} must be positive")
+        check_positive(prefix, self, "graft_eps")
         if self.graft not in GRAFTS:
             raise ConfigError(f"{prefix}.graft={self.graft!r} must be one of {', '.join(GRAFTS)}")
 

@@ -69,7 +69,7 @@ from optimizer.blocking import (
     valid_mask,
 )
 from optimizer.diagnostics import adam_sqrt_v, find_states, is_masked, median_nonneg
-from optimizer.groups import check_non_negative, check_unit_interval
+from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 from utils.errors import ConfigError
 
 SIDES = ("left", "right")
@@ -333,8 +333,7 @@ class SOAP:
     def check(self, prefix: str) -> None:
         check_unit_interval(prefix, self, "b1", "b2", "shampoo_beta")
         check_non_negative(prefix, self, "weight_decay")
-        if self.eps <= 0:
-            raise ConfigError(f"{prefix}.eps={self.eps} must be positive")
+        check_positive(prefix, self, "eps")
         for knob in ("precondition_frequency", "max_precondition_dim", "block_size"):
             value = getattr(self, knob)
             if value is None and knob == "block_size":
