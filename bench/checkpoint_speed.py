@@ -70,7 +70,7 @@ import jax
 from hydra import compose, initialize_config_dir
 
 import train_jax as T
-from models.gpt import count_params
+from models import count_params
 from utils.checkpoint import storage as ckptlib
 from utils.config import to_dict, validate
 from utils.logging.messages import warn
@@ -132,6 +132,8 @@ def main() -> None:
     parser.add_argument("--remote", default=None, help="measure checkpoint.remote instead: s3://bucket/prefix, or "
                         "'local' for a SeaweedFS started here")
     parser.add_argument("--rounds", type=int, default=6, help="--remote: rounds of (local, uploading) windows")
+    parser.add_argument("--remote-bandwidth", type=float, default=None,
+                        help="--remote: checkpoint.remote_bandwidth (MB/s cap on the upload; default: none)")
     parser.add_argument("--remote-window", type=int, default=4, help="--remote: steps per window at least")
     args, overrides = parser.parse_known_args()
     if args.steps < 1 or args.windows < 1 or args.gap < 1 or args.after < 1:
@@ -334,7 +336,8 @@ def compare_remote(args, run, config_dict: dict, tokens_per_step: int, step_s: f
     try:
         for mode, target in (("local", None), ("uploading", url)):
             ck = dataclasses.replace(run.checkpoint, save=True, save_path=os.path.join(tmp, mode), async_save=True,
-                                     max_to_keep=1, keep_best=False, save_steps=1_000_000_000, remote=target)
+                                     max_to_keep=1, keep_best=False, save_steps=1_000_000_000, remote=target,
+                                     remote_bandwidth=args.remote_bandwidth if target else None)
             ck.check("checkpoint")
             savers[mode] = ckptlib.Checkpointer(ck, {**config_dict, "checkpoint": dataclasses.asdict(ck)},
                                                 dataclasses.asdict(run.model), warn)
@@ -369,7 +372,8 @@ def compare_remote(args, run, config_dict: dict, tokens_per_step: int, step_s: f
                   f"{up / local - 1:+.1%}, CPU {up_cpu / local_cpu - 1:+.1%}", flush=True)
         print(f"\ncheckpoint.remote slowdown: {statistics.median(rows) - 1:+.1%} median over {len(rows)} rounds "
               f"(each {', '.join(f'{x - 1:+.1%}' for x in rows)}); this process's CPU per step "
-              f"{statistics.median(cpu_rows) - 1:+.1%} | windows of {window} steps, each opened by a save | {load()}")
+              f"{statistics.median(cpu_rows) - 1:+.1%} | windows of {window} steps, each opened by a save | "
+              f"checkpoint.remote_bandwidth={args.remote_bandwidth} | {load()}")
     finally:
         for saver in savers.values():
             saver.close()

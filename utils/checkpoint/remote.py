@@ -243,6 +243,18 @@ def keep_policy(max_to_keep: int | None, pinned: tuple[int, ...] | None) -> Call
     return keep
 
 
+def transfer_config(bandwidth_mb: float | None):
+    """boto3's transfer settings for the uploads. Uncapped: its defaults (multipart, 10 threads).
+    Capped (`checkpoint.remote_bandwidth`): one connection at that rate, so an upload's CPU (the
+    client's, and the server's where it shares the machine) is spread over more training steps and
+    takes a smaller share of each (docs/performance.md)."""
+    from boto3.s3.transfer import TransferConfig
+
+    if bandwidth_mb is None:
+        return TransferConfig()
+    return TransferConfig(max_concurrency=1, max_bandwidth=int(bandwidth_mb * 1e6))
+
+
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)
@@ -262,8 +274,9 @@ class Mirror:
     and prunes the remote by `keep`. `saving()` is orbax's "a save is still being written"."""
 
     def __init__(self, url: RemoteURL, directory: str, keep: Callable[[list[int]], set[int]],
-                 saving: Callable[[], bool], client=None):
+                 saving: Callable[[], bool], client=None, bandwidth_mb: float | None = None):
         self.url, self.directory, self._keep, self._saving = url, directory, keep, saving
+        self._transfer = transfer_config(bandwidth_mb)
         self._client = client if client is not None else connect(url)
         self._staging = os.path.join(directory, STAGING)
         shutil.rmtree(self._staging, ignore_errors=True)  # a killed run's snapshots
@@ -292,8 +305,10 @@ class Mirror:
             return None
         url = parse_url(cfg.remote)
         if best:
-            return cls(url.child(BEST), os.path.join(cfg.save_path, BEST), keep_policy(1, None), saving)
-        return cls(url, cfg.save_path, keep_policy(cfg.max_to_keep, cfg.save_at), saving)
+            return cls(url.child(BEST), os.path.join(cfg.save_path, BEST), keep_policy(1, None), saving,
+                       bandwidth_mb=cfg.remote_bandwidth)
+        return cls(url, cfg.save_path, keep_policy(cfg.max_to_keep, cfg.save_at), saving,
+                   bandwidth_mb=cfg.remote_bandwidth)
 
     def submit(self, step: int) -> None:
         """A save of `step` has started (or finished): upload it once orbax has completed it."""
@@ -378,7 +393,7 @@ class Mirror:
 
     def _put_file(self, path: str, key: str) -> None:
         """One file up (multipart for large ones); a seam the tests spy on, as is _put_marker."""
-        self._client.upload_file(path, self.url.bucket, key)
+        self._client.upload_file(path, self.url.bucket, key, Config=self._transfer)
 
     def _put_marker(self, body: bytes, key: str) -> None:
         self._client.put_object(Bucket=self.url.bucket, Key=key, Body=body)

@@ -85,6 +85,7 @@ class CheckpointConfig:
     overwrite_config: bool = False  # false: the checkpoint's config wins over this command line
     overwrite_optimizer: bool = False  # true: keep weights and step, fresh optimizer state (any family)
     remote: str | None = None  # s3://bucket/prefix: mirror every checkpoint there (utils/checkpoint/remote.py)
+    remote_bandwidth: float | None = None  # MB/s cap on the upload (one connection); null = as fast as it goes
 
     def check(self, prefix: str) -> None:
         steps = self.save_steps
@@ -116,6 +117,13 @@ class CheckpointConfig:
             parse_url(self.remote)
             if not self.save:
                 raise ConfigError(f"{prefix}.remote mirrors {prefix}.save_path: set {prefix}.save=true too")
+        if self.remote_bandwidth is not None:
+            if isinstance(self.remote_bandwidth, bool) or not self.remote_bandwidth > 0:
+                raise ConfigError(f"{prefix}.remote_bandwidth={self.remote_bandwidth} must be a positive number of "
+                                  "MB/s (e.g. 20) or null (no cap)")
+            if self.remote is None:
+                raise ConfigError(f"{prefix}.remote_bandwidth caps the upload to {prefix}.remote: set "
+                                  f"{prefix}.remote=s3://bucket/prefix too, or drop it")
 
     def resolved(self) -> "CheckpointConfig":
         """save_path and load_path made absolute against this process's working directory, once,
@@ -344,8 +352,8 @@ def _check_model_fits(source: Source, abstract_model: Any, model_config: dict) -
                               "continue it with the eqtrain version that wrote it, or start a fresh run")
     saved = source.manifest.get("model", {})
     knobs = [f"model.{k}: {saved.get(k)} in the checkpoint, {v} now" for k, v in model_config.items()
-             if k in saved and saved[k] != v and k in ("dim", "num_heads", "num_blocks", "vocab_size", "mlp_ratio",
-                                                        "tie_embeddings", "bias", "context_length")]
+             if k in saved and saved[k] != v and k in ("name", "dim", "num_heads", "num_blocks", "vocab_size",
+                                                        "mlp_ratio", "tie_embeddings", "bias", "context_length")]
     if knobs:
         raise CheckpointError(f"{source.path} holds another model ({'; '.join(knobs)}): "
                               "restore with the checkpoint's model config or start a fresh run")
@@ -365,7 +373,7 @@ def _check_model_fits(source: Source, abstract_model: Any, model_config: dict) -
 
 def restore_model(source: Source, abstract_model: Any) -> Any:
     """Only the model of `source`, into the shapes (and shardings, if any) of `abstract_model`
-    (e.g. `eqx.filter_eval_shape(GPT, GPTConfig(**source.manifest["model"]), key)`): for export
+    (e.g. `models.abstract(models.config_from_dict(source.manifest["model"]))`): for export
     and sampling, which need no optimizer state. The model to evaluate (`eval_model`) where the
     checkpoint has one, else the trained one."""
     _quiet_orbax()
