@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import optax
 from omegaconf import DictConfig
 
+import models
 from loaders.batching import eval_batches
 from loaders.config import DataRequest
 from loaders.pipeline import Data, build_data, source_documents
 from loaders.tokenizers import Tokenizer
 from loaders.windows import WindowDataset
-from models.gpt import GPT, count_params, eval_sums, flops_per_token, loss_fn, param_axes, param_labels  # noqa: F401 - tests
 from models.sample import sampler
 from optimizer import diagnostics, eval_view, group_schedules, make_optimizer
 from optimizer.nonfinite import skip_nonfinite
@@ -56,9 +56,9 @@ def init_data(run: RunConfig, tokenizer: Tokenizer, docs=None, state: dict | Non
     return build_data(run.dataset, req, run.data_seed, jax.process_index(), jax.process_count(), docs, state)
 
 
-def init_model(run: RunConfig, key: jax.Array) -> GPT:
+def init_model(run: RunConfig, key: jax.Array) -> eqx.Module:
     cast = lambda x: x.astype(run.train.param_dtype) if eqx.is_inexact_array(x) else x
-    return jax.tree.map(cast, GPT(run.model, key))
+    return jax.tree.map(cast, models.build(run.model, key))
 
 
 def init_scheduler(run: RunConfig) -> optax.Schedule:
@@ -85,7 +85,7 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, metrics=(
                           init_metrics(model), loss_scale.initial(run.train))
 
     abstract = jax.eval_shape(build)
-    shardings = layout.state_shardings(mesh, abstract, abstract.model, param_axes(abstract.model),
+    shardings = layout.state_shardings(mesh, abstract, abstract.model, models.param_axes(abstract.model),
                                        zero1=run.parallel.shard_optimizer_state)
     if source is None:
         return jax.jit(build, out_shardings=shardings)(), shardings
@@ -95,7 +95,7 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, metrics=(
 
 
 def make_evaluate(run: RunConfig, val: WindowDataset, mesh, eval_step: Callable | None = None
-                  ) -> Callable[[GPT], dict[str, float]]:
+                  ) -> Callable[[eqx.Module], dict[str, float]]:
     """model -> val/loss, perplexity, accuracy over min(len(val), max_val_steps·batch_size) windows,
     each once, drawn by a fixed seed (not random_seed): the same windows at every evaluation, resume
     and seed of a sweep, so evaluations compare; random, so not just the first files'."""
@@ -116,7 +116,7 @@ class Trainer:  # everything a run builds before its first step; benchmarks and 
     tx: optax.GradientTransformation
     state: TrainState
     train_step: step_metrics.TrainStep
-    evaluate: Callable[[GPT], dict[str, float]]
+    evaluate: Callable[[eqx.Module], dict[str, float]]
     eval_view: Callable | None = None  # state -> the model to evaluate (optimizer.eval_view); None: state.model
 
 
@@ -138,7 +138,7 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
     """(schedule, optimizer, sharded initial or restored state, train step compiled on first call);
     model.vocab_size must be resolved. `metrics` (StepMetric list) defaults to loss, norms and lrs;
     `schedule` replaces optimizer.lr_config's (the LR finder's exponential sweep)."""
-    labels = param_labels(eqx.filter_eval_shape(GPT, run.model, jax.random.PRNGKey(0)))
+    labels = models.param_labels(models.abstract(run.model))
     schedule = schedule or init_scheduler(run)
     tx = init_optimizer(run, schedule, labels)
     metrics = default_metrics(run, schedule, labels) if metrics is None else metrics
@@ -157,7 +157,7 @@ def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[st
     if aux.on:
         metrics.append(aux_state.AuxHook(aux))
     if aux.on and aux.per_layer:
-        metrics.append(aux_state.per_layer(lambda tree: tree.blocks, run.model.num_blocks))
+        metrics.append(aux_state.per_layer(models.blocks, run.model.num_blocks))
     if aux.on and aux.optim_diagnostics:
         metrics.append(diagnostics.step_metric(o.hparams, o.group_overrides))
     if run.logging.activation_norms:
@@ -169,7 +169,7 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
                source: Source | None = None) -> H.Hooks:
     """The run's periodic jobs, in the order they run after a step."""
     t, ck, data = run.train, run.checkpoint, trainer.data
-    flops_per_step = flops_per_token(run.model, run.context_length) * data.tokens_per_step
+    flops_per_step = models.flops_per_token(run.model, run.context_length) * data.tokens_per_step
     resumed = source.manifest if source is not None and source.resuming else {}
     hooks: list[H.Hook] = [H.Throughput(run.logging.log_every, data.tokens_per_step, flops_per_step,
                                         peak_flops(t.compute_dtype, run.cache_dir),
@@ -222,7 +222,7 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
     run, ck = trainer.run, run.checkpoint
     start = int(trainer.state.step)
     end = min(run.train.max_steps, start + (ck.num_steps or run.train.max_steps))
-    say(f"eqtrain: {count_params(trainer.state.model) / 1e6:.2f}M params | {run.optimizer.name} + "
+    say(f"eqtrain: {models.count_params(trainer.state.model) / 1e6:.2f}M params | {run.optimizer.name} + "
         f"{run.optimizer.schedule_name} | {trainer.data.tokens_per_step:,} tokens/step | "
         f"{meshlib.topology(trainer.mesh)} | data {trainer.data.fingerprint} | run dir {run_dir}")
     if run.parallel.print_layout:

@@ -51,7 +51,7 @@ import numpy as np
 import train_jax as T
 from loaders.pipeline import source_documents
 from loaders.sources.memmap import write_dataset
-from models.gpt import flops_per_token
+from models import flops_per_token
 from utils.config import compose_overrides, validate
 
 LOADERS = ("memmap", "jsonl", "hf", "hf_streaming", "text_files", "chat", "mixture")

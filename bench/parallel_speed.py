@@ -41,7 +41,7 @@ import numpy as np
 from hydra import compose, initialize_config_dir
 
 import train_jax as T
-from models.gpt import count_params
+from models import count_params
 from utils.config import resolve_vocab, validate
 from utils.parallel import mesh as meshlib
 from utils.parallel.layout import device_bytes

@@ -24,7 +24,7 @@ import numpy as np
 from hydra import compose, initialize_config_dir
 
 import train_jax as T
-from models.gpt import count_params, flops_per_token
+from models import count_params, flops_per_token
 from utils.config import validate
 from utils.parallel import mesh as meshlib
 from utils.train.flops import peak_flops

@@ -6,7 +6,7 @@ Export layout of an OUT_DIR:
 
     model.safetensors   one tensor per model array, named by its pytree path
                         (`wte_VxD`, `blocks.attn_qkv.weight_IxO`, ...), dtype as trained
-    config.json         the GPTConfig fields (vocab_size resolved), plus `step`, the run's
+    config.json         the model config's fields (`name` = its family) (vocab_size resolved), plus `step`, the run's
                         `tokenizer` section, `trained_context_length` (the window it was
                         trained on) and `objective` (`{name: ar}`, or mdlm's knobs: its
                         attention is bidirectional and its mask id the vocabulary's last):
@@ -27,35 +27,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.gpt import GPT, GPTConfig
+import models
 from utils import files
 from utils.checkpoint import storage as ckptlib
 from utils.errors import CheckpointError
-from utils.sections import build_section
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
 
-def model_tensors(model: GPT) -> dict[str, np.ndarray]:
+def model_tensors(model: eqx.Module) -> dict[str, np.ndarray]:
     """Every array of `model` as host numpy, keyed by `ckptlib.leaf_name` (None leaves, e.g. a tied
     head or absent biases, have no path and so no tensor)."""
     leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]
     return {ckptlib.leaf_name(p): np.asarray(x) for p, x in leaves}
 
 
-def abstract_model(model_cfg: GPTConfig, param_dtype: str) -> GPT:
-    """The shapes and dtypes a checkpoint's model holds: GPT's float arrays cast to
+def abstract_model(model_cfg, param_dtype: str) -> eqx.Module:
+    """The shapes and dtypes a checkpoint's model holds: the model's float arrays cast to
     `train.param_dtype`, as `train_jax.init_model` does (the manifest's model section alone
     does not say the dtype)."""
     dtype = jnp.dtype(param_dtype)
-    shapes = eqx.filter_eval_shape(GPT, model_cfg, jax.random.PRNGKey(0))
+    shapes = models.abstract(model_cfg)
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x, shapes)
 
 
 
-def save_export(out_dir: str, model: GPT, step: int, tokenizer: dict, trained_context_length: int,
+def save_export(out_dir: str, model: eqx.Module, step: int, tokenizer: dict, trained_context_length: int,
                 objective: dict | None = None) -> None:
     """Write OUT_DIR/model.safetensors and OUT_DIR/config.json (see the module docstring).
     `trained_context_length` (dataset.context_length, or the model's) tells a consumer which
@@ -79,19 +78,23 @@ def _write_json(path: str, obj: dict) -> None:
         f.write("\n")
 
 
-def read_export_config(out_dir: str) -> tuple[GPTConfig, dict]:
-    """OUT_DIR/config.json -> (its GPTConfig, the whole JSON object)."""
+def read_export_config(out_dir: str) -> tuple[object, dict]:
+    """OUT_DIR/config.json -> (its model config, the whole JSON object)."""
     config = ckptlib.read_json(os.path.join(out_dir, CONFIG_FILE))
     if config.get("format", 1) != ckptlib.FORMAT_VERSION:
         raise CheckpointError(f"{os.path.join(out_dir, CONFIG_FILE)} is export format {config.get('format', 1)}, this "
                               f"eqtrain reads format {ckptlib.FORMAT_VERSION} (the attention weights' layout changed): "
                               "export the checkpoint again with the eqtrain version that trained it")
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    return build_section(GPTConfig, {k: v for k, v in config.items() if k in fields}, "model"), config
+    family = models.MODELS.get(config.get("name", "gpt"))
+    if family is None:
+        raise CheckpointError(f"{os.path.join(out_dir, CONFIG_FILE)} names model {config.get('name')!r}, which this "
+                              f"eqtrain lacks (it has {', '.join(models.MODELS)})")
+    fields = {f.name for f in dataclasses.fields(family.Config)}
+    return models.config_from_dict({k: v for k, v in config.items() if k in fields}), config
 
 
-def load_export(out_dir: str) -> GPT:
-    """A GPT rebuilt from an export: config.json gives the shapes, model.safetensors every array
+def load_export(out_dir: str) -> eqx.Module:
+    """A model rebuilt from an export: config.json gives the shapes, model.safetensors every array
     (in its stored dtype). CheckpointError if a tensor is missing, extra or misshapen."""
     from safetensors.flax import load_file  # the numpy reader has no bfloat16
 
@@ -103,7 +106,7 @@ def load_export(out_dir: str) -> GPT:
         tensors = load_file(path)
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}): export the checkpoint again") from None
-    shapes = eqx.filter_eval_shape(GPT, model_cfg, jax.random.PRNGKey(0))
+    shapes = models.abstract(model_cfg)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     extra = sorted(set(tensors) - {ckptlib.leaf_name(p) for p, _ in leaves})
     if extra:

@@ -26,14 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.gpt import GPT, unpack_batch
+from models.losses import unpack_batch
 
 # Rows of the validation windows are masked with keys from this seed and the row's own tokens: the
 # same window gets the same t and mask at every evaluation, in any batch, on any number of devices.
 VAL_SEED = 20240624
 
 
-def mask_id(model: GPT) -> int:
+def mask_id(model) -> int:
     return model.cfg.vocab_size - 1
 
 
@@ -66,7 +66,7 @@ def corrupt(keys_B: jax.Array, x_BxT: jax.Array, w_BxT: jax.Array, eps: float, m
     return jnp.where(masked_BxT, mask, x_BxT), masked_BxT, t_B
 
 
-def denoise_losses(model: GPT, z_BxT: jax.Array, x_BxT: jax.Array, seg_BxT: jax.Array | None, key: jax.Array | None,
+def denoise_losses(model, z_BxT: jax.Array, x_BxT: jax.Array, seg_BxT: jax.Array | None, key: jax.Array | None,
                    compute_dtype) -> tuple[jax.Array, jax.Array]:
     """(cross-entropy of the original token at every position, top-1 hit), both BxT, from the
     bidirectional model's logits over every id but the mask id."""
@@ -77,7 +77,7 @@ def denoise_losses(model: GPT, z_BxT: jax.Array, x_BxT: jax.Array, seg_BxT: jax.
     return logz_BxT - target_BxT, jnp.argmax(logits_BxTxV, axis=-1) == x_BxT
 
 
-def weighted_sums(model: GPT, batch, keys_B: jax.Array, dropout_key: jax.Array | None, eps: float, compute_dtype
+def weighted_sums(model, batch, keys_B: jax.Array, dropout_key: jax.Array | None, eps: float, compute_dtype
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Per row: Σ masked·w·nll/t (the negative ELBO's sum), Σ masked·w·hit/t (top-1 accuracy at the
     masked positions, averaged over t the same way), Σ w (the tokens it bounds); and the loss norm."""
@@ -95,7 +95,7 @@ def train_keys(key: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
     return jax.random.split(mask_key, rows), dropout_key
 
 
-def loss_fn(model: GPT, batch, key: jax.Array, compute_dtype, eps: float) -> tuple[jax.Array, dict]:
+def loss_fn(model, batch, key: jax.Array, compute_dtype, eps: float) -> tuple[jax.Array, dict]:
     """The train step's loss: the negative ELBO per maskable token (train/loss is a bound, like val/loss).
     `key` (from the train state, one per micro-batch) draws every row's t and mask, and dropout's keys."""
     keys_B, dropout_key = train_keys(key, unpack_batch(batch)[0].shape[0])
@@ -114,7 +114,7 @@ def row_keys(x_BxT: jax.Array, seed: int = VAL_SEED) -> jax.Array:
     return jax.vmap(lambda h: jax.random.fold_in(jax.random.PRNGKey(seed), h))(h_B)
 
 
-def eval_sums(model: GPT, batch, weights_B: jax.Array, compute_dtype, eps: float
+def eval_sums(model, batch, weights_B: jax.Array, compute_dtype, eps: float
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(Σ negative-ELBO terms, Σ 1/t-weighted hits, Σ counted tokens) over the rows weighted by
     `weights_B` (padding rows weigh 0), each row corrupted with its `row_keys` key: val/loss is the

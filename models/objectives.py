@@ -20,7 +20,7 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Callable, ClassVar
 
-from models import gpt, mdlm
+from models import losses, mdlm
 from models import sample as sampling
 from utils.errors import ConfigError
 
@@ -41,11 +41,11 @@ class AR:
 
     @property
     def loss_fn(self) -> Callable:
-        return gpt.loss_fn
+        return losses.loss_fn
 
     @property
     def eval_sums(self) -> Callable:
-        return gpt.eval_sums
+        return losses.eval_sums
 
     @property
     def generate(self) -> Callable:

@@ -14,18 +14,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.gpt import GPT
-
 
 @eqx.filter_jit
-def _next_token(model: GPT, window_1xT: jax.Array, pos: jax.Array, key: jax.Array, temperature: float):
+def _next_token(model, window_1xT: jax.Array, pos: jax.Array, key: jax.Array, temperature: float):
     logits_V = model(window_1xT)[0, pos - 1]
     if temperature == 0.0:
         return jnp.argmax(logits_V)
     return jax.random.categorical(key, logits_V / temperature)
 
 
-def generate(model: GPT, prompt_ids: np.ndarray, num_tokens: int, key: jax.Array,
+def generate(model, prompt_ids: np.ndarray, num_tokens: int, key: jax.Array,
              temperature: float = 0.8, stop_id: int | None = None, context_length: int | None = None) -> np.ndarray:
     """Prompt + up to `num_tokens` sampled ids (stops early at `stop_id`). `context_length` is the
     window the model was trained on (`dataset.context_length`, which may be shorter than the
@@ -52,7 +50,7 @@ def reveal_counts(num_masks: int, steps: int) -> list[int]:
 
 
 @eqx.filter_jit
-def _unmask_step(model: GPT, canvas_1xT: jax.Array, open_T: jax.Array, count: jax.Array, key: jax.Array,
+def _unmask_step(model, canvas_1xT: jax.Array, open_T: jax.Array, count: jax.Array, key: jax.Array,
                  temperature: float, remasking: str, mask: int) -> jax.Array:
     """The canvas with `count` of its open (still masked) positions revealed: a token is drawn at
     every open position, and the `count` with the highest confidence (the drawn token's probability;
@@ -74,7 +72,7 @@ def _unmask_step(model: GPT, canvas_1xT: jax.Array, open_T: jax.Array, count: ja
     return jnp.where(reveal_T, draw_T.astype(canvas_1xT.dtype), canvas_1xT[0])[None]
 
 
-def unmask(model: GPT, prompt_ids: np.ndarray, num_tokens: int, key: jax.Array, temperature: float = 0.8,
+def unmask(model, prompt_ids: np.ndarray, num_tokens: int, key: jax.Array, temperature: float = 0.8,
            stop_id: int | None = None, context_length: int | None = None, steps: int = 64,
            remasking: str = "confidence") -> np.ndarray:
     """Prompt + `num_tokens` ids (at most context_length-1; the prompt keeps its last ids that fit)
@@ -108,7 +106,7 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
-def sample_text(model: GPT, tokenizer, prompt: str, num_tokens: int, key: jax.Array, temperature: float,
+def sample_text(model, tokenizer, prompt: str, num_tokens: int, key: jax.Array, temperature: float,
                 context_length: int | None = None, generate_fn=generate) -> str:
     """Decoded, printable text of `generate_fn` (the objective's: `generate` or `unmask`) from
     `prompt` (text) with `tokenizer` (anything with encode/decode/eot_id). An empty prompt starts

@@ -31,7 +31,10 @@ PAGE = os.path.join(ROOT, "docs", "knobs.md")
 # Config groups (a folder of conf/: one option per yaml) and sections (one yaml), in the order
 # the page lists them.
 GROUPS = ("model", "dataset", "tokenizer", "optimizer", "optimizer/lr_config", "objective")
-SECTIONS = ("train", "logging", "parallel", "checkpoint")
+SECTIONS = ("train", "logging", "parallel", "checkpoint", "model_common")
+# A section file whose knobs sit under another key: model_common.yaml adds the knobs every model
+# family shares (model.init_from, model.lora.*, model.moe.*) to whichever model yaml is chosen.
+SECTION_KEY = {"model_common": "model"}
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,7 @@ def _classes(where: str) -> list[type]:
     from loaders.config import DatasetConfig
     from loaders.sources import SOURCES
     from loaders.tokenizers import TOKENIZERS
-    from models.gpt import GPTConfig
+    from models import MODELS
     from optimizer import OPTIMIZERS
     from optimizer.schedules import SCHEDULES
     from utils.checkpoint.storage import CheckpointConfig
@@ -158,13 +161,14 @@ def _classes(where: str) -> list[type]:
 
     group, _, option = where.rpartition("/")
     fixed = {"train": [TrainConfig], "logging": [LoggingConfig, AuxConfig, *SINKS.values()],
-             "parallel": [ParallelConfig], "checkpoint": [CheckpointConfig]}
+             "parallel": [ParallelConfig], "checkpoint": [CheckpointConfig],
+             "model_common": [m.Config for m in MODELS.values()]}
     if not group:
         from utils.config import RunConfig
 
         return fixed.get(where, [RunConfig])
     if group == "model":
-        return [GPTConfig]
+        return [m.Config for m in MODELS.values()]
     if group == "dataset":
         return [SOURCES[option], DatasetConfig] if option in SOURCES else [DatasetConfig]
     if group == "tokenizer":
@@ -238,8 +242,9 @@ def _section_knobs(name: str) -> list[Knob]:
     out = []
     for k in knobs:
         head, _, rest = k.path.partition(".")
-        out.append(dataclasses.replace(k, path=rest) if head == name and rest else k)
-    return [k for k in out if k.path != name]
+        key = SECTION_KEY.get(name, name)
+        out.append(dataclasses.replace(k, path=rest) if head == key and rest else k)
+    return [k for k in out if k.path != SECTION_KEY.get(name, name)]
 
 
 def group_knobs(group: str) -> dict[str, tuple[str, list[Knob]]]:
@@ -292,7 +297,7 @@ def render() -> str:
         header, _ = parse_yaml(os.path.join(CONF, f"{section}.yaml"))
         if header:
             out += [header, ""]
-        out += _table(_section_knobs(section), _classes(section), f"{section}.")
+        out += _table(_section_knobs(section), _classes(section), f"{SECTION_KEY.get(section, section)}.")
     for group in GROUPS:
         out += ["", f"## `{group}=...` (`conf/{group}/`)", ""] + _group_page(group)
     return "\n".join(out) + "\n"
@@ -303,7 +308,7 @@ def undocumented() -> list[str]:
     missing = [k.path for k in parse_yaml(os.path.join(CONF, "config.yaml"))[1]
                if not k.doc and not k.path.startswith("hydra")]
     for section in SECTIONS:
-        missing += [f"{section}.{k.path}" for k in _section_knobs(section) if not k.doc]
+        missing += [f"{SECTION_KEY.get(section, section)}.{k.path}" for k in _section_knobs(section) if not k.doc]
     for group in GROUPS:
         for option, (_, knobs) in group_knobs(group).items():
             missing += [f"conf/{group}/{option}.yaml: {k.path}" for k in knobs if not k.doc and k.path != "name"

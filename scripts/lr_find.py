@@ -301,14 +301,13 @@ def plot(path: str, lrs, losses, smooth, result: dict, yaml_lr: float, title: st
 
 def group_lrs_at(run, lr: float) -> dict[str, float]:
     """Each group's lr when the base lr is `lr` (the ratios the sweep kept), for the groups the model has."""
-    import equinox as eqx
     import jax
 
-    from models.gpt import GPT, param_labels
+    import models
     from optimizer.groups import group_lr
 
     o = run.optimizer
-    present = sorted(set(jax.tree.leaves(param_labels(eqx.filter_eval_shape(GPT, run.model, jax.random.PRNGKey(0))))))
+    present = sorted(set(jax.tree.leaves(models.param_labels(models.abstract(run.model)))))
     return {g: lr * group_lr(o.hparams, g, o.schedule.lr, o.group_overrides) / o.schedule.lr for g in present}
 
 
@@ -316,7 +315,7 @@ def find(knobs: LRFindConfig, run, overrides: list[str]) -> dict:
     import jax
 
     import train_jax
-    from models.gpt import count_params
+    from models import count_params
 
     t0 = time.perf_counter()
     trainer = train_jax.build_trainer(run, schedule=sweep_schedule(knobs))

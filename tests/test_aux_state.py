@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import train_jax as T
+from models import losses
 from models.gpt import param_axes
 from optimizer.diagnostics import find_states
 from optimizer.restart import schedules_at
@@ -165,7 +166,7 @@ def test_the_train_step_carries_the_aux_state_and_matches_numpy(tiny_run):
                                          "train.gradient_clip_val=null", *flags)
     rng = np.random.default_rng(1)
     params = lambda model: eqx.filter(model, eqx.is_inexact_array)
-    grad_at = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, t: T.loss_fn(m, t, None, "float32")[0]))
+    grad_at = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, t: losses.loss_fn(m, t, None, "float32")[0]))
     xs, metrics = [], []
     for _ in range(3):
         batch = rng.integers(0, 64, (1, 8, 17), dtype=np.int32)
@@ -204,7 +205,7 @@ def test_x_n_minus_1_is_evaluated_with_the_steps_dropout_keys(tiny_run, last_gra
                                          "optimizer/lr_config=constant", "optimizer.lr_config.lr=0.5",
                                          "optimizer.lr_config.warmup=0", "train.gradient_clip_val=null",
                                          "dataset.batch_size=4", "dataset.total_batch_size=8", *flags)
-    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, t, k: T.loss_fn(m, t, k, "float32")[0]))
+    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, t, k: losses.loss_fn(m, t, k, "float32")[0]))
     copy = lambda model: jax.tree.map(lambda v: jnp.copy(v) if eqx.is_array(v) else v, model)
     rng = np.random.default_rng(4)
     models, keys, batches, metrics = [], [], [], []
@@ -249,7 +250,7 @@ def test_a_nonfinite_gradient_is_counted_and_skipped(tiny_run):
     _, tx, state, _ = T.init_training(run, mesh)
 
     def poisoned_loss(model, tokens_BxT1, key, compute_dtype):
-        loss, aux = T.loss_fn(model, tokens_BxT1, key, compute_dtype)
+        loss, aux = losses.loss_fn(model, tokens_BxT1, key, compute_dtype)
         loss = loss * jnp.where(tokens_BxT1[0, 0] == 63, jnp.nan, 1.0)  # NaN reaches the gradient
         return loss, {**aux, "loss": loss}
 
@@ -299,7 +300,7 @@ def test_a_skipped_step_keeps_x_n_minus_1_so_the_next_delta_is_the_last_update(t
                for _ in range(3)]
     batches[1]["loss_mask"][0, 0, 0] = np.nan  # the loss, so every gradient element, is NaN
     params = lambda model: flat(eqx.filter(model, eqx.is_inexact_array))
-    grad_at = eqx.filter_jit(eqx.filter_grad(lambda m, b: T.loss_fn(m, b, None, "float32")[0]))
+    grad_at = eqx.filter_jit(eqx.filter_grad(lambda m, b: losses.loss_fn(m, b, None, "float32")[0]))
     xs, metrics = [], []
     for batch in batches:
         xs.append(params(state.model))

@@ -17,6 +17,7 @@ import pytest
 from helpers import compose_config
 
 import train_jax as T
+from models import losses
 from optimizer import OPTIMIZERS, make_optimizer
 from optimizer import cautious as C
 from optimizer.adamw import AdamW
@@ -239,7 +240,7 @@ def test_kept_fraction_logged_by_the_step_is_that_of_its_update(tiny_run):
                    "optimizer.lr_config.warmup=0")
     mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
     _, tx, state, step = T.init_training(run, mesh)
-    grad_fn = eqx.filter_jit(eqx.filter_grad(lambda m, t: T.loss_fn(m, t, None, "float32")[0]))
+    grad_fn = eqx.filter_jit(eqx.filter_grad(lambda m, t: losses.loss_fn(m, t, None, "float32")[0]))
     update = jax.jit(tx.update)
     rng = np.random.default_rng(0)
     dropped = 0  # components with a gradient that the mask zeroed

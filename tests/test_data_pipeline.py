@@ -16,7 +16,8 @@ from loaders.batching import BatchIterator
 from loaders.prefetch import Prefetcher
 from loaders.sources.mixture import ConcatWindows, MixtureTrain
 from loaders.windows import WindowDataset, segment_ids
-from models.gpt import GPT, GPTConfig, cross_entropy
+from models.gpt import GPT, GPTConfig
+from models.losses import cross_entropy
 from utils.errors import CheckpointError, ConfigError
 from utils.train.step import over_micro_batches, with_loss_norm
 

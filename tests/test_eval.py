@@ -11,7 +11,7 @@ from helpers import compose_config
 
 import train_jax
 from loaders.windows import WindowDataset
-from models.gpt import cross_entropy, eval_sums
+from models.losses import cross_entropy, eval_sums
 from utils.config import validate
 from utils.parallel import mesh as meshlib
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh
 
+import models
 import train_jax as T
 from models.gpt import GPT, param_axes
 from optimizer import OPTIMIZERS
@@ -37,7 +38,7 @@ def _specs(tree, shardings):
 
 def _layout(tiny_run, optimizer, data=2, fsdp=2, tensor=2, zero1=False, *overrides):
     run = tiny_run(f"optimizer={optimizer}", "logging.log_callback_data=true", "model.num_heads=4", *overrides)
-    labels = T.param_labels(eqx.filter_eval_shape(GPT, run.model, jax.random.PRNGKey(0)))
+    labels = models.param_labels(eqx.filter_eval_shape(GPT, run.model, jax.random.PRNGKey(0)))
     tx = T.init_optimizer(run, T.init_scheduler(run), labels)
     abstract = _abstract_state(run, tx)
     mesh = AbstractMesh((data, fsdp, tensor), ("data", "fsdp", "tensor"))
@@ -60,7 +61,8 @@ def test_tensor_parallel_splits_heads_and_mlp_columns_then_rows(tiny_run):
 def test_the_qkv_columns_split_into_whole_heads():
     """Head-major storage: a contiguous half of the fused columns is exactly heads 0..H/2-1 of q,
     k and v, each column the one the (q|k|v, head, K) order had there."""
-    from models.gpt import Linear, _head_major
+    from models.gpt import _head_major
+    from models.layers import Linear
 
     D, H, K = 4, 4, 2
     w_DxO = np.arange(D * 3 * H * K, dtype=np.float32).reshape(D, 3 * H * K)  # column c of row 0 = c

@@ -17,17 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import gpt
-from models.gpt import GPT, GPTConfig, causal_attention, cross_entropy, flops_per_token, param_labels
+from models.gpt import GPT, GPTConfig, flops_per_token, param_labels
+from models.layers import REMAT_POLICIES, causal_attention
+from models.losses import cross_entropy
 
 CFG = GPTConfig(dim=32, num_heads=2, num_blocks=2, context_length=16, vocab_size=64)
 DROPOUT_CFG = dataclasses.replace(CFG, dropout=0.5)
 T = CFG.context_length
-# `model.remat` is a policy name (none | dots | full) in newer code, a bool in older.
-if hasattr(gpt, "REMAT_POLICIES"):
-    NO_REMAT, REMATS = "none", [name for name in gpt.REMAT_POLICIES if name != "none"]
-else:
-    NO_REMAT, REMATS = False, [True]
+NO_REMAT, REMATS = "none", [name for name in REMAT_POLICIES if name != "none"]  # model.remat's policies
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,6 +17,7 @@ import pytest
 from optax.contrib import MuonState
 
 import train_jax as T
+from models import losses
 from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import OPTIMIZERS, make_optimizer
 from optimizer.adafactor import Adafactor, implied_v
@@ -400,7 +401,7 @@ def _through_the_step(tiny_run, *overrides, steps: int = 3):
                    *overrides)
     mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
     _, tx, state, step = T.init_training(run, mesh)
-    grad_fn = eqx.filter_jit(eqx.filter_grad(lambda m, t: T.loss_fn(m, t, None, "float32")[0]))
+    grad_fn = eqx.filter_jit(eqx.filter_grad(lambda m, t: losses.loss_fn(m, t, None, "float32")[0]))
     update = jax.jit(tx.update)
     rng = np.random.default_rng(0)
     out = []

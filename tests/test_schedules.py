@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import train_jax as T
+from models import losses
 from models.gpt import param_labels
 from optimizer import OPTIMIZERS, make_optimizer
 from optimizer.diagnostics import find_states
@@ -210,7 +211,7 @@ def test_after_a_skipped_step_the_applied_lr_is_the_logged_one_and_the_last_is_m
     mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
     schedule, _, state, step = T.init_training(run, mesh)
     labels = jax.tree.leaves(param_labels(state.model))
-    grad_at = eqx.filter_jit(eqx.filter_grad(lambda m, b: T.loss_fn(m, b, None, "float32")[0]))
+    grad_at = eqx.filter_jit(eqx.filter_grad(lambda m, b: losses.loss_fn(m, b, None, "float32")[0]))
     params = lambda model: [np.asarray(x, np.float64)
                             for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))]
     rng = np.random.default_rng(0)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import train_jax as T
-from models.gpt import cross_entropy
+from models import losses
+from models.losses import cross_entropy
 from utils.parallel import mesh as meshlib
 from utils.train import step_metrics
 from utils.train.step import step_keys
@@ -103,7 +104,7 @@ def test_dropout_is_applied_with_its_own_key_per_micro_batch(tiny_run):
     _, keys_A = step_keys(state.key, 2)
     assert not np.array_equal(keys_A[0], keys_A[1])
     model = jax.tree.map(lambda v: jnp.copy(v) if eqx.is_array(v) else v, state.model)  # the step donates
-    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, t, k: T.loss_fn(m, t, k, "float32")[0]))
+    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, t, k: losses.loss_fn(m, t, k, "float32")[0]))
     singles = [value_and_grad(model, jnp.asarray(micro_BxT1), k) for k in keys_A]
     no_dropout = float(value_and_grad(model, jnp.asarray(micro_BxT1), None)[0])
 

@@ -19,9 +19,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+import models
 from loaders import dataset_config, tokenizer_config
 from loaders.config import DatasetConfig
-from models.gpt import GPTConfig
 from models.objectives import AR, OBJECTIVES, check_vocab
 from optimizer import OPTIMIZERS, for_run
 from optimizer import cautious as cautious_mask
@@ -98,7 +98,7 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    model: GPTConfig
+    model: Any  # the model family's Config (models.MODELS by model.name)
     tokenizer: Any  # a registered tokenizer config, e.g. loaders.tokenizers.bpe.BPE
     dataset: DatasetConfig  # batch-shape knobs + `source`, a registered source config
     optimizer: OptimizerConfig
@@ -246,7 +246,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         raise ConfigError(f"data_seed={data_seed!r} must be a non-negative integer, or null to follow random_seed")
 
     run = RunConfig(
-        model=build_section(GPTConfig, raw["model"], "model"),
+        model=models.config_from_dict(raw["model"], "model"),
         tokenizer=tokenizer_config(raw["tokenizer"], "tokenizer"),
         dataset=dataset_config(raw["dataset"], "dataset"),
         optimizer=optimizer,

@@ -45,6 +45,12 @@ def _coerce(value: Any, tp: Any, knob: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif dataclasses.is_dataclass(tp):  # a nested section (model.lora, model.moe): its knobs checked the same way
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, dict):
+            return build_section(tp, value, knob)
+        raise ConfigError(f"{knob} must be a mapping of knobs (e.g. {knob}.<knob>=...), got {value!r}")
     else:
         return value
     raise ConfigError(f"{knob}={value!r} must be {'null or ' if value is None else ''}a {_type_name(tp)}")

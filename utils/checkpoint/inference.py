@@ -12,16 +12,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from typing import Any
 
 from omegaconf import OmegaConf
 
+import models
 from models.export import abstract_model
-from models.gpt import GPT, GPTConfig
 from utils import files
 from utils.checkpoint import storage as ckptlib
 from utils.config import RunConfig, validate
 from utils.errors import CheckpointError
-from utils.sections import build_section
 
 _ROOT_CONFIG = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf", "config.yaml")
@@ -53,11 +53,11 @@ def open_for_inference(directory: str, load_file: str) -> tuple[ckptlib.Source, 
     config["cache_dir"] = local_cache_dir()
     config["checkpoint"] = {}  # that run's save/resume settings; they say nothing about the model
     run = validate(config)
-    model_cfg = build_section(GPTConfig, source.manifest["model"], "model")
+    model_cfg = models.config_from_dict(source.manifest["model"], "model")
     return source, dataclasses.replace(run, model=model_cfg)
 
 
-def restore_for_inference(directory: str, load_file: str) -> tuple[ckptlib.Source, RunConfig, GPT]:
+def restore_for_inference(directory: str, load_file: str) -> tuple[ckptlib.Source, RunConfig, Any]:
     """`open_for_inference` plus the model's arrays (the optimizer state is never read)."""
     source, run = open_for_inference(directory, load_file)
     model = ckptlib.restore_model(source, abstract_model(run.model, run.train.param_dtype))

@@ -1,8 +1,8 @@
 """Where every array of the train state lives on the Mesh.
 
 Parameters are laid out by the logical axis names the model gives each of their dimensions
-(`models.gpt.param_axes`): `heads` and `mlp` go to the `tensor` mesh axis (attention split by
-heads, the MLP column- then row-parallel, Megatron style), and the largest remaining dimension
+(`models.param_axes`, e.g. models/gpt.py PARAM_AXES): `heads` and `mlp` go to the `tensor` mesh
+axis (attention split by heads, the MLP column- then row-parallel, Megatron style), and the largest remaining dimension
 that divides goes to `fsdp`. Everything shaped like a parameter (optimizer moments, Muon's
 momentum, the aux-state buffers) is found by its tree path ending in that parameter's path and
 gets the parameter's layout. Arrays derived from a parameter under its path follow it too:

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.gpt import unpack_batch
+from models.losses import unpack_batch
 
 KINDS = ("attn", "mlp", "resid")
 
