@@ -374,6 +374,44 @@ def test_a_kill_during_an_upload_leaves_no_marker_and_a_fresh_machine_resumes_fr
 # ----------------------------------------------------------------------------- bad input, before anything is built
 
 
+def test_a_bandwidth_cap_reaches_every_upload_and_uploads_the_same_bytes(s3_env, tmp_path, monkeypatch):
+    """checkpoint.remote_bandwidth: each file goes up over one connection at the cap (boto3's
+    TransferConfig), and the remote copy is byte-identical; no cap keeps boto3's defaults."""
+    step_dir = fake_checkpoint(tmp_path, 2, files=4)
+    configs = []
+    real = remote.Mirror._put_file
+
+    def spying(mirror, path, key):
+        configs.append(mirror._transfer)
+        real(mirror, path, key)
+
+    monkeypatch.setattr(remote.Mirror, "_put_file", spying)
+    mirror = remote.Mirror(url("capped"), str(tmp_path), remote.keep_policy(3, None), saving=lambda: False,
+                           bandwidth_mb=2.5)
+    mirror.submit(2)
+    mirror.close()
+    assert mirror.uploaded == [2] and len(configs) == 4
+    assert {(c.max_concurrency, c.max_bandwidth) for c in configs} == {(1, 2_500_000)}
+    up = remote_files(s3_env, "capped", 2)
+    up.pop(remote.MARKER)
+    assert up == local_files(step_dir)
+    default = remote.transfer_config(None)
+    assert default.max_bandwidth is None and default.max_concurrency > 1
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "true"])
+def test_a_bad_bandwidth_cap_is_a_one_line_config_error(tiny_run, tmp_path, value):
+    with pytest.raises(ConfigError, match=r"^checkpoint\.remote_bandwidth=") as e:
+        tiny_run("checkpoint.save=true", f"checkpoint.save_path={tmp_path / 'ck'}", "checkpoint.remote=s3://bucket/run",
+                 f"checkpoint.remote_bandwidth={value}")
+    assert "\n" not in str(e.value)
+
+
+def test_a_bandwidth_cap_without_a_remote_is_a_config_error(tiny_run, tmp_path):
+    with pytest.raises(ConfigError, match=r"checkpoint\.remote_bandwidth caps the upload to checkpoint\.remote"):
+        tiny_run("checkpoint.save=true", f"checkpoint.save_path={tmp_path / 'ck'}", "checkpoint.remote_bandwidth=10")
+
+
 @pytest.mark.parametrize("value", ["bucket/run1", "gs://bucket/run1", "s3://", "s3://Bucket_1/run",
                                    "s3://ab/run", "s3://bucket//run", "s3://bucket/a/../b", 7])
 def test_a_remote_url_that_does_not_parse_is_a_one_line_config_error(tiny_run, tmp_path, value):
