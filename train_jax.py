@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import equinox as eqx
@@ -35,7 +34,7 @@ from utils.checkpoint.resume import merge_config, restore_state, resume_source
 from utils.checkpoint.signals import Preempted, StopSignals
 from utils.checkpoint.storage import Checkpointer, Source, step_path
 from utils.config import RunConfig, resolve_vocab, to_dict, validate
-from utils.logging.messages import say, warn
+from utils.logging.messages import announce, say, warn
 from utils.logging.sinks import open_sinks
 from utils.parallel import layout
 from utils.parallel import mesh as meshlib
@@ -44,6 +43,7 @@ from utils.train import hooks as H
 from utils.train.activations import ActivationNorms
 from utils.train.flops import peak_flops
 from utils.train.step import TrainState, build_train_step
+from utils.train.trainer import Trainer
 
 
 def init_tokenizer(run: RunConfig, train_docs: Sequence[str] | None) -> Tokenizer:
@@ -106,24 +106,10 @@ def make_evaluate(run: RunConfig, val: WindowDataset, mesh, eval_step: Callable 
         process_count=jax.process_count()))
 
 
-@dataclass
-class Trainer:  # everything a run builds before its first step; benchmarks and tests build the same
-    run: RunConfig  # with model.vocab_size resolved from the tokenizer
-    mesh: jax.sharding.Mesh
-    tokenizer: Tokenizer
-    data: Data
-    schedule: optax.Schedule
-    tx: optax.GradientTransformation
-    state: TrainState
-    train_step: step_metrics.TrainStep
-    evaluate: Callable[[eqx.Module], dict[str, float]]
-    eval_view: Callable | None = None  # state -> the model to evaluate (optimizer.eval_view); None: state.model
-
-
 def build_trainer(run: RunConfig, source: Source | None = None, schedule: optax.Schedule | None = None) -> Trainer:
     p = run.parallel
     meshlib.init_distributed(p.distributed)
-    mesh = meshlib.make_mesh(p.data, p.fsdp, run.dataset.batch_size, tensor=p.tensor)
+    mesh = meshlib.make_mesh(p.data, p.fsdp, run.dataset.batch_size, tensor=p.tensor, expert=p.expert)
     docs = source_documents(run.dataset.source, run.tokenizer.needs_documents, run.config_dict["tokenizer"]["name"])
     tokenizer = init_tokenizer(run, docs[0] if docs else None)
     run = resolve_vocab(run, tokenizer.vocab_size)
@@ -143,7 +129,7 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
     tx = init_optimizer(run, schedule, labels)
     metrics = default_metrics(run, schedule, labels) if metrics is None else metrics
     state, shardings = init_state(run, tx, mesh, metrics, source)
-    loss, use_key = run.objective.loss_fn, run.model.dropout > 0 or run.objective.needs_key  # mdlm draws masks
+    loss, use_key = models.train_loss(run.model, run.objective), models.uses_key(run.model, run.objective)
     return schedule, tx, state, build_train_step(loss, tx, metrics, shardings, mesh, run.train.compute_dtype,
                                                  use_dropout=use_key)
 
@@ -157,7 +143,7 @@ def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[st
     if aux.on:
         metrics.append(aux_state.AuxHook(aux))
     if aux.on and aux.per_layer:
-        metrics.append(aux_state.per_layer(models.blocks, run.model.num_blocks))
+        metrics += [aux_state.per_layer(models.blocks, run.model.num_blocks), step_metrics.expert_loads()]
     if aux.on and aux.optim_diagnostics:
         metrics.append(diagnostics.step_metric(o.hparams, o.group_overrides))
     if run.logging.activation_norms:
@@ -222,16 +208,7 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
     run, ck = trainer.run, run.checkpoint
     start = int(trainer.state.step)
     end = min(run.train.max_steps, start + (ck.num_steps or run.train.max_steps))
-    say(f"eqtrain: {models.count_params(trainer.state.model) / 1e6:.2f}M params | {run.optimizer.name} + "
-        f"{run.optimizer.schedule_name} | {trainer.data.tokens_per_step:,} tokens/step | "
-        f"{meshlib.topology(trainer.mesh)} | data {trainer.data.fingerprint} | run dir {run_dir}")
-    if run.parallel.print_layout:
-        say(layout.describe(trainer.state, trainer.mesh))
-    for warning in run.warnings:
-        warn(warning)
-    if source is not None:
-        say(f"resumed from {source.path} at step {start}" + ("" if source.with_opt_state else
-            " with a fresh optimizer state (checkpoint.overwrite_optimizer)"))
+    announce(run, trainer.state, trainer.mesh, trainer.data, run_dir, models.count_params(trainer.state.model), source)
     if start >= run.train.max_steps:
         say(f"nothing to train: the run is at step {start} = train.max_steps")
         return dict(source.manifest.get("metrics", {})) if source else {}

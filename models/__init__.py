@@ -27,14 +27,14 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from models import gpt
+from models import gpt, llama, lora, moe
 from models.layers import count_params  # noqa: F401 - the registry's one-stop import
 from utils.errors import ConfigError
 from utils.sections import build_section
 
-MODELS: dict[str, ModuleType] = {"gpt": gpt}
+MODELS: dict[str, ModuleType] = {"gpt": gpt, "llama": llama}
 # The knobs of conf/model_common.yaml: fields every family's Config has, with the same meaning.
-SHARED_KNOBS = ("init_from",)
+SHARED_KNOBS = ("init_from", "lora", "moe", "attention")
 
 
 def family(cfg_or_model: Any) -> ModuleType:
@@ -50,12 +50,26 @@ def config_from_dict(raw: dict, prefix: str = "model"):
     if name not in MODELS:
         raise ConfigError(f"{prefix}.name={name!r} is not a model family: use one of {', '.join(MODELS)} "
                           "(conf/model/*.yaml name theirs)")
-    return build_section(MODELS[name].Config, {**raw, "name": name}, prefix)
+    cfg = build_section(MODELS[name].Config, {**raw, "name": name}, prefix)
+    targets = getattr(MODELS[name], "LORA_TARGETS", None)  # else checked when the factors attach
+    if lora_config(cfg).on and targets is not None:
+        cfg.lora.check_targets(targets, f"{prefix}.lora")
+    if lora_config(cfg).on and getattr(cfg, "moe", moe.MoEConfig()).on:  # docs/models.md "Mixture-of-Experts"
+        raise ConfigError(f"{prefix}.lora.rank={cfg.lora.rank} with {prefix}.moe.num_experts={cfg.moe.num_experts}: "
+                          "LoRA factors on Mixture-of-Experts models are not supported (factors take one stacked "
+                          f"axis; experts and grouped blocks have two): set {prefix}.lora.rank=0 or "
+                          f"{prefix}.moe.num_experts=0")
+    return cfg
 
 
 def build(cfg, key: jax.Array):
-    """A freshly initialised model of `cfg` (vocab_size resolved)."""
-    return family(cfg).Model(cfg, key)
+    """A freshly initialised model of `cfg` (vocab_size resolved), or with `model.init_from` the
+    weights of that Hugging Face directory (models/hf.py; read lazily, never under eval_shape)."""
+    if getattr(cfg, "init_from", None):
+        from models import hf  # here: models.hf imports this registry
+
+        return lora.attach(hf.build_from_hf(cfg, key), lora_config(cfg), key)
+    return lora.attach(family(cfg).Model(cfg, key), lora_config(cfg), key)  # model.lora: factors on a frozen base
 
 
 def abstract(cfg):
@@ -64,11 +78,36 @@ def abstract(cfg):
 
 
 def param_labels(model):
-    return family(model).param_labels(model)
+    """The family's groups, or with LoRA factors `lora` (them) and `frozen` (the rest)."""
+    return lora.labels(model, family(model).param_labels(model))
 
 
 def param_axes(model):
-    return family(model).param_axes(model)
+    return lora.factor_axes(family(model).param_axes(model))
+
+
+def lora_config(cfg) -> lora.LoraConfig:
+    """`model.lora` (rank 0 for a family whose Config does not carry the shared field yet)."""
+    return getattr(cfg, "lora", lora.LoraConfig())
+
+
+def train_loss(cfg, objective):
+    """The objective's loss as the train step differentiates it: with LoRA, the base under
+    stop_gradient (models/lora.py), so only the factors get a gradient."""
+    loss_fn = objective.loss_fn
+    if not lora_config(cfg).on:
+        return loss_fn
+    return lambda model, *args, **kwargs: loss_fn(lora.stop_base(model), *args, **kwargs)
+
+
+def for_export(model, merge_lora: bool, fmt: str):
+    """The model an export writes (`--merge-lora`, `--format`; models/lora.py `for_export`)."""
+    return lora.for_export(model, merge_lora, fmt)
+
+
+def uses_key(cfg, objective) -> bool:
+    """Whether a train step draws randomness: dropout (LoRA's too), or an objective's (mdlm's masks)."""
+    return cfg.dropout > 0 or (lora_config(cfg).on and cfg.lora.dropout > 0) or objective.needs_key
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
@@ -76,8 +115,9 @@ def flops_per_token(cfg, seq_len: int) -> float:
 
 
 def blocks(tree):
-    """The stacked blocks of a model-shaped tree (a model, its gradients, its updates)."""
-    return tree.blocks
+    """The stacked blocks of a model-shaped tree (a model, its gradients, its updates), every leaf
+    with a leading num_blocks axis (grouped MoE blocks padded into place: models/moe.py per_block)."""
+    return moe.per_block(tree.blocks)
 
 
 def as_dict(cfg) -> dict:

@@ -9,25 +9,30 @@ a 2-core CPU it is a little faster for shallow models). All maths is written on 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from models import attention
 from models.layers import (
     REMAT_POLICIES,
     LayerNorm,
     Linear,
     apply_blocks,
-    causal_attention,
     document_positions,
     dropout,
     layer_norm,
     linear,
     rms,
 )
+from models.lora import LoraConfig, branch, branch_keys
+from models.moe import MoE, MoEConfig, block_axes, init_blocks, run_blocks
+from models.moe import flops_per_token as moe_flops
 from utils.errors import ConfigError
 
 
@@ -49,8 +54,11 @@ class GPTConfig:
     remat: str = "dots"  # what the backward pass keeps of each block: dots | full | none (see REMAT_POLICIES)
     scan_unroll: int = 1  # blocks per scan iteration (num_blocks = fully unrolled inside the scan)
     attn_block_size: int | None = None  # query block size of block-causal attention; null = one block
+    attention: str = "auto"  # auto | xla | cudnn | blocked (models/attention.py); conf/model_common.yaml
     name: str = "gpt"  # the registry's key (models/__init__.py): every model yaml names its family
     init_from: str | None = None  # a local Hugging Face directory (models/hf.py); conf/model_common.yaml
+    lora: LoraConfig = LoraConfig()  # model.lora: low-rank factors on a frozen base (models/lora.py); model_common
+    moe: MoEConfig = MoEConfig()  # model.moe: Mixture-of-Experts blocks (models/moe.py); conf/model_common.yaml
 
     def check(self, prefix: str = "model") -> None:
         for knob in ("dim", "num_heads", "num_blocks", "context_length", "mlp_ratio", "vocab_multiple"):
@@ -61,6 +69,7 @@ class GPTConfig:
                 f"{prefix}.dim={self.dim} is not divisible by {prefix}.num_heads={self.num_heads}: "
                 "pick a head count that divides dim"
             )
+        self.moe.check_blocks(self.num_blocks, prefix)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"{prefix}.dropout={self.dropout} must be in [0, 1)")
         if self.remat not in REMAT_POLICIES:
@@ -70,6 +79,7 @@ class GPTConfig:
                               f"(1 = one block per scan iteration, {prefix}.num_blocks = fully unrolled)")
         if self.attn_block_size is not None and self.attn_block_size <= 0:
             raise ConfigError(f"{prefix}.attn_block_size={self.attn_block_size} must be positive or null")
+        attention.check_config(self, prefix)
         if self.vocab_size is not None and self.vocab_size <= 0:
             raise ConfigError(f"{prefix}.vocab_size={self.vocab_size} must be positive or null")
 
@@ -122,6 +132,7 @@ class Block(eqx.Module):
         B, T, D = x_BxTxD.shape
         H, K = cfg.num_heads, cfg.head_dim
         k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
+        k_qkv, k_out, k_in, k_mlp_out = branch_keys(key, cfg.lora, 4)  # LoRA's dropout; Nones without it
 
         h_BxTxD = self.ln1(x_BxTxD).astype(compute_dtype)
         # Heads-major (3, B, H, T, K): XLA's batched matmuls run ~1.5x faster on CPU from this
@@ -130,21 +141,59 @@ class Block(eqx.Module):
         # tensor axis hands each device whole heads (see `_head_major`).
         w_DxHx3xK = self.attn_qkv.weight_IxO.astype(h_BxTxD.dtype).reshape(D, H, 3, K)
         qkv_3xBxHxTxK = jnp.einsum("btd,dhsk->sbhtk", h_BxTxD, w_DxHx3xK)
+        lora_BxTx3D = branch(self.attn_qkv, h_BxTxD, k_qkv)  # the einsum skips Linear.__call__: LoRA's term here
+        if lora_BxTx3D is not None:
+            qkv_3xBxHxTxK = qkv_3xBxHxTxK + lora_BxTx3D.reshape(B, T, H, 3, K).transpose(3, 0, 2, 1, 4)
         if self.attn_qkv.bias_O is not None:
             b_Hx3xK = self.attn_qkv.bias_O.astype(h_BxTxD.dtype).reshape(H, 3, K)
             qkv_3xBxHxTxK = qkv_3xBxHxTxK + b_Hx3xK.transpose(1, 0, 2)[:, None, :, None, :]
-        a_BxHxTxK = causal_attention(*qkv_3xBxHxTxK, block_size=cfg.attn_block_size, segment_ids_BxT=segment_ids_BxT,
-                                     causal=causal)
+        a_BxHxTxK = attention.attend(cfg, *qkv_3xBxHxTxK, segment_ids_BxT=segment_ids_BxT, causal=causal)
         a_BxTxD = a_BxHxTxK.transpose(0, 2, 1, 3).reshape(B, T, D)
-        attn_BxTxD = dropout(self.attn_out(a_BxTxD), cfg.dropout, k_attn).astype(x_BxTxD.dtype)
+        attn_BxTxD = dropout(self.attn_out(a_BxTxD, k_out), cfg.dropout, k_attn).astype(x_BxTxD.dtype)
         x_BxTxD = x_BxTxD + attn_BxTxD
 
-        h_BxTxF = jax.nn.gelu(self.mlp_in(self.ln2(x_BxTxD).astype(compute_dtype)), approximate=True)
-        mlp_BxTxD = dropout(self.mlp_out(h_BxTxF), cfg.dropout, k_mlp).astype(x_BxTxD.dtype)
-        if not collect:
+        mlp_BxTxD, router = self.mlp(self.ln2(x_BxTxD).astype(compute_dtype), cfg, k_in, k_mlp_out)
+        mlp_BxTxD = dropout(mlp_BxTxD, cfg.dropout, k_mlp).astype(x_BxTxD.dtype)
+        if not collect and router is None:
             return x_BxTxD + mlp_BxTxD
         out_BxTxD = x_BxTxD + mlp_BxTxD
-        return out_BxTxD, {"attn": rms(attn_BxTxD), "mlp": rms(mlp_BxTxD), "resid": rms(out_BxTxD)}
+        stats = {"attn": rms(attn_BxTxD), "mlp": rms(mlp_BxTxD), "resid": rms(out_BxTxD)} if collect else {}
+        return out_BxTxD, stats if router is None else {**stats, "moe": router}  # an MoE block's router statistics
+
+    def mlp(self, h_BxTxD: jax.Array, cfg: GPTConfig, k_in, k_out) -> tuple[jax.Array, dict | None]:
+        """The GELU MLP (no router statistics); an MoEBlock's mixture of experts returns its own."""
+        return self.mlp_out(jax.nn.gelu(self.mlp_in(h_BxTxD, k_in), approximate=True), k_out), None
+
+
+class GeluExperts(eqx.Module):
+    """GPT's MLP as a stack of experts: every weight and bias with a leading expert axis."""
+
+    mlp_in: Linear
+    mlp_out: Linear
+
+    def __call__(self, x: jax.Array, groups) -> jax.Array:
+        return groups.linear(jax.nn.gelu(groups.linear(x, self.mlp_in), approximate=True), self.mlp_out)
+
+
+class MoEBlock(Block):
+    """A Block whose MLP is a mixture of experts (models/moe.py): the same attention, `mlp_in` and
+    `mlp_out` None, the experts and the router under `moe`."""
+
+    moe: MoE
+
+    @staticmethod
+    def init(key: jax.Array, cfg: GPTConfig) -> "MoEBlock":
+        dense = Block.init(key, cfg)  # the attention and norms as a dense block at this key would have them
+        k_router, k_in, k_out = jax.random.split(jax.random.fold_in(key, 1), 3)
+        d, f, E = cfg.dim, cfg.mlp_ratio * cfg.dim, cfg.moe.num_experts
+        resid_std = 0.02 / math.sqrt(2 * cfg.num_blocks)
+        stack = lambda k, i, o, std: eqx.filter_vmap(lambda k: linear(k, i, o, std, cfg.bias))(jax.random.split(k, E))
+        experts = GeluExperts(stack(k_in, d, f, 0.02), stack(k_out, f, d, resid_std))
+        return MoEBlock(ln1=dense.ln1, attn_qkv=dense.attn_qkv, attn_out=dense.attn_out, ln2=dense.ln2, mlp_in=None,
+                        mlp_out=None, moe=MoE(router=linear(k_router, d, E, 0.02, False), experts=experts))
+
+    def mlp(self, h_BxTxD: jax.Array, cfg: GPTConfig, k_in, k_out) -> tuple[jax.Array, dict]:
+        return self.moe(h_BxTxD, cfg.moe)
 
 
 class GPT(eqx.Module):
@@ -162,7 +211,10 @@ class GPT(eqx.Module):
         self.cfg = cfg
         self.wte_VxD = 0.02 * jax.random.normal(k_wte, (cfg.vocab_size, cfg.dim), jnp.float32)
         self.wpe_TxD = 0.02 * jax.random.normal(k_wpe, (cfg.context_length, cfg.dim), jnp.float32)
-        self.blocks = eqx.filter_vmap(lambda k: Block.init(k, cfg))(jax.random.split(k_blocks, cfg.num_blocks))
+        if cfg.moe.on:  # MoE blocks (all, or the last of each group of `every`): models/moe.py
+            self.blocks = init_blocks(k_blocks, cfg, lambda k: Block.init(k, cfg), lambda k: MoEBlock.init(k, cfg))
+        else:
+            self.blocks = eqx.filter_vmap(lambda k: Block.init(k, cfg))(jax.random.split(k_blocks, cfg.num_blocks))
         self.ln_f = layer_norm(cfg.dim, cfg.bias)
         self.head_DxV = (
             None
@@ -200,8 +252,12 @@ class GPT(eqx.Module):
             out = block(x_BxTxD, k, cfg, compute_dtype, segment_ids_BxT, causal, collect)
             return out if collect else (out, None)
 
-        x_BxTxD, stats_L = apply_blocks(apply, x_BxTxD, self.blocks, key, cfg.num_blocks, cfg.remat,
-                                        cfg.scan_blocks, cfg.scan_unroll, collect)
+        if cfg.moe.on:  # router statistics per MoE block come back under stats_L["moe"] (with `collect`)
+            x_BxTxD, stats_L = run_blocks(lambda block, x, k: block(x, k, cfg, compute_dtype, segment_ids_BxT, causal,
+                                                                    collect), x_BxTxD, self.blocks, key, cfg, collect)
+        else:
+            x_BxTxD, stats_L = apply_blocks(apply, x_BxTxD, self.blocks, key, cfg.num_blocks, cfg.remat,
+                                            cfg.scan_blocks, cfg.scan_unroll, collect)
 
         x_BxTxD = self.ln_f(x_BxTxD).astype(compute_dtype)
         head_DxV = self.wte_VxD.T if self.head_DxV is None else self.head_DxV
@@ -235,6 +291,8 @@ def param_labels(model: GPT) -> GPT:
 # The logical name of every parameter dimension, by (module, field): utils/parallel/layout.py maps `heads`
 # and `mlp` to the tensor mesh axis (attention split by heads; the MLP column- then row-parallel)
 # and lets FSDP take the largest dimension left. `layers` is the stacked-blocks axis.
+LORA_TARGETS = ("attn_qkv", "attn_out", "mlp_in", "mlp_out")  # model.lora.targets: the block's projections
+
 PARAM_AXES = {
     ("wte_VxD",): ("vocab", "embed"),
     ("wpe_TxD",): ("position", "embed"),
@@ -245,6 +303,7 @@ PARAM_AXES = {
     ("mlp_in", "weight_IxO"): ("layers", "embed", "mlp"),
     ("mlp_in", "bias_O"): ("layers", "mlp"),
     ("mlp_out", "weight_IxO"): ("layers", "mlp", "embed"),
+    ("router", "weight_IxO"): ("layers", "embed", "router"),  # MoE: the router is not split over experts
 }
 
 
@@ -253,10 +312,10 @@ def param_axes(model: GPT) -> GPT:
 
     def axes(path, leaf) -> tuple:
         names = tuple(getattr(p, "name", "") for p in path)
-        for key, logical in PARAM_AXES.items():
-            if names[-len(key):] == key:
-                return logical
-        return ("layers",) * (names[0] == "blocks") + ("embed",) * (leaf.ndim - (names[0] == "blocks"))
+        logical = next((v for key, v in PARAM_AXES.items() if names[-len(key):] == key), None)
+        if names[0] == "blocks":  # the stacked axes in front (grouped MoE blocks: two; experts: `expert`)
+            return block_axes(names, leaf.ndim, logical)
+        return logical or ("embed",) * leaf.ndim
 
     return jax.tree_util.tree_map_with_path(axes, model)
 
@@ -272,9 +331,123 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     assert cfg.vocab_size is not None
     d, f, L = cfg.dim, cfg.mlp_ratio * cfg.dim, cfg.num_blocks
     n_matmul = L * (d * 3 * d + d * d + 2 * d * f) + d * cfg.vocab_size
+    if cfg.moe.on:  # an MoE block's MLP: top_k experts per token and the router, instead of one MLP
+        n_matmul += len(cfg.moe.layers(L)) * (moe_flops(cfg.moe, d, 2 * d * f) - 2 * d * f)
     return 6.0 * n_matmul + 12.0 * L * d * seq_len
 
 
 
 
 Config, Model = GPTConfig, GPT  # the registry's names (models/__init__.py)
+
+
+# ----------------------------------------------------------------------------- Hugging Face (models/hf.py)
+# transformers' GPT2LMHeadModel: its Conv1D weights are (in, out) like ours; its fused c_attn columns
+# are (q|k|v, head, K) where ours are head-major (head, q|k|v, K) (`_head_major`); it always has biases.
+
+HF_MODEL_TYPES = ("gpt2",)
+_HF_GELU = ("gelu_new", "gelu_pytorch_tanh")  # both the tanh approximation, jax.nn.gelu(approximate=True)
+_HF_BLOCK = {  # our block field -> GPT-2's module under transformer.h.<i>
+    "ln1": "ln_1", "attn_qkv": "attn.c_attn", "attn_out": "attn.c_proj", "ln2": "ln_2",
+    "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj",
+}
+_HF_PARAM = {"weight_IxO": "weight", "bias_O": "bias", "gain_D": "weight", "bias_D": "bias"}
+
+
+def hf_config(cfg: GPTConfig) -> dict:
+    """transformers' GPT2Config fields of `cfg`. Dropout is exported as resid_pdrop (ours drops each
+    block's attention and MLP outputs, which is GPT-2's residual dropout); GPT-2 has no bias-free form."""
+    if not cfg.bias:
+        raise ConfigError("model.bias=false cannot be exported as gpt2: Hugging Face's GPT-2 always has biases "
+                          "(export --format safetensors instead)")
+    return {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": cfg.vocab_size, "n_positions": cfg.context_length, "n_embd": cfg.dim,
+        "n_layer": cfg.num_blocks, "n_head": cfg.num_heads, "n_inner": cfg.mlp_ratio * cfg.dim,
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
+        "resid_pdrop": cfg.dropout, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True,
+    }
+
+
+def config_from_hf(hf: dict, base: GPTConfig) -> GPTConfig:
+    """The GPTConfig of a gpt2 config.json: its shape knobs, `base`'s execution knobs (scan, remat,
+    dropout, attention blocks). One line naming the config.json key we cannot represent."""
+    def refuse(key: str, fix: str) -> ConfigError:
+        return ConfigError(f"config.json {key}={hf.get(key)!r} has no eqtrain gpt equivalent: {fix}")
+
+    if hf.get("activation_function", "gelu_new") not in _HF_GELU:
+        raise refuse("activation_function", f"eqtrain's GPT uses the tanh GELU ({' / '.join(_HF_GELU)})")
+    if abs(float(hf.get("layer_norm_epsilon", 1e-5)) - 1e-5) > 1e-12:
+        raise refuse("layer_norm_epsilon", "eqtrain's LayerNorm uses 1e-5")
+    for key, ours in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                      ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
+        if hf.get(key, ours) != ours:
+            raise refuse(key, f"eqtrain's GPT attention is the plain {key}={ours} form")
+    for key in ("n_embd", "n_head", "n_layer", "n_positions", "vocab_size"):
+        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf[key] <= 0:
+            raise refuse(key, "it must be a positive integer")
+    dim, inner = hf["n_embd"], hf.get("n_inner") or 4 * hf["n_embd"]
+    if inner % dim:
+        raise refuse("n_inner", f"the MLP width must be a multiple of n_embd={dim} (model.mlp_ratio)")
+    return dataclasses.replace(
+        base, name="gpt", dim=dim, num_heads=hf["n_head"], num_blocks=hf["n_layer"],
+        context_length=hf["n_positions"], vocab_size=hf["vocab_size"], mlp_ratio=inner // dim,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), bias=True)
+
+
+def _qkv_perm(cfg: GPTConfig) -> np.ndarray:
+    """Column order taking GPT-2's (q|k|v, head, K) c_attn to ours (head, q|k|v, K); argsort inverts it."""
+    return np.arange(3 * cfg.dim).reshape(3, cfg.num_heads, cfg.head_dim).transpose(1, 0, 2).reshape(-1)
+
+
+def hf_tensors(model: GPT) -> dict:
+    """The model's arrays as GPT2LMHeadModel's state dict (numpy, Hugging Face names and layouts)."""
+    cfg = model.cfg
+    if not cfg.bias:
+        hf_config(cfg)  # the one-line refusal
+    to_hf = np.argsort(_qkv_perm(cfg))
+    out = {"transformer.wte.weight": np.asarray(model.wte_VxD), "transformer.wpe.weight": np.asarray(model.wpe_TxD),
+           "transformer.ln_f.weight": np.asarray(model.ln_f.gain_D),
+           "transformer.ln_f.bias": np.asarray(model.ln_f.bias_D)}
+    if model.head_DxV is not None:
+        out["lm_head.weight"] = np.asarray(model.head_DxV).T  # torch Linear: (out, in)
+    for ours, theirs in _HF_BLOCK.items():
+        for field, param in _HF_PARAM.items():
+            stacked = getattr(getattr(model.blocks, ours), field, None)
+            if stacked is None:
+                continue
+            stacked = np.asarray(stacked)
+            if ours == "attn_qkv":
+                stacked = stacked[..., to_hf]
+            for i in range(cfg.num_blocks):
+                out[f"transformer.h.{i}.{theirs}.{param}"] = stacked[i]
+    return out
+
+
+def from_hf_tensors(cfg: GPTConfig, tensors: dict, where: str = "model.safetensors") -> GPT:
+    """A GPT of `cfg` from GPT2LMHeadModel's (or GPT2Model's) tensors; CheckpointError naming a
+    missing or misshapen one. Buffers GPT-2 once saved (attn.bias, attn.masked_bias) are ignored."""
+    from models.hf import expect, fill  # here: models.hf imports the registry, which imports this module
+
+    pre = "transformer." if any(k.startswith("transformer.") for k in tensors) else ""  # GPT2Model has none
+    D, V, L, F = cfg.dim, cfg.vocab_size, cfg.num_blocks, cfg.mlp_ratio * cfg.dim
+    shapes = {"ln_1": {"weight": (D,), "bias": (D,)}, "attn.c_attn": {"weight": (D, 3 * D), "bias": (3 * D,)},
+              "attn.c_proj": {"weight": (D, D), "bias": (D,)}, "ln_2": {"weight": (D,), "bias": (D,)},
+              "mlp.c_fc": {"weight": (D, F), "bias": (F,)}, "mlp.c_proj": {"weight": (F, D), "bias": (D,)}}
+    to_ours = _qkv_perm(cfg)
+    named = {"wte_VxD": expect(tensors, f"{pre}wte.weight", (V, D), where),
+             "wpe_TxD": expect(tensors, f"{pre}wpe.weight", (cfg.context_length, D), where),
+             "ln_f.gain_D": expect(tensors, f"{pre}ln_f.weight", (D,), where),
+             "ln_f.bias_D": expect(tensors, f"{pre}ln_f.bias", (D,), where)}
+    if not cfg.tie_embeddings:
+        named["head_DxV"] = expect(tensors, "lm_head.weight", (V, D), where).T
+    for ours, theirs in _HF_BLOCK.items():
+        for field, param in _HF_PARAM.items():
+            if (field in ("gain_D", "bias_D")) != ours.startswith("ln"):
+                continue
+            stacked = np.stack([expect(tensors, f"{pre}h.{i}.{theirs}.{param}", shapes[theirs][param], where)
+                                for i in range(L)])
+            named[f"blocks.{ours}.{field}"] = stacked[..., to_ours] if ours == "attn_qkv" else stacked
+    return fill(cfg, named, where)

@@ -28,7 +28,8 @@ class Linear(eqx.Module):
     weight_IxO: jax.Array
     bias_O: jax.Array | None
 
-    def __call__(self, x_NxI: jax.Array) -> jax.Array:
+    def __call__(self, x_NxI: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        """`key`: the dropout key of a LoRA projection's branch (models/lora.py); a plain one draws nothing."""
         y = x_NxI @ self.weight_IxO.astype(x_NxI.dtype)
         return y if self.bias_O is None else y + self.bias_O.astype(y.dtype)
 

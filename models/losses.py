@@ -1,10 +1,13 @@
 """The next-token losses and evaluation sums, for any model of the registry: a model is called as
-`model(inputs_BxT, key=, compute_dtype=, segment_ids_BxT=)` and returns float32 logits."""
+`model(inputs_BxT, key=, compute_dtype=, segment_ids_BxT=)` and returns float32 logits. The
+training loss adds an MoE model's router losses (models/moe.py); evaluation is the LM loss alone."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from models import moe
 
 
 def unpack_batch(batch) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
@@ -19,29 +22,42 @@ def unpack_batch(batch) -> tuple[jax.Array, jax.Array | None, jax.Array | None, 
 def token_losses(model, batch, key: jax.Array | None, compute_dtype: jnp.dtype
                  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(next-token loss per position, top-1 hit per position, loss mask or None), all BxT."""
+    return _token_losses(model, batch, key, compute_dtype)[:3]
+
+
+def _token_losses(model, batch, key, compute_dtype, router: bool = False):
+    """token_losses and, with `router`, an MoE model's router statistics (None for a dense model)."""
     tokens_BxT1, mask_BxT, segment_ids_BxT, _ = unpack_batch(batch)
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-    logits_BxTxV = model(inputs_BxT, key=key, compute_dtype=compute_dtype, segment_ids_BxT=segment_ids_BxT)
+    kwargs = {"key": key, "compute_dtype": compute_dtype, "segment_ids_BxT": segment_ids_BxT}
+    logits_BxTxV, stats = moe.forward(model, inputs_BxT, **kwargs) if router else (model(inputs_BxT, **kwargs), None)
     logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
     target_logit_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
-    return logz_BxT - target_logit_BxT, jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT, mask_BxT
+    return logz_BxT - target_logit_BxT, jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT, mask_BxT, stats
 
 
 def cross_entropy(model, batch, key: jax.Array | None, compute_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """Mean next-token loss and the number of correct top-1 predictions over the window; with a
     loss mask, over the masked-in targets only (chat: the assistant's tokens)."""
-    nll_BxT, hit_BxT, mask_BxT = token_losses(model, batch, key, compute_dtype)
+    return _cross_entropy(model, batch, key, compute_dtype)[:2]
+
+
+def _cross_entropy(model, batch, key, compute_dtype, router: bool = False):
+    nll_BxT, hit_BxT, mask_BxT, stats = _token_losses(model, batch, key, compute_dtype, router)
     if mask_BxT is None:
-        return jnp.mean(nll_BxT), jnp.sum(hit_BxT)
+        return jnp.mean(nll_BxT), jnp.sum(hit_BxT), stats
     norm = unpack_batch(batch)[3]
     norm = jnp.maximum(mask_BxT.sum(), 1.0) if norm is None else norm
-    return jnp.sum(nll_BxT * mask_BxT) / norm, jnp.sum(hit_BxT * mask_BxT)
+    return jnp.sum(nll_BxT * mask_BxT) / norm, jnp.sum(hit_BxT * mask_BxT), stats
 
 
 def loss_fn(model, batch, key: jax.Array | None, compute_dtype) -> tuple[jax.Array, dict]:
-    """The train step's loss: (mean loss, aux), aux holding what step metrics may read, per micro-batch."""
-    loss, correct = cross_entropy(model, batch, key, compute_dtype)
-    return loss, {"loss": loss, "correct": correct}
+    """The train step's loss: (mean loss, aux), aux holding what step metrics may read, per micro-batch.
+    With MoE the loss differentiated adds the weighted router losses; aux["loss"] (train/loss) stays
+    the LM loss, comparable with val/loss, and aux["moe"] holds the router's (models/moe.py)."""
+    loss, correct, router = _cross_entropy(model, batch, key, compute_dtype, router=True)
+    total, moe_aux = moe.add_router_losses(loss, model, router)
+    return total, {"loss": loss, "correct": correct, **moe_aux}
 
 
 def eval_sums(model, batch, weights_B: jax.Array, compute_dtype: jnp.dtype

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import moe
 from models.losses import unpack_batch
 
 # Rows of the validation windows are masked with keys from this seed and the row's own tokens: the
@@ -67,26 +68,28 @@ def corrupt(keys_B: jax.Array, x_BxT: jax.Array, w_BxT: jax.Array, eps: float, m
 
 
 def denoise_losses(model, z_BxT: jax.Array, x_BxT: jax.Array, seg_BxT: jax.Array | None, key: jax.Array | None,
-                   compute_dtype) -> tuple[jax.Array, jax.Array]:
+                   compute_dtype) -> tuple[jax.Array, jax.Array, dict | None]:
     """(cross-entropy of the original token at every position, top-1 hit), both BxT, from the
-    bidirectional model's logits over every id but the mask id."""
-    logits_BxTxV = model(z_BxT, key=key, compute_dtype=compute_dtype, segment_ids_BxT=seg_BxT, causal=False)
+    bidirectional model's logits over every id but the mask id; and an MoE model's router statistics."""
+    logits_BxTxV, router = moe.forward(model, z_BxT, key=key, compute_dtype=compute_dtype, segment_ids_BxT=seg_BxT,
+                                       causal=False)
     logits_BxTxV = logits_BxTxV.at[..., mask_id(model)].set(-jnp.inf)
     logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
     target_BxT = jnp.take_along_axis(logits_BxTxV, x_BxT[..., None], axis=-1)[..., 0]
-    return logz_BxT - target_BxT, jnp.argmax(logits_BxTxV, axis=-1) == x_BxT
+    return logz_BxT - target_BxT, jnp.argmax(logits_BxTxV, axis=-1) == x_BxT, router
 
 
 def weighted_sums(model, batch, keys_B: jax.Array, dropout_key: jax.Array | None, eps: float, compute_dtype
-                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, dict | None]:
     """Per row: Σ masked·w·nll/t (the negative ELBO's sum), Σ masked·w·hit/t (top-1 accuracy at the
-    masked positions, averaged over t the same way), Σ w (the tokens it bounds); and the loss norm."""
+    masked positions, averaged over t the same way), Σ w (the tokens it bounds); the loss norm; an
+    MoE model's router statistics (None for a dense one)."""
     x_BxT, w_BxT, seg_BxT, norm = sequences(batch)
     z_BxT, masked_BxT, t_B = corrupt(keys_B, x_BxT, w_BxT, eps, mask_id(model))
-    nll_BxT, hit_BxT = denoise_losses(model, z_BxT, x_BxT, seg_BxT, dropout_key, compute_dtype)
+    nll_BxT, hit_BxT, router = denoise_losses(model, z_BxT, x_BxT, seg_BxT, dropout_key, compute_dtype)
     weight_BxT = jnp.where(masked_BxT, w_BxT / t_B[:, None], 0.0)
     nelbo_BxT = jnp.where(masked_BxT, weight_BxT * nll_BxT, 0.0)  # an unmasked nll never enters, not even as 0·inf
-    return nelbo_BxT.sum(-1), (weight_BxT * hit_BxT).sum(-1), w_BxT.sum(-1), norm
+    return nelbo_BxT.sum(-1), (weight_BxT * hit_BxT).sum(-1), w_BxT.sum(-1), norm, router
 
 
 def train_keys(key: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
@@ -99,11 +102,12 @@ def loss_fn(model, batch, key: jax.Array, compute_dtype, eps: float) -> tuple[ja
     """The train step's loss: the negative ELBO per maskable token (train/loss is a bound, like val/loss).
     `key` (from the train state, one per micro-batch) draws every row's t and mask, and dropout's keys."""
     keys_B, dropout_key = train_keys(key, unpack_batch(batch)[0].shape[0])
-    nelbo_B, correct_B, count_B, norm = weighted_sums(
+    nelbo_B, correct_B, count_B, norm, router = weighted_sums(
         model, batch, keys_B, dropout_key if model.cfg.dropout > 0 else None, eps, compute_dtype)
     norm = jnp.maximum(count_B.sum(), 1.0) if norm is None else norm
     loss = nelbo_B.sum() / norm
-    return loss, {"loss": loss, "correct": correct_B.sum()}
+    total, moe_aux = moe.add_router_losses(loss, model, router)  # train/loss stays the bound; aux["moe"]: the router's
+    return total, {"loss": loss, "correct": correct_B.sum(), **moe_aux}
 
 
 def row_keys(x_BxT: jax.Array, seed: int = VAL_SEED) -> jax.Array:
@@ -120,5 +124,5 @@ def eval_sums(model, batch, weights_B: jax.Array, compute_dtype, eps: float
     `weights_B` (padding rows weigh 0), each row corrupted with its `row_keys` key: val/loss is the
     bound per token, with the same t and masks at every evaluation, resume and run."""
     keys_B = row_keys(sequences(batch)[0])
-    nelbo_B, correct_B, count_B, _ = weighted_sums(model, batch, keys_B, None, eps, compute_dtype)
+    nelbo_B, correct_B, count_B, *_ = weighted_sums(model, batch, keys_B, None, eps, compute_dtype)
     return (weights_B * nelbo_B).sum(), (weights_B * correct_B).sum(), (weights_B * count_B).sum()

@@ -1,11 +1,13 @@
 """Parameter groups: one optax transform per group, each with its own hyperparameters.
 
 The model labels every parameter `hidden` (matrices inside blocks), `embed` (token/position
-embeddings), `head` (untied output projection) or `scalar` (biases, norm gains). An optimizer
-describes the update of ONE group (`transform(group, schedule)`); `per_group` builds it once
-per group with that group's overrides from `optimizer.groups.<group>` and combines them with
-`optax.multi_transform`. Each group's schedule is the run's schedule rescaled to the group's
-peak lr, so warmup and decay stay in step across groups.
+embeddings), `head` (untied output projection) or `scalar` (biases, norm gains); with LoRA
+(models/lora.py) the factors are `lora` and everything else `frozen` (optax.set_to_zero: no
+update, no state). An optimizer describes the update of ONE group (`transform(group,
+schedule)`); `per_group` builds it once per group with that group's overrides from
+`optimizer.groups.<group>` and combines them with `optax.multi_transform`. Each group's
+schedule is the run's schedule rescaled to the group's peak lr, so warmup and decay stay in
+step across groups.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import optax
 
 from optimizer.cautious import cautious_transform
 from utils.errors import ConfigError
 
-GROUPS = ("hidden", "embed", "head", "scalar")
+GROUPS = ("hidden", "embed", "head", "scalar", "lora")
+BASE_GROUPS = GROUPS[:4]  # every model's; `lora` (the factors, models/lora.py) only with model.lora.rank > 0
+FROZEN = "frozen"  # the label of weights nothing trains (LoRA's base): no update, no optimizer state
 
 
 def decayed_groups(decay_embeddings: bool) -> frozenset[str]:
@@ -74,6 +79,13 @@ def group_schedules(hparams: Any, schedule: optax.Schedule, base_lr: float | Non
     return {g: scaled_schedule(schedule, group_lr(hparams, g, base_lr, overrides) / base_lr) for g in GROUPS}
 
 
+def built_groups(labels) -> tuple[str, ...]:
+    """The groups given a transform: without LoRA the four base groups, present or not (as before
+    the `lora` group existed, so a run's optimizer state keeps its layout); with it, only `lora`
+    (every other array is frozen: their groups would hold only step counts)."""
+    return ("lora",) if "lora" in set(jax.tree.leaves(labels)) else BASE_GROUPS
+
+
 def per_group(hparams: Any, schedule: optax.Schedule, labels, base_lr: float | None = None,
               overrides: dict[str, dict[str, float]] | None = None,
               cautious: bool = False) -> optax.GradientTransformation:
@@ -82,7 +94,9 @@ def per_group(hparams: Any, schedule: optax.Schedule, labels, base_lr: float | N
     overrides = overrides or {}
     schedules = group_schedules(hparams, schedule, base_lr, overrides)
     build = cautious_transform if cautious else lambda hp, g, s: hp.transform(g, s)
-    transforms = {g: build(group_hparams(hparams, g, overrides), g, schedules[g]) for g in GROUPS}
+    transforms = {g: build(group_hparams(hparams, g, overrides), g, schedules[g]) for g in built_groups(labels)}
+    if FROZEN in set(jax.tree.leaves(labels)):
+        transforms[FROZEN] = optax.set_to_zero()
     # A callable, because a labels tree that is itself callable (an Equinox model) would be called.
     return optax.multi_transform(transforms, lambda _params: labels)
 

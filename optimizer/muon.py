@@ -1,9 +1,12 @@
 """Muon: Newton–Schulz-orthogonalised momentum for the block matrices, AdamW for the rest.
 
-Block weights are stacked (num_blocks, d_in, d_out) for lax.scan; Muon must orthogonalise each
-block's d_in×d_out matrix on its own, so the dimension numbers name axis 1 as the reduction
-axis and axis 2 as the output axis, leaving axis 0 a batch axis. (optax.contrib.muon's default
-would treat every 2-D leaf as a matrix, embeddings included, and send 3-D leaves to AdamW.)
+Block weights are stacked (num_blocks, d_in, d_out) for lax.scan, and MoE models stack more:
+experts (num_blocks, E, d_in, d_out), grouped dense blocks (G, every-1, d_in, d_out) (models/moe.py).
+Muon must orthogonalise each d_in×d_out matrix on its own, so the dimension numbers name the
+second-to-last axis as the reduction axis and the last as the output axis, leaving every leading
+axis a batch axis. (optax.contrib.muon's default would treat every 2-D leaf as a matrix,
+embeddings included, and send 3-D leaves to AdamW; fixed axes (1, 2) would mix a 4-D leaf's
+experts into one matrix.)
 
 An orthogonalised m×n update has RMS 1/√max(m, n), so its size depends on the matrix's shape;
 `shape_scale` picks the convention that fixes it (per block, fan_in = d_in, fan_out = d_out):
@@ -29,7 +32,7 @@ from optimizer.diagnostics import adam_sqrt_v, array_leaves, find_states
 from optimizer.groups import check_non_negative, check_unit_interval
 from utils.errors import ConfigError
 
-STACKED_MATRIX = MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+STACKED_MATRIX = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)  # every leading axis: a batch axis
 SHAPE_SCALES = ("reference", "adam_rms")
 ADAM_RMS = 0.2  # the update RMS (per unit lr) of `adam_rms`: what AdamW's updates typically have
 
@@ -39,7 +42,7 @@ def _stacked_dims(updates):
 
 
 def shape_factor(shape: tuple[int, ...], convention: str) -> float:
-    """The factor `convention` multiplies the orthogonalised update of a stacked block by."""
+    """The factor `convention` multiplies the orthogonalised update of a stack of matrices by."""
     fan_in, fan_out = shape[STACKED_MATRIX.reduction_axis], shape[STACKED_MATRIX.output_axis]
     if convention == "adam_rms":
         return ADAM_RMS * math.sqrt(max(fan_in, fan_out))

@@ -2,12 +2,24 @@
 
     python scripts/export_model.py ckpt/run1 --out exported/
     python scripts/export_model.py ckpt/run1 --load-file iter_2000 --out exported/ --force
+    python scripts/export_model.py ckpt/run1 --format hf --out hf_model/
+    python scripts/export_model.py ckpt/lora1 --merge-lora --out merged/
 
 Only the model is read (never the optimizer state): the one the run evaluates, so a
 Schedule-Free run's averaged weights (the checkpoint's `eval_model`), not the point it trained.
 Tensors are named by their pytree path (`blocks.attn_qkv.weight_IxO`); config.json holds the
 model config plus `step`, the run's `tokenizer` section and its `objective`. `models.export.load_export(OUT_DIR)`
 rebuilds the model from the two files.
+
+`--format hf` writes a Hugging Face transformers directory instead (models/hf.py): config.json
+(model_type gpt2, llama, qwen2), model.safetensors in float32 with Hugging Face's tensor names and
+layouts, and the tokenizer's files for a BPE or Hugging Face tokenizer (the byte tokenizer has none);
+`AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads it offline. masked-diffusion (mdlm) models are refused.
+
+A LoRA run (model.lora.rank > 0): `--merge-lora` writes the merged weights W + (alpha/rank)·A·B as a
+plain model (rank 0 in config.json), in either format. Without it the safetensors export holds the
+base and the factors (and the `lora` config) and `load_export` rebuilds the LoRA model; `--format hf`
+needs --merge-lora (a transformers model has no place for the factors).
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
 
+import models
 from models import export, objectives
 from utils.checkpoint import inference
 from utils.cli import quiet_jax_probe
@@ -36,6 +49,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "must be empty unless --force")
     p.add_argument("--force", action="store_true",
                    help="write into a non-empty OUT_DIR, replacing model.safetensors and config.json there")
+    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors: eqtrain's export (models/export.py; default); hf: a transformers directory "
+                        "(config.json, model.safetensors with Hugging Face names, the tokenizer's files) that "
+                        "AutoModelForCausalLM.from_pretrained(OUT_DIR) loads")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA run's checkpoint: write the merged weights W + (alpha/rank)·A·B, a plain model of the "
+                        "base's shape (needed for --format hf); without it the safetensors export keeps the factors")
     return p.parse_args(argv)
 
 
@@ -45,8 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         inference.check_out_dir(args.out, args.force)
         source, run, model = inference.restore_for_inference(args.checkpoint_dir, args.load_file)
-        export.save_export(args.out, model, source.step, source.config.get("tokenizer", {}), run.context_length,
-                           objectives.as_dict(run.objective))
+        model = models.for_export(model, args.merge_lora, args.format)  # LoRA: merged, or refused for hf
+        if args.format == "hf":
+            print(inference.export_hf(args.out, run, model))
+        else:
+            export.save_export(args.out, model, source.step, source.config.get("tokenizer", {}), run.context_length,
+                               objectives.as_dict(run.objective))
     except (EqtrainError, OSError) as e:
         return script_error(e, where=args.out, hint="check --out")
     print(f"exported {source.path} (step {source.step}) to {args.out}")

@@ -7,7 +7,8 @@ jax is imported:
 
 Both runs use the same config, seed and batches; only the mesh differs (1x1 on the first device,
 data=4 x fsdp=2 on all eight), with two micro-batches per step so the accumulation scan runs
-sharded too.
+sharded too. `--model llama_tiny` runs that family's tiny model instead, on 1 device and on
+data 2 x fsdp 2 x tensor 2 only (tests/test_llama.py).
 
 Time: nearly all of it is XLA compiling (per optimizer ~6 s for the sharded init, ~12 s for the
 sharded step, CPU time, at LLVM's default level; half at level 0, used here, see below), which runs
@@ -18,6 +19,7 @@ compile: every sharded step (the programs with collectives) executes in the main
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -67,7 +69,8 @@ def build(parallel: tuple, devices, overrides=tuple(OVERRIDES)):
                                                     f"parallel.tensor={tensor}",
                                                     f"parallel.shard_optimizer_state={str(zero1).lower()}"]))
     p = run.parallel
-    mesh = meshlib.make_mesh(p.data, p.fsdp, run.dataset.batch_size, devices=devices, tensor=p.tensor)
+    mesh = meshlib.make_mesh(p.data, p.fsdp, run.dataset.batch_size, devices=devices, tensor=p.tensor,
+                             expert=p.expert)  # parallel.expert: from `overrides` (--moe)
     _, _, state, step = T.init_training(run, mesh)
     return state, jax.tree.map(lambda x: x.sharding, state), step, mesh  # shardings as initialised
 
@@ -95,16 +98,9 @@ def train(parallel, devices, batches_SxAxBxT1, overrides=tuple(OVERRIDES), after
     state, shardings, step, mesh = build(parallel, devices, overrides)
     info = {
         "mesh": dict(mesh.shape),
-        "wte_shape": list(state.model.wte_VxD.shape),
-        "wte_devices": len(state.model.wte_VxD.sharding.device_set),
-        "wte_shard_shape": list(state.model.wte_VxD.sharding.shard_shape(state.model.wte_VxD.shape)),
+        **layout_info(state),
         "sharded_param_leaves": sum(map(is_split, arrays(state.model))),
         "sharded_opt_leaves": sum(map(is_split, arrays(state.opt_state))),
-        # Where the layout rules put the blocks' matrices and Adam's moments of them (utils/parallel/layout.py).
-        "specs": {name: [str(a) for a in leaf.sharding.spec] for name, leaf in (
-            ("qkv", state.model.blocks.attn_qkv.weight_IxO), ("attn_out", state.model.blocks.attn_out.weight_IxO),
-            ("mlp_in", state.model.blocks.mlp_in.weight_IxO), ("mlp_out", state.model.blocks.mlp_out.weight_IxO),
-            ("mu_mlp_in", adam_moment(state.opt_state).blocks.mlp_in.weight_IxO))},
     }
     init = [np.array(x) for x in arrays(state.model)]
     sharding = meshlib.batch_sharding(mesh, 1)
@@ -122,6 +118,50 @@ def train(parallel, devices, batches_SxAxBxT1, overrides=tuple(OVERRIDES), after
     final = [np.array(x) for x in arrays(state.model)]
     info["params_moved"] = max(float(np.abs(a - b).max()) for a, b in zip(final, init))
     return losses, final, info
+
+
+def layout_info(state) -> dict:
+    """Where the layout rules put the embedding, the blocks' matrices and Adam's moments of them
+    (utils/parallel/layout.py): GPT's by the names test_train_step.py reads; another family's
+    (`--model`) every block matrix by its field name."""
+    spec = lambda leaf: [str(a) for a in leaf.sharding.spec]
+    model = state.model
+    if getattr(getattr(model.cfg, "moe", None), "on", False):  # --moe: the experts' and the router's layout
+        moe = model.blocks.moe if hasattr(model.blocks, "dense") else model.blocks
+        return {"specs": {"experts_in": spec(moe.moe.experts.mlp_in.weight_IxO),
+                          "experts_out": spec(moe.moe.experts.mlp_out.weight_IxO),
+                          "router": spec(moe.moe.router.weight_IxO)}}
+    if not hasattr(model, "wte_VxD"):
+        linears = {f.name: getattr(model.blocks, f.name) for f in dataclasses.fields(model.blocks)}
+        return {"specs": {name: spec(m.weight_IxO) for name, m in linears.items() if hasattr(m, "weight_IxO")}}
+    return {
+        "wte_shape": list(model.wte_VxD.shape),
+        "wte_devices": len(model.wte_VxD.sharding.device_set),
+        "wte_shard_shape": list(model.wte_VxD.sharding.shard_shape(model.wte_VxD.shape)),
+        "specs": {name: spec(leaf) for name, leaf in (
+            ("qkv", model.blocks.attn_qkv.weight_IxO), ("attn_out", model.blocks.attn_out.weight_IxO),
+            ("mlp_in", model.blocks.mlp_in.weight_IxO), ("mlp_out", model.blocks.mlp_out.weight_IxO),
+            ("mu_mlp_in", adam_moment(state.opt_state).blocks.mlp_in.weight_IxO))},
+    }
+
+
+# `--model NAME`: another family's tiny config instead of GPT's, with what it needs on top of OVERRIDES
+# (llama_tiny: 4 query heads on 2 key/value heads, so grouped-query attention is what tensor splits).
+MODEL_OVERRIDES = {"llama_tiny": ("model=llama_tiny", "model.num_heads=4", "model.num_kv_heads=2")}
+
+
+def model_check(name: str) -> dict:
+    """`--model NAME`: that model's 3 steps on 1 device and on data 2 x fsdp 2 x tensor 2 (8 devices)."""
+    devices = jax.devices()
+    batches = np.random.default_rng(0).integers(0, 64, (STEPS, ACCUM, BATCH, WINDOW), dtype=np.int32)
+    overrides = (*OVERRIDES, *MODEL_OVERRIDES[name])
+    losses_1, params_1, info_1 = train((1, 1), devices[:1], batches, overrides)
+    losses_tp, params_tp, info_tp = train((2, 2, 2), devices, batches, overrides)
+    return {"devices": len(devices), "mesh": info_tp["mesh"], "losses_1": losses_1, "losses_tp": losses_tp,
+            "params_moved": info_1["params_moved"], "specs": info_tp["specs"], "kept": info_tp["state_shardings_kept"],
+            "sharded_param_leaves": info_tp["sharded_param_leaves"],
+            "max_param_diff": max(float(np.abs(a - b).max()) for a, b in zip(params_1, params_tp, strict=True)),
+            "params_allclose": all(np.allclose(b, a, rtol=1e-5, atol=1e-6) for a, b in zip(params_1, params_tp))}
 
 
 def zero1_and_cross_topology(devices, batches_SxAxBxT1, directory: str):
@@ -196,7 +236,39 @@ def run_golden(state, step, batch) -> tuple[list[float], object]:
     return losses, state
 
 
+# `--moe`: GPT's tiny config with 4 experts, top-2: (overrides, mesh (data, fsdp, tensor)) per case; the
+# expert axis comes from the overrides. Capacity routing (slots dropped) on data 2 x expert 2 x fsdp 2;
+# dropless (ragged_dot) with every second block MoE on expert 2 x fsdp 2 x tensor 2.
+MOE_CASES = {
+    "capacity": (("model.moe.num_experts=4", "model.moe.capacity_factor=1.0", "parallel.expert=2"), (2, 2, 1)),
+    "dropless": (("model.moe.num_experts=4", "model.moe.every=2", "parallel.expert=2"), (1, 2, 2)),
+}
+
+
+def moe_check() -> dict:
+    """`--moe`: each MOE_CASES case's 3 steps on 1 device and on its 8-device mesh."""
+    devices = jax.devices()
+    batches = np.random.default_rng(0).integers(0, 64, (STEPS, ACCUM, BATCH, WINDOW), dtype=np.int32)
+    out = {"devices": len(devices)}
+    for name, (extra, parallel) in MOE_CASES.items():
+        one = tuple(o for o in extra if not o.startswith("parallel."))
+        losses_1, params_1, info_1 = train((1, 1), devices[:1], batches, (*OVERRIDES, *one))
+        losses_8, params_8, info_8 = train(parallel, devices, batches, (*OVERRIDES, *extra))
+        out[name] = {"mesh": info_8["mesh"], "losses_1": losses_1, "losses_8": losses_8, "specs": info_8["specs"],
+                     "kept": info_8["state_shardings_kept"], "params_moved": info_1["params_moved"],
+                     "max_param_diff": max(float(np.abs(a - b).max()) for a, b in zip(params_1, params_8, strict=True)),
+                     "params_allclose": all(np.allclose(b, a, rtol=1e-5, atol=1e-6)
+                                            for a, b in zip(params_1, params_8, strict=True))}
+    return out
+
+
 def main() -> None:
+    if "--moe" in sys.argv:
+        print(json.dumps(moe_check()))
+        return
+    if "--model" in sys.argv:
+        print(json.dumps(model_check(sys.argv[sys.argv.index("--model") + 1])))
+        return
     devices = jax.devices()
     rng = np.random.default_rng(0)
     batches = rng.integers(0, 64, (STEPS, ACCUM, BATCH, WINDOW), dtype=np.int32)

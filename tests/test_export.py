@@ -23,6 +23,7 @@ import pytest
 from helpers import compose_config, load_script
 from safetensors.numpy import load_file
 
+import models
 import train_jax
 from models import export
 from models.gpt import GPT, GPTConfig
@@ -71,7 +72,8 @@ def ckpt(tmp_path_factory, _cache_dir) -> Path:
 def restored(ckpt) -> GPT:
     """The checkpoint's model restored the plain way (restore_model's own recipe), not through models.export."""
     source = open_checkpoint(str(ckpt), "latest", with_opt_state=False)
-    abstract = eqx.filter_eval_shape(GPT, GPTConfig(**source.manifest["model"]), jax.random.PRNGKey(0))
+    cfg = models.config_from_dict(source.manifest["model"])  # nested sections (model.lora, model.moe) typed
+    abstract = eqx.filter_eval_shape(GPT, cfg, jax.random.PRNGKey(0))
     return restore_model(source, abstract)
 
 
@@ -99,7 +101,7 @@ def test_export_holds_the_checkpoints_arrays_exactly(exported, restored):
 def test_config_json_round_trips_to_the_models_config(exported, restored):
     config = json.loads((exported / "config.json").read_text())
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    assert GPTConfig(**{k: v for k, v in config.items() if k in fields}) == restored.cfg
+    assert models.config_from_dict({k: v for k, v in config.items() if k in fields}) == restored.cfg
     assert config["vocab_size"] == 320  # 257 byte ids padded to a multiple of 64, not the saved null
     assert config["step"] == STEPS and config["tokenizer"] == {"name": "byte"}
     assert config["trained_context_length"] == 32  # the window the samples stay inside

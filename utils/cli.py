@@ -34,6 +34,7 @@ from typing import Callable
 
 from hydra.experimental.callback import Callback
 
+from utils import compile_cache
 from utils.checkpoint.signals import Preempted
 from utils.config import to_dict
 from utils.errors import EqtrainError, TrainingError
@@ -89,6 +90,7 @@ def run_job(cfg, train: Callable[..., dict[str, float]]) -> dict[str, float] | f
     job = f"job {num} ({' '.join(overrides)})"
     worst = -math.inf if "max" in str(sweeper.get("direction", "")).lower() else math.inf
     try:
+        compile_cache.enable(config)  # before the first compilation; `compile_cache: false` leaves it off
         out = train(config, run_dir)
     except Preempted as e:
         print(f"eqtrain: {job + ': ' if multirun else ''}{e}", file=sys.stderr)

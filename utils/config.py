@@ -22,6 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 import models
 from loaders import dataset_config, tokenizer_config
 from loaders.config import DatasetConfig
+from models import attention
+from models.hf import resolve_init_from
 from models.objectives import AR, OBJECTIVES, check_vocab
 from optimizer import OPTIMIZERS, for_run
 from optimizer import cautious as cautious_mask
@@ -111,6 +113,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     objective: Any = AR()  # models.objectives: ar | mdlm (the loss, attention's causality, evaluation, sampling)
     warnings: tuple[str, ...] = ()  # legal but probably unintended settings, printed at start
+    notes: tuple[str, ...] = ()  # choices made for this machine (model.attention=auto's), printed in the header
+    compile_cache: bool = True  # XLA's persistent compilation cache in cache_dir (utils/compile_cache.py)
     config_dict: dict | None = None  # the plain config this was validated from: saved with checkpoints, sent to wandb
 
     @property
@@ -194,7 +198,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
 
     expected = {"model", "tokenizer", "dataset", "optimizer", "train", "logging", "parallel", "random_seed",
                 "data_seed", "cache_dir"}
-    optional = {"checkpoint", "objective"}  # configs saved before the objective group have none: ar
+    optional = {"checkpoint", "objective", "compile_cache"}  # configs saved before a key have none: its default
     unknown = sorted(set(raw) - expected - optional)
     if unknown:
         raise ConfigError(f"unknown top-level config key {unknown[0]!r}: known keys are "
@@ -256,11 +260,18 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         random_seed=seed,
         data_seed=data_seed,
         cache_dir=user_path(str(raw["cache_dir"])),
+        compile_cache=_coerce(raw.get("compile_cache", True), bool, "compile_cache"),
         checkpoint=build_section(CheckpointConfig, raw.get("checkpoint") or {}, "checkpoint").resolved(),
         objective=build_registered(OBJECTIVES, raw.get("objective") or {"name": "ar"}, "objective")[1],
         warnings=(warning,) if warning else (),
         config_dict=raw,
     )
+    if run.model.init_from:  # a Hugging Face directory's shapes (weights at build) and tokenizer: models/hf.py
+        model, notes, tok_dir = resolve_init_from(run.model)
+        tokenizer = tokenizer_config({"name": "hf", "name_or_path": tok_dir}, "tokenizer") if tok_dir else run.tokenizer
+        notes += (f"tokenizer={raw['tokenizer'].get('name')} replaced by the tokenizer of model.init_from "
+                  f"(tokenizer=hf)",) if tok_dir and tokenizer != run.tokenizer else ()
+        run = dataclasses.replace(run, model=model, tokenizer=tokenizer, warnings=run.warnings + notes)
     ck = run.checkpoint
     if ck.keep_best and run.train.skip_validation:
         raise ConfigError("checkpoint.keep_best=true ranks checkpoints by val/loss: set train.skip_validation=false "
@@ -283,6 +294,15 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         raise ConfigError(f"model.attn_block_size={m.attn_block_size} must divide the training context "
                           f"({run.context_length} tokens) into 2 or more blocks, e.g. {run.context_length // 2}; "
                           "null turns block-causal attention off")
+    attention.check_run(m, run.train.compute_dtype, run.context_length, run.dataset.document_mask)
+    kv_heads = getattr(m, "kv_heads", None)  # grouped-query families: each tensor shard holds whole kv heads
+    if kv_heads is not None and kv_heads % run.parallel.tensor:
+        raise ConfigError(f"parallel.tensor={run.parallel.tensor} must divide the model's {kv_heads} key/value heads "
+                          "(model.num_kv_heads): pick a parallel.tensor that divides it")
+    experts = getattr(getattr(m, "moe", None), "num_experts", 0)  # models/moe.py: whole experts per device
+    if run.parallel.expert > 1 and (not experts or experts % run.parallel.expert):
+        raise ConfigError(f"parallel.expert={run.parallel.expert} must divide model.moe.num_experts={experts} (each "
+                          "device holds whole experts): pick a divisor, or parallel.expert=1")
     if run.train.param_dtype == "bfloat16":
         run = dataclasses.replace(run, warnings=run.warnings + (
             "train.param_dtype=bfloat16 stores the weights and the optimizer state in bfloat16 with no float32 "
@@ -296,9 +316,13 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
 
 
 def resolve_vocab(run: RunConfig, vocab_size: int) -> RunConfig:
-    """model.vocab_size null -> the tokenizer's `vocab_size`, padded to model.vocab_multiple, with
-    room for the ids the objective adds (mdlm: the mask id, the vocabulary's last)."""
-    m = run.model
+    """The model config finished once the tokenizer and JAX's backend are up: model.attention's
+    kernel for this machine (models/attention.py; the header says which and why), and model.vocab_size
+    null -> the tokenizer's `vocab_size`, padded to model.vocab_multiple, with room for the ids the
+    objective adds (mdlm: the mask id, the vocabulary's last)."""
+    m, note = attention.resolve(run.model, run.train.compute_dtype, run.context_length, run.dataset.document_mask)
+    run = dataclasses.replace(run, model=m, notes=run.notes + (note,) * all(not n.startswith("attention:")
+                                                                              for n in run.notes))
     if m.vocab_size is None:
         padded = -(-(vocab_size + run.objective.extra_ids) // m.vocab_multiple) * m.vocab_multiple
         return dataclasses.replace(run, model=dataclasses.replace(m, vocab_size=padded))

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 import models
+from models import attention
 from models.export import abstract_model
 from utils import files
 from utils.checkpoint import storage as ckptlib
@@ -53,7 +54,7 @@ def open_for_inference(directory: str, load_file: str) -> tuple[ckptlib.Source, 
     config["cache_dir"] = local_cache_dir()
     config["checkpoint"] = {}  # that run's save/resume settings; they say nothing about the model
     run = validate(config)
-    model_cfg = models.config_from_dict(source.manifest["model"], "model")
+    model_cfg = attention.portable(models.config_from_dict(source.manifest["model"], "model"))  # cudnn: GPU only
     return source, dataclasses.replace(run, model=model_cfg)
 
 
@@ -70,3 +71,34 @@ def check_out_dir(out_dir: str, force: bool) -> None:
         raise CheckpointError(f"--out {out_dir} is a file: give a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
         raise CheckpointError(f"--out {out_dir} exists and is not empty: choose a new directory or pass --force")
+
+
+def run_tokenizer(run: RunConfig):
+    """The tokenizer the run trained with, rebuilt as the run built it (a BPE from its cache: the corpus
+    is listed, not read, on a hit). (tokenizer, None) or (None, why not) when it cannot be rebuilt here."""
+    from loaders.pipeline import source_documents
+    from utils.errors import EqtrainError
+
+    try:
+        docs = source_documents(run.dataset.source, run.tokenizer.needs_documents, run.tokenizer.name)
+        return run.tokenizer.build(docs[0] if docs else None, run.cache_dir), None
+    except (EqtrainError, OSError) as e:
+        return None, str(e)
+
+
+def export_hf(out_dir: str, run: RunConfig, model) -> str:
+    """A run's model as a transformers directory (models.hf.save_hf), its tokenizer included where it
+    has a Hugging Face form. Refuses a masked-diffusion model: transformers' causal LM would run it
+    causally, not as trained. Returns a line saying which tokenizer files were (not) written."""
+    from models import hf
+
+    if run.objective.name != "ar":
+        raise CheckpointError(f"--format hf: this model was trained with objective={run.objective.name} (bidirectional "
+                              "attention); a Hugging Face causal LM would run it causally: use --format safetensors")
+    tokenizer, why = run_tokenizer(run)
+    names = hf.save_hf(out_dir, model, tokenizer)
+    if hf.hf_tokenizer_object(tokenizer) is not None:
+        return f"tokenizer files: {', '.join(n for n in names if n.startswith(('tokenizer', 'special')))}"
+    if tokenizer is not None:
+        return f"no tokenizer files: tokenizer={run.tokenizer.name} has no Hugging Face form (ids are UTF-8 bytes)"
+    return f"no tokenizer files: the run's tokenizer cannot be rebuilt here ({why})"

@@ -28,7 +28,7 @@ from utils.train.step import TrainState
 # Top-level config keys that describe this machine or this invocation, not the run being
 # trained: a run that starts from a checkpoint always takes them from its own command line
 # (parallel.*: a checkpoint saved on 8 devices loads on 4; the global batch stays the run's).
-LOCAL_KEYS = ("checkpoint", "cache_dir", "hydra", "parallel")
+LOCAL_KEYS = ("checkpoint", "cache_dir", "compile_cache", "hydra", "parallel")
 
 
 def resume_source(cfg: CheckpointConfig, warn: Callable[[str], None]) -> Source | None:

@@ -2,7 +2,8 @@
 
 Parameters are laid out by the logical axis names the model gives each of their dimensions
 (`models.param_axes`, e.g. models/gpt.py PARAM_AXES): `heads` and `mlp` go to the `tensor` mesh
-axis (attention split by heads, the MLP column- then row-parallel, Megatron style), and the largest remaining dimension
+axis (attention split by heads, the MLP column- then row-parallel, Megatron style), `expert` (a
+Mixture-of-Experts weight's expert axis) to the `expert` mesh axis, and the largest remaining dimension
 that divides goes to `fsdp`. Everything shaped like a parameter (optimizer moments, Muon's
 momentum, the aux-state buffers) is found by its tree path ending in that parameter's path and
 gets the parameter's layout. Arrays derived from a parameter under its path follow it too:
@@ -55,6 +56,11 @@ def param_spec(shape: tuple[int, ...], axes: tuple[str | None, ...] | None, mesh
         for i, name in enumerate(axes):
             if TENSOR_AXES.get(name) == "tensor" and shape[i] % tensor == 0:
                 spec[i] = "tensor"
+    expert = mesh.shape.get("expert", 1)
+    if expert > 1 and axes is not None:  # MoE: each device holds whole experts (models/moe.py)
+        for i, name in enumerate(axes):
+            if name == "expert" and shape[i] % expert == 0:
+                spec[i] = "expert"
     fsdp = mesh.shape.get("fsdp", 1)
     if fsdp > 1:
         # Not the stacked-blocks axis: the scan over blocks would gather a whole layer per step.

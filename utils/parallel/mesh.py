@@ -3,7 +3,9 @@
 Three mesh axes: `data` (batch split, parameters replicated), `fsdp` (batch split too, and every
 parameter and optimizer-state array split along one of its axes) and `tensor` (the same batch,
 attention heads and MLP columns split: see utils/parallel/layout.py, which places the train state). On one
-device all are size 1 and every rule degenerates to "replicated".
+device all are size 1 and every rule degenerates to "replicated". With `parallel.expert` > 1 a
+fourth, `expert`, between data and fsdp: Mixture-of-Experts weights split by expert, the batch
+split over it too (expert parallelism reuses data-parallel ranks), everything else replicated there.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from utils.errors import ConfigError
 
 BATCH_AXES = ("data", "fsdp")
 MESH_AXES = ("data", "fsdp", "tensor")
+EXPERT_MESH_AXES = ("data", "expert", "fsdp", "tensor")  # parallel.expert > 1
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class ParallelConfig:
     data: int = -1  # devices on the data axis; -1 = all devices not used by fsdp and tensor
     fsdp: int = 1  # devices over which parameters and optimizer state are sharded
     tensor: int = 1  # devices over which attention heads and MLP columns are split
+    expert: int = 1  # devices over which MoE experts are split (the batch too); 1 = no expert axis
     shard_optimizer_state: bool = False  # ZeRO-1: optimizer state split over `data` too
     distributed: Any = "auto"  # auto | true | false: join a multi-process job (jax.distributed)
     print_layout: bool = False  # print every parameter's layout and the per-device bytes at start
@@ -35,7 +39,7 @@ class ParallelConfig:
     def check(self, prefix: str) -> None:
         if self.data == 0 or self.data < -1:
             raise ConfigError(f"{prefix}.data={self.data} must be positive or -1 (all remaining devices)")
-        for knob in ("fsdp", "tensor"):
+        for knob in ("fsdp", "tensor", "expert"):
             if getattr(self, knob) <= 0:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be a positive integer")
         if _yaml_bool_str(self.distributed) not in ("auto", "true", "false"):
@@ -47,26 +51,32 @@ def _yaml_bool_str(value) -> str:
     return {True: "true", False: "false"}.get(value, value) if isinstance(value, bool) else value
 
 
-def make_mesh(data: int, fsdp: int, batch_size: int, devices=None, tensor: int = 1) -> Mesh:
-    """Mesh over `devices` (default: all); checks the batch divides over its data and fsdp axes."""
+def make_mesh(data: int, fsdp: int, batch_size: int, devices=None, tensor: int = 1, expert: int = 1) -> Mesh:
+    """Mesh over `devices` (default: all); checks the batch divides over its data, expert and fsdp
+    axes. The `expert` axis exists only when `expert` > 1, so other runs get the mesh they always had."""
     devices = list(jax.devices() if devices is None else devices)
-    n = len(devices)
-    if n % (fsdp * tensor):
-        raise ConfigError(f"parallel.fsdp={fsdp} x parallel.tensor={tensor} does not divide the {n} available "
-                          f"devices: choose divisors of {n}")
+    n, model = len(devices), fsdp * tensor * expert
+    x_expert = f" x parallel.expert={expert}" if expert > 1 else ""
+    if n % model:
+        raise ConfigError(f"parallel.fsdp={fsdp} x parallel.tensor={tensor}{x_expert} does not divide the {n} "
+                          f"available devices: choose divisors of {n}")
     if data == -1:
-        data = n // (fsdp * tensor)
-    if data * fsdp * tensor != n:
+        data = n // model
+    if data * model != n:
         raise ConfigError(
-            f"parallel.data={data} x parallel.fsdp={fsdp} x parallel.tensor={tensor} = {data * fsdp * tensor} "
+            f"parallel.data={data} x parallel.fsdp={fsdp} x parallel.tensor={tensor}{x_expert} = {data * model} "
             f"devices, but {n} are available: make the product equal the device count (parallel.data=-1 fills it)"
         )
-    if batch_size % (data * fsdp):
+    split = data * fsdp * expert
+    if batch_size % split:
+        axes = "data/expert/fsdp" if expert > 1 else "data/fsdp"
         raise ConfigError(
-            f"dataset.batch_size={batch_size} does not divide over the {data * fsdp} devices of the data/fsdp axes: "
-            f"use a multiple of {data * fsdp}"
+            f"dataset.batch_size={batch_size} does not divide over the {split} devices of the {axes} axes: "
+            f"use a multiple of {split}"
         )
     # Mesh(...) keeps the Auto axis types that with_sharding_constraint and jit shardings expect.
+    if expert > 1:
+        return Mesh(np.asarray(devices).reshape(data, expert, fsdp, tensor), EXPERT_MESH_AXES)
     return Mesh(np.asarray(devices).reshape(data, fsdp, tensor), MESH_AXES)
 
 
@@ -79,7 +89,12 @@ def topology(mesh: Mesh) -> str:
 
 def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
     """Sequences split over every device; `leading_axes` (e.g. micro-batches) stay whole."""
-    return NamedSharding(mesh, P(*([None] * leading_axes), BATCH_AXES, None))
+    return NamedSharding(mesh, P(*([None] * leading_axes), batch_axes(mesh), None))
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes the batch is split over: data and fsdp, and expert where the mesh has one."""
+    return ("data", "expert", "fsdp") if "expert" in mesh.axis_names else BATCH_AXES
 
 
 def row_sharding(batch: NamedSharding) -> NamedSharding:

@@ -121,7 +121,7 @@ def norms(state, grads, updates, aux) -> dict[str, jax.Array]:
 def learning_rates(schedule: optax.Schedule, by_group: dict[str, optax.Schedule], groups: Iterable[str]) -> MetricFn:
     """train/lr (the run's schedule) and train/lr/<group> for each group the model has (a tied
     head has no group of its own), at the step being taken."""
-    present = {g: by_group[g] for g in sorted(set(groups))}
+    present = {g: by_group[g] for g in sorted(set(groups)) if g in by_group}  # a frozen base has no lr
 
     def lrs(state, grads, updates, aux) -> dict[str, jax.Array]:
         return {"train/lr": schedule(state.step), **{f"train/lr/{g}": s(state.step) for g, s in present.items()}}
@@ -134,12 +134,38 @@ def skipped_steps(state, grads, updates, aux) -> dict[str, jax.Array]:
     return {"train/skipped_steps": state.opt_state.total_notfinite + (~all_finite(grads)).astype(jnp.int32)}
 
 
+def router(state, grads, updates, aux) -> dict[str, jax.Array]:
+    """A Mixture-of-Experts model's router (models/moe.py: the loss's aux["moe"], per micro-batch):
+    moe/load_balance_loss, moe/router_z_loss, moe/dropped_fraction (means over the MoE layers and
+    the micro-batches) and, per MoE block i, moe/load/<i>/min and /max: the smallest and largest
+    fraction of token-slots routed to one expert (1/num_experts each when balanced). Nothing for a
+    dense model."""
+    if "moe" not in aux:
+        return {}
+    moe = aux["moe"]
+    out = {f"moe/{name}": moe[name].mean() for name in ("load_balance_loss", "router_z_loss", "dropped_fraction")}
+    for layer, load_AxE in moe["load"].items():
+        out.update({f"moe/load/{layer}/min": load_AxE.mean(0).min(), f"moe/load/{layer}/max": load_AxE.mean(0).max()})
+    return out
+
+
+def expert_loads() -> FnMetric:
+    """logging.per_layer (logging steps only): every expert's load, moe/load/<block>/<expert>."""
+
+    def expert_load_vectors(state, grads, updates, aux) -> dict[str, jax.Array]:
+        loads = aux["moe"]["load"] if "moe" in aux else {}
+        return {f"moe/load/{layer}/{e}": load_E[e] for layer, load_AxE in loads.items()
+                for load_E in [load_AxE.mean(0)] for e in range(load_E.shape[0])}
+
+    return FnMetric(expert_load_vectors, logging_only=True)
+
+
 def defaults(schedule: optax.Schedule, by_group: dict[str, optax.Schedule], groups: Iterable[str],
              skip_nonfinite: bool = False) -> list[StepMetric]:
     """What every run logs: train/loss, the norms, the learning rates (and the skipped steps; under
-    float16 compute the loss scale)."""
+    float16 compute the loss scale; an MoE model's router statistics)."""
     metrics = [FnMetric(loss), FnMetric(norms), FnMetric(learning_rates(schedule, by_group, groups)),
-               FnMetric(loss_scale.metric)]
+               FnMetric(loss_scale.metric), FnMetric(router)]
     return metrics + ([FnMetric(skipped_steps)] if skip_nonfinite else [])
 
 

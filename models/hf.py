@@ -1,0 +1,367 @@
+"""The Hugging Face round trip at the directory level: a model written as a `transformers` directory
+(`save_hf`: `AutoModelForCausalLM.from_pretrained(dir)` loads it offline) and read back
+(`load_hf`), and a run started from one (`model.init_from`, through `build_from_hf`).
+
+Which family a directory holds is its config.json's `model_type`, matched against each family
+module's `HF_MODEL_TYPES`; the family converts config and tensors both ways:
+
+    HF_MODEL_TYPES                     e.g. ("gpt2",)
+    hf_config(cfg) -> dict             config.json's model fields (model_type, architectures, ...)
+    config_from_hf(hf, base) -> Config shape knobs from config.json, execution knobs from `base`;
+                                       ConfigError naming a config.json key it cannot represent
+    hf_tensors(model) -> {name: array} Hugging Face key names and layouts
+    from_hf_tensors(cfg, tensors)      -> Model; CheckpointError naming a missing/misshapen tensor
+
+This module owns only the files: JSON, safetensors (one file or a sharded index), the tokenizer
+files, atomic writes. Torch is never imported: safetensors' numpy reader and writer suffice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import tempfile
+import threading
+from types import ModuleType
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import models
+from utils import files
+from utils.errors import CheckpointError, ConfigError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # either marks a directory that has a tokenizer
+# The knobs a run keeps from its own yaml when it starts from a directory: how the model executes, not its shape.
+EXECUTION_KNOBS = ("dropout", "scan_blocks", "remat", "scan_unroll", "attn_block_size", "vocab_multiple",
+                   "init_from", "name")
+
+
+# ----------------------------------------------------------------------------- which family
+
+
+def hf_families() -> dict[str, ModuleType]:
+    """model_type -> family module, for every registered family that has a Hugging Face form."""
+    return {t: m for m in models.MODELS.values() for t in getattr(m, "HF_MODEL_TYPES", ())}
+
+
+def read_hf_config(path: str) -> dict:
+    """PATH/config.json as a dict; one-line errors for a missing directory or file or bad JSON."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"{path} is not a directory: point it at a local Hugging Face model directory "
+                          "(one holding config.json and model.safetensors)")
+    where = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(where):
+        raise ConfigError(f"{where} is missing: a Hugging Face model directory holds config.json "
+                          "(save one with save_pretrained or scripts/export_model.py --format hf)")
+    try:
+        with open(where) as f:
+            hf = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where} is not valid JSON ({e}): save the model again") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{where} holds {type(hf).__name__}, not a JSON object: save the model again")
+    return hf
+
+
+def family_of(path: str, hf: dict) -> ModuleType:
+    """The family module of a directory's config.json, or one line naming the supported types."""
+    supported = hf_families()
+    model_type = hf.get("model_type")
+    if model_type not in supported:
+        raise ConfigError(f"{os.path.join(path, CONFIG_FILE)} has model_type={model_type!r}, which eqtrain cannot "
+                          f"load: supported model types are {', '.join(sorted(supported))}")
+    return supported[model_type]
+
+
+def config_from_dir(path: str, base) -> tuple[Any, dict]:
+    """(the family's Config from PATH/config.json, execution knobs from `base`; the raw config.json)."""
+    hf = read_hf_config(path)
+    try:
+        refuse_moe(base, "a Hugging Face directory cannot be loaded into MoE blocks")
+        cfg = family_of(path, hf).config_from_hf(hf, base)
+        cfg.check("model")
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return cfg, hf
+
+
+def refuse_moe(cfg, what: str) -> None:
+    """Mixture-of-Experts blocks have no form in the gpt2/llama/qwen2 model types (their MLPs are dense)."""
+    moe = getattr(cfg, "moe", None)
+    if moe is not None and moe.on:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts}: {what} (gpt2, llama and qwen2 have dense MLPs): "
+                          "set model.moe.num_experts=0, or use eqtrain's own export format")
+
+
+def has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES)
+
+
+_MODEL_YAMLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "model")
+
+
+def family_yamls(name: str) -> list[str]:
+    """The conf/model/*.yaml that name `name` as their family (for the fix in a mismatch error)."""
+    from omegaconf import OmegaConf
+
+    if not os.path.isdir(_MODEL_YAMLS):
+        return []
+    return sorted(f[:-5] for f in os.listdir(_MODEL_YAMLS)
+                  if f.endswith(".yaml") and OmegaConf.load(os.path.join(_MODEL_YAMLS, f)).get("name") == name)
+
+
+def resolve_init_from(cfg, prefix: str = "model") -> tuple[Any, tuple[str, ...], str | None]:
+    """The config boundary's part of `model.init_from` (utils/config.py): the path made absolute and
+    checked (directory, config.json, a supported family matching the run's model yaml, shapes), the
+    shape knobs replaced by the directory's. Returns (config, notes for the run header, the directory
+    when it holds a tokenizer, which then becomes the run's)."""
+    path = files.user_path(cfg.init_from)
+    knob = f"{prefix}.init_from={cfg.init_from}"
+    try:
+        hf = read_hf_config(path)
+        fam = family_of(path, hf)
+    except ConfigError as e:
+        raise ConfigError(f"{knob}: {e}") from None
+    if fam is not models.family(cfg):
+        name = next(k for k, m in models.MODELS.items() if m is fam)
+        right = family_yamls(name) or [f"<a conf/model yaml with name: {name}>"]
+        raise ConfigError(f"{knob} holds a {name} model (model_type {hf.get('model_type')!r}) but model= picks "
+                          f"a {cfg.name} config: use model={' or model='.join(right)}")
+    try:
+        refuse_moe(cfg, "a run cannot start its MoE blocks from a Hugging Face directory")
+        new = fam.config_from_hf(hf, dataclasses.replace(cfg, init_from=path))
+        new.check(prefix)
+    except ConfigError as e:
+        raise ConfigError(f"{knob}: {e}") from None
+    try:
+        check_shapes(new, path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{knob}: {e}") from None
+    changed = [f"{prefix}.{f.name} {getattr(cfg, f.name)} -> {getattr(new, f.name)}"
+               for f in dataclasses.fields(cfg) if f.name != "init_from" and getattr(cfg, f.name) is not None
+               and getattr(cfg, f.name) != getattr(new, f.name)]
+    notes = (f"{knob}: the model's shape comes from {os.path.join(path, CONFIG_FILE)}, replacing the yaml's "
+             + ", ".join(changed),) if changed else ()
+    return new, notes, path if has_tokenizer(path) else None
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def read_tensors(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of PATH's safetensors (one file, or the shards model.safetensors.index.json lists)
+    as float32 (or integer) numpy: a bfloat16 or float16 directory becomes the float32 the run casts from."""
+    from safetensors import safe_open
+
+    tensors: dict[str, np.ndarray] = {}
+    for shard in _shards(path):
+        try:
+            with safe_open(shard, framework="flax") as f:  # the numpy reader has no bfloat16
+                for name in f.keys():
+                    x = np.asarray(f.get_tensor(name))
+                    tensors[name] = x.astype(np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
+            raise CheckpointError(f"{shard} cannot be read ({type(e).__name__}: {e}): save the model again") from None
+    return tensors
+
+
+def _shards(path: str) -> list[str]:
+    """PATH's safetensors files: model.safetensors, or the shards its index lists (each checked to exist)."""
+    single, index = os.path.join(path, WEIGHTS_FILE), os.path.join(path, INDEX_FILE)
+    if os.path.isfile(single):
+        shards = [single]
+    elif os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} has no readable weight_map ({type(e).__name__}): save the model again") \
+                from None
+        shards = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+    else:
+        raise CheckpointError(f"{path} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}: save the model with "
+                              "safe_serialization (transformers' default) or export it again")
+    for shard in shards:
+        if not os.path.isfile(shard):
+            raise CheckpointError(f"{shard} is missing (listed in {INDEX_FILE}): copy the whole directory")
+    return shards
+
+
+def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in PATH's safetensors, from the headers alone (no weights read)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for shard in _shards(path):
+        try:
+            with safe_open(shard, framework="flax") as f:
+                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
+            raise CheckpointError(f"{shard} cannot be read ({type(e).__name__}: {e}): save the model again") from None
+    return shapes
+
+
+def check_shapes(cfg, path: str) -> None:
+    """The family's tensor checks (names, shapes) run on zero-stride stand-ins of the headers' shapes:
+    a misfit directory fails at the config boundary, before any weight is read or anything compiles."""
+    stand_ins = {k: np.broadcast_to(np.zeros((), np.float32), s) for k, s in tensor_shapes(path).items()}
+    models.family(cfg).from_hf_tensors(cfg, stand_ins)
+
+
+def fill(cfg, named: dict[str, np.ndarray], where: str):
+    """A `cfg` model whose arrays are `named` (keyed by our pytree paths, `blocks.ln1.gain_D`), shapes
+    checked against the model `cfg` describes; `where` names the file in errors. For the families'
+    `from_hf_tensors`, after they have mapped Hugging Face names and layouts to ours."""
+    from utils.checkpoint.storage import leaf_name
+
+    shapes = eqx.filter_eval_shape(models.family(cfg).Model, cfg, jax.random.PRNGKey(0))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    filled = []
+    for p, x in leaves:
+        name = leaf_name(p)
+        if name not in named:
+            raise CheckpointError(f"{where} lacks the tensor for {name}: the directory is incomplete, save it again")
+        if tuple(named[name].shape) != tuple(x.shape):
+            raise CheckpointError(f"{where}: {name} has shape {tuple(named[name].shape)}, config.json's model needs "
+                                  f"{tuple(x.shape)}: config.json and the weights come from different models")
+        filled.append(np.asarray(named[name], dtype=x.dtype))
+    return jax.tree_util.tree_unflatten(treedef, filled)
+
+
+def expect(tensors: dict[str, np.ndarray], name: str, shape: tuple, where: str) -> np.ndarray:
+    """tensors[name], or a CheckpointError naming the missing or misshapen Hugging Face tensor."""
+    if name not in tensors:
+        raise CheckpointError(f"{where} lacks {name}: the directory is incomplete or of another architecture")
+    if tuple(tensors[name].shape) != tuple(shape):
+        raise CheckpointError(f"{where}: {name} has shape {tuple(tensors[name].shape)}, config.json says "
+                              f"{tuple(shape)}: config.json and the weights come from different models")
+    return tensors[name]
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def load_hf(path: str, base_cfg) -> tuple[Any, eqx.Module]:
+    """(config, model) of a local Hugging Face directory: config.json's model_type picks the family,
+    its shape knobs replace `base_cfg`'s (execution knobs kept), the safetensors fill the arrays."""
+    cfg, _ = config_from_dir(path, base_cfg)
+    return cfg, _host_model(cfg, path)
+
+
+def _host_model(cfg, path: str) -> eqx.Module:
+    return models.family(cfg).from_hf_tensors(cfg, read_tensors(path))
+
+
+_READ_LOCK = threading.Lock()  # XLA may run the per-leaf callbacks on several threads at once
+
+
+@functools.lru_cache(maxsize=1)
+def _host_leaves(cfg, path: str, mtime: float) -> tuple[np.ndarray, ...]:
+    return tuple(np.asarray(x) for x in jax.tree.leaves(_host_model(cfg, path)))
+
+
+def _cached_host_leaves(cfg, path: str, mtime: float) -> tuple[np.ndarray, ...]:
+    """The directory's arrays in the model's leaf order, read once per process (jit calls back per leaf)."""
+    with _READ_LOCK:
+        return _host_leaves(cfg, path, mtime)
+
+
+def _weights_mtime(path: str) -> float:
+    names = [n for n in (WEIGHTS_FILE, INDEX_FILE) if os.path.isfile(os.path.join(path, n))]
+    return max((os.path.getmtime(os.path.join(path, n)) for n in names), default=0.0)
+
+
+def build_from_hf(cfg, key: jax.Array) -> eqx.Module:
+    """The model of `cfg` with its arrays read from cfg.init_from (`models.build`'s branch).
+
+    Each array is a `jax.pure_callback`, so under `eval_shape` (the abstract model, a resumed run's
+    restore target) nothing is read, and under `jit` (the run's sharded init) the arrays arrive as
+    the program's results rather than as constants baked into it."""
+    del key  # the directory's weights, not a random draw
+    path = cfg.init_from
+    shapes = eqx.filter_eval_shape(models.family(cfg).Model, dataclasses.replace(cfg, init_from=None),
+                                   jax.random.PRNGKey(0))
+    leaves, treedef = jax.tree.flatten(shapes)
+    mtime = _weights_mtime(path)
+
+    def leaf(i: int, x):
+        read = lambda: _cached_host_leaves(cfg, path, mtime)[i]
+        return jax.pure_callback(read, jax.ShapeDtypeStruct(x.shape, x.dtype))
+
+    return jax.tree.unflatten(treedef, [leaf(i, x) for i, x in enumerate(leaves)])
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def hf_dir_config(model: eqx.Module, tokenizer=None) -> dict:
+    """config.json: the family's model fields plus what transformers reads to load it offline."""
+    refuse_moe(model.cfg, "MoE blocks cannot be exported as a Hugging Face directory")
+    hf = {**models.family(model).hf_config(model.cfg), "torch_dtype": "float32", "dtype": "float32"}
+    if tokenizer is not None:
+        hf.update(bos_token_id=int(tokenizer.eot_id), eos_token_id=int(tokenizer.eot_id))
+    return hf
+
+
+def save_hf(out_dir: str, model: eqx.Module, tokenizer=None) -> list[str]:
+    """Write OUT_DIR as a transformers directory (config.json, model.safetensors in float32 and, for a
+    Hugging Face or BPE tokenizer, its files); each file written atomically. Returns the file names.
+    `tokenizer` is the run's built tokenizer (loaders.tokenizers): the byte tokenizer has no Hugging
+    Face form, so with it (or None) no tokenizer files are written."""
+    from safetensors.numpy import save_file
+
+    config = hf_dir_config(model, tokenizer)  # first: its refusals come before any file is written
+    tensors = {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32))
+               for k, v in models.family(model).hf_tensors(model).items()}
+    written = []
+    with files.atomic_write(os.path.join(out_dir, WEIGHTS_FILE)) as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})  # "pt": transformers refuses other formats
+    written.append(WEIGHTS_FILE)
+    with files.atomic_write(os.path.join(out_dir, CONFIG_FILE)) as tmp:
+        with open(tmp, "w") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
+    written.append(CONFIG_FILE)
+    return written + save_tokenizer(out_dir, tokenizer)
+
+
+def hf_tokenizer_object(tokenizer):
+    """The run's tokenizer as a transformers tokenizer, or None (the byte tokenizer has no HF form)."""
+    from loaders.tokenizers import EOT_TOKEN, BPETokenizer, TransformersTokenizer
+
+    if isinstance(tokenizer, TransformersTokenizer):
+        return tokenizer._tok
+    if isinstance(tokenizer, BPETokenizer):
+        from transformers import PreTrainedTokenizerFast
+
+        # GPT-2's convention: the end-of-text token is also bos and unk (byte-level BPE never needs unk).
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer._tok, eos_token=EOT_TOKEN, bos_token=EOT_TOKEN,
+                                       unk_token=EOT_TOKEN)
+    return None
+
+
+def save_tokenizer(out_dir: str, tokenizer) -> list[str]:
+    """The tokenizer's files in OUT_DIR (saved to a scratch directory, then each renamed into place)."""
+    hf_tok = hf_tokenizer_object(tokenizer)
+    if hf_tok is None:
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    scratch = tempfile.mkdtemp(dir=out_dir, prefix=".tokenizer.")
+    try:
+        hf_tok.save_pretrained(scratch)
+        names = sorted(os.listdir(scratch))
+        for name in names:
+            os.replace(os.path.join(scratch, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return names

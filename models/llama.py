@@ -1,0 +1,527 @@
+"""Llama-style decoder in Equinox: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention.
+
+Covers Llama 2/3 (no biases), Qwen2 (`qkv_bias`) and QK-norm models (`qk_norm`, as Qwen3/OLMo2).
+The module names and weight layouts follow Hugging Face's (`q_proj`, `gate_proj`, rotary in the
+rotate-half layout), so its checkpoints map 1:1 with a transpose and no permutation
+(`hf_tensors` / `from_hf_tensors`). Blocks are stacked and run exactly as GPT's
+(models/layers.py `apply_blocks`: scan or unrolled, remat), the residual stream float32, matmuls
+in compute_dtype, logits float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import attention
+from models.layers import (
+    REMAT_POLICIES,
+    Linear,
+    RMSNorm,
+    apply_blocks,
+    document_positions,
+    dropout,
+    linear,
+    rms,
+)
+from models.lora import LoraConfig, branch, branch_keys
+from models.moe import MoE, MoEConfig, block_axes, init_blocks, run_blocks
+from models.moe import flops_per_token as moe_flops
+from utils.errors import CheckpointError, ConfigError
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and behaviour of the model; `vocab_size=None` means "the tokenizer's, rounded up"."""
+
+    dim: int
+    num_heads: int
+    num_blocks: int
+    context_length: int
+    vocab_size: int | None = None
+    vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (fast matmuls)
+    num_kv_heads: int | None = None  # key/value heads (grouped-query attention); null = num_heads
+    mlp_hidden: int | None = None  # SwiGLU width; null = 8/3·dim rounded up to mlp_multiple (Llama's rule)
+    mlp_multiple: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    qkv_bias: bool = False  # biases on q, k, v (Qwen2)
+    qk_norm: bool = False  # RMSNorm on each head's q and k before rotary (Qwen3, OLMo2)
+    scan_blocks: bool = True
+    remat: str = "dots"  # dots | full | none (see REMAT_POLICIES)
+    scan_unroll: int = 1
+    attn_block_size: int | None = None
+    attention: str = "auto"  # auto | xla | cudnn | blocked (models/attention.py); conf/model_common.yaml
+    name: str = "llama"  # the registry's key (models/__init__.py)
+    init_from: str | None = None  # a local Hugging Face directory (models/hf.py); conf/model_common.yaml
+    lora: LoraConfig = LoraConfig()  # model.lora: low-rank factors on a frozen base (models/lora.py); model_common
+    moe: MoEConfig = MoEConfig()  # model.moe: Mixture-of-Experts blocks (models/moe.py); conf/model_common.yaml
+
+    def check(self, prefix: str = "model") -> None:
+        for knob in ("dim", "num_heads", "num_blocks", "context_length", "vocab_multiple", "mlp_multiple"):
+            if getattr(self, knob) <= 0:
+                raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be a positive integer")
+        if self.dim % self.num_heads:
+            raise ConfigError(f"{prefix}.dim={self.dim} is not divisible by {prefix}.num_heads={self.num_heads}: "
+                              "pick a head count that divides dim")
+        if self.head_dim % 2:
+            raise ConfigError(f"{prefix}.dim/{prefix}.num_heads={self.head_dim} is odd: rotary positions rotate "
+                              "pairs of a head's dimensions; pick an even head size")
+        if self.num_kv_heads is not None and (self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
+            raise ConfigError(f"{prefix}.num_kv_heads={self.num_kv_heads} must divide {prefix}.num_heads="
+                              f"{self.num_heads} (each key/value head serves a group of query heads): pick a "
+                              "divisor, or null for one per query head")
+        if self.mlp_hidden is not None and self.mlp_hidden <= 0:
+            raise ConfigError(f"{prefix}.mlp_hidden={self.mlp_hidden} must be positive, or null for Llama's rule")
+        for knob in ("rope_theta", "norm_eps"):
+            if not getattr(self, knob) > 0:
+                raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be positive")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"{prefix}.dropout={self.dropout} must be in [0, 1)")
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError(f"{prefix}.remat={self.remat!r} must be one of {', '.join(REMAT_POLICIES)}")
+        if self.scan_unroll <= 0:
+            raise ConfigError(f"{prefix}.scan_unroll={self.scan_unroll} must be a positive integer "
+                              f"(1 = one block per scan iteration, {prefix}.num_blocks = fully unrolled)")
+        if self.attn_block_size is not None and self.attn_block_size <= 0:
+            raise ConfigError(f"{prefix}.attn_block_size={self.attn_block_size} must be positive or null")
+        attention.check_config(self, prefix)
+        if self.vocab_size is not None and self.vocab_size <= 0:
+            raise ConfigError(f"{prefix}.vocab_size={self.vocab_size} must be positive or null")
+        self.moe.check_blocks(self.num_blocks, prefix)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads, resolved (utils/config.py checks parallel.tensor divides them)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def mlp_width(self) -> int:
+        """The SwiGLU hidden width: `mlp_hidden`, or Llama's int(8/3·dim) rounded up to mlp_multiple
+        (a SwiGLU MLP has three matrices, so 8/3 keeps GPT's 4·dim two-matrix parameter count)."""
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        return -(-int(8 * self.dim / 3) // self.mlp_multiple) * self.mlp_multiple
+
+
+def rotary_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of each position's rotary angles, float32, shape positions.shape + (head_dim,).
+    Hugging Face's layout: frequency i = theta^(-2i/head_dim) for the pair (i, i + head_dim/2),
+    so the angles are repeated for the two halves."""
+    inv_freq_K2 = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq_K2
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x_BxHxTxK: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate each (i, i + K/2) pair by its angle (rotate-half), in float32; cos/sin broadcast
+    against x (TxK, or Bx1xTxK with per-document positions)."""
+    x32 = x_BxHxTxK.astype(jnp.float32)
+    half = x32.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x_BxHxTxK.dtype)
+
+
+def _norm(dim: int, eps: float) -> RMSNorm:
+    return RMSNorm(jnp.ones((dim,), jnp.float32), eps)
+
+
+def _project(linear: Linear, x_BxTxI: jax.Array, key: jax.Array | None) -> jax.Array:
+    """x·W (+ b), plus LoRA's low-rank branch (with its dropout key) where `linear` carries factors."""
+    y_BxTxO = Linear.__call__(linear, x_BxTxI)
+    lora_BxTxO = branch(linear, x_BxTxI, key)
+    return y_BxTxO if lora_BxTxO is None else y_BxTxO + lora_BxTxO
+
+
+def _split_heads(x_BxTxN: jax.Array, heads: int) -> jax.Array:
+    B, T, N = x_BxTxN.shape
+    return x_BxTxN.reshape(B, T, heads, N // heads).transpose(0, 2, 1, 3)
+
+
+class Block(eqx.Module):
+    attn_norm: RMSNorm
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+    o_proj: Linear
+    mlp_norm: RMSNorm
+    gate_proj: Linear
+    up_proj: Linear
+    down_proj: Linear
+
+    @staticmethod
+    def init(key: jax.Array, cfg: LlamaConfig) -> "Block":
+        k_q, k_k, k_v, k_o, k_gate, k_up, k_down = jax.random.split(key, 7)
+        d, f, K = cfg.dim, cfg.mlp_width, cfg.head_dim
+        # As GPT-2: the residual output projections (o_proj, down_proj) get 0.02/sqrt(2·num_blocks),
+        # so the residual stream's variance does not grow with depth; everything else N(0, 0.02).
+        resid_std = 0.02 / math.sqrt(2 * cfg.num_blocks)
+        return Block(
+            attn_norm=_norm(d, cfg.norm_eps),
+            q_proj=linear(k_q, d, cfg.num_heads * K, 0.02, cfg.qkv_bias),
+            k_proj=linear(k_k, d, cfg.kv_heads * K, 0.02, cfg.qkv_bias),
+            v_proj=linear(k_v, d, cfg.kv_heads * K, 0.02, cfg.qkv_bias),
+            q_norm=_norm(K, cfg.norm_eps) if cfg.qk_norm else None,
+            k_norm=_norm(K, cfg.norm_eps) if cfg.qk_norm else None,
+            o_proj=linear(k_o, cfg.num_heads * K, d, resid_std, False),
+            mlp_norm=_norm(d, cfg.norm_eps),
+            gate_proj=linear(k_gate, d, f, 0.02, False),
+            up_proj=linear(k_up, d, f, 0.02, False),
+            down_proj=linear(k_down, f, d, resid_std, False),
+        )
+
+    def __call__(self, x_BxTxD: jax.Array, key: jax.Array | None, cfg: LlamaConfig, compute_dtype,
+                 cos_sin: tuple[jax.Array, jax.Array], segment_ids_BxT: jax.Array | None = None,
+                 causal: bool = True, collect: bool = False):
+        """`x_BxTxD` is the float32 residual stream (matmuls in `compute_dtype`, as GPT's Block).
+        Key/value heads are repeated to the query heads (head h reads kv head h // group, Hugging
+        Face's `repeat_kv`): the attention kernel stays the one GPT uses."""
+        B, T, _ = x_BxTxD.shape
+        k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
+        k_q, k_k, k_v, k_o, k_gate, k_up, k_down = branch_keys(key, cfg.lora, 7)  # LoRA's dropout; Nones without it
+
+        h_BxTxD = self.attn_norm(x_BxTxD).astype(compute_dtype)
+        q_BxHxTxK = _split_heads(_project(self.q_proj, h_BxTxD, k_q), cfg.num_heads)
+        k_BxGxTxK = _split_heads(_project(self.k_proj, h_BxTxD, k_k), cfg.kv_heads)
+        v_BxGxTxK = _split_heads(_project(self.v_proj, h_BxTxD, k_v), cfg.kv_heads)
+        if self.q_norm is not None:
+            q_BxHxTxK, k_BxGxTxK = self.q_norm(q_BxHxTxK), self.k_norm(k_BxGxTxK)
+        q_BxHxTxK, k_BxGxTxK = apply_rotary(q_BxHxTxK, *cos_sin), apply_rotary(k_BxGxTxK, *cos_sin)
+        group = cfg.num_heads // cfg.kv_heads
+        k_BxHxTxK, v_BxHxTxK = jnp.repeat(k_BxGxTxK, group, axis=1), jnp.repeat(v_BxGxTxK, group, axis=1)
+        a_BxHxTxK = attention.attend(cfg, q_BxHxTxK, k_BxHxTxK, v_BxHxTxK, segment_ids_BxT=segment_ids_BxT,
+                                     causal=causal)
+        a_BxTxD = a_BxHxTxK.transpose(0, 2, 1, 3).reshape(B, T, -1)
+        attn_BxTxD = dropout(_project(self.o_proj, a_BxTxD, k_o), cfg.dropout, k_attn).astype(x_BxTxD.dtype)
+        x_BxTxD = x_BxTxD + attn_BxTxD
+
+        mlp_BxTxD, router = self.mlp(self.mlp_norm(x_BxTxD).astype(compute_dtype), cfg, (k_gate, k_up, k_down))
+        mlp_BxTxD = dropout(mlp_BxTxD, cfg.dropout, k_mlp).astype(x_BxTxD.dtype)
+        out_BxTxD = x_BxTxD + mlp_BxTxD
+        if not collect and router is None:
+            return out_BxTxD
+        stats = {"attn": rms(attn_BxTxD), "mlp": rms(mlp_BxTxD), "resid": rms(out_BxTxD)} if collect else {}
+        return out_BxTxD, stats if router is None else {**stats, "moe": router}  # an MoE block's router statistics
+
+    def mlp(self, h_BxTxD: jax.Array, cfg: LlamaConfig, keys: tuple) -> tuple[jax.Array, dict | None]:
+        """The SwiGLU MLP (no router statistics); `keys`: LoRA's dropout keys of gate, up and down.
+        An MoEBlock's mixture of experts returns its router's statistics instead of None."""
+        k_gate, k_up, k_down = keys
+        h_BxTxF = jax.nn.silu(_project(self.gate_proj, h_BxTxD, k_gate)) * _project(self.up_proj, h_BxTxD, k_up)
+        return _project(self.down_proj, h_BxTxF, k_down), None
+
+
+class SwiGLUExperts(eqx.Module):
+    """Llama's MLP as a stack of experts (models/moe.py `Groups`): every weight (E, in, out)."""
+
+    gate_proj: Linear
+    up_proj: Linear
+    down_proj: Linear
+
+    def __call__(self, x: jax.Array, groups) -> jax.Array:
+        h = jax.nn.silu(groups.linear(x, self.gate_proj)) * groups.linear(x, self.up_proj)
+        return groups.linear(h, self.down_proj)
+
+
+class MoEBlock(Block):
+    """A Block whose MLP is a mixture of SwiGLU experts (models/moe.py): the same attention and
+    norms, `gate_proj`/`up_proj`/`down_proj` None, the experts and the router under `moe`."""
+
+    moe: MoE
+
+    @staticmethod
+    def init(key: jax.Array, cfg: LlamaConfig) -> "MoEBlock":
+        dense = Block.init(key, cfg)  # the attention and norms a dense block at this key would have
+        k_router, k_gate, k_up, k_down = jax.random.split(jax.random.fold_in(key, 1), 4)
+        d, f, E = cfg.dim, cfg.mlp_width, cfg.moe.num_experts
+        resid_std = 0.02 / math.sqrt(2 * cfg.num_blocks)  # as Block.init's down_proj
+        stack = lambda k, i, o, std: eqx.filter_vmap(lambda k: linear(k, i, o, std, False))(jax.random.split(k, E))
+        experts = SwiGLUExperts(stack(k_gate, d, f, 0.02), stack(k_up, d, f, 0.02), stack(k_down, f, d, resid_std))
+        fields = {field.name: getattr(dense, field.name) for field in dataclasses.fields(Block)}
+        return MoEBlock(**{**fields, "gate_proj": None, "up_proj": None, "down_proj": None},
+                        moe=MoE(router=linear(k_router, d, E, 0.02, False), experts=experts))
+
+    def mlp(self, h_BxTxD: jax.Array, cfg: LlamaConfig, keys: tuple) -> tuple[jax.Array, dict]:
+        return self.moe(h_BxTxD, cfg.moe)
+
+
+class Llama(eqx.Module):
+    embed_VxD: jax.Array
+    blocks: Block  # every leaf stacked: leading axis = num_blocks
+    final_norm: RMSNorm
+    head_DxV: jax.Array | None  # None when tied to embed_VxD
+    cfg: LlamaConfig = eqx.field(static=True)
+
+    def __init__(self, cfg: LlamaConfig, key: jax.Array):
+        if cfg.vocab_size is None:
+            raise ValueError("LlamaConfig.vocab_size must be resolved before building the model")
+        k_embed, k_blocks, k_head = jax.random.split(key, 3)
+        self.cfg = cfg
+        self.embed_VxD = 0.02 * jax.random.normal(k_embed, (cfg.vocab_size, cfg.dim), jnp.float32)
+        if cfg.moe.on:  # MoE blocks (all, or the last of each group of `every`): models/moe.py
+            self.blocks = init_blocks(k_blocks, cfg, lambda k: Block.init(k, cfg), lambda k: MoEBlock.init(k, cfg))
+        else:
+            self.blocks = eqx.filter_vmap(lambda k: Block.init(k, cfg))(jax.random.split(k_blocks, cfg.num_blocks))
+        self.final_norm = _norm(cfg.dim, cfg.norm_eps)
+        self.head_DxV = (None if cfg.tie_embeddings
+                         else 0.02 * jax.random.normal(k_head, (cfg.dim, cfg.vocab_size), jnp.float32))
+
+    def __call__(self, tokens_BxT: jax.Array, *, key: jax.Array | None = None,
+                 compute_dtype: jnp.dtype = jnp.float32, segment_ids_BxT: jax.Array | None = None,
+                 causal: bool = True, collect: bool = False):
+        """Logits (float32) for every position, with GPT's contract (models/gpt.py GPT.__call__):
+        `key=None` disables dropout; with `segment_ids_BxT` attention stays inside each packed
+        document and rotary positions restart at 0 at each document's first token; `causal=False`
+        attends both ways (mdlm); `collect` also returns per-block activation RMS."""
+        cfg = self.cfg
+        T = tokens_BxT.shape[1]
+        if segment_ids_BxT is None:
+            cos_TxK, sin_TxK = rotary_cos_sin(jnp.arange(T), cfg.head_dim, cfg.rope_theta)
+        else:  # per-row positions: B x 1 x T x K, broadcast over heads
+            cos, sin = rotary_cos_sin(document_positions(segment_ids_BxT), cfg.head_dim, cfg.rope_theta)
+            cos_TxK, sin_TxK = cos[:, None], sin[:, None]
+        x_BxTxD = jnp.take(self.embed_VxD, tokens_BxT, axis=0).astype(jnp.float32)
+
+        def call(block, x_BxTxD, k):
+            return block(x_BxTxD, k, cfg, compute_dtype, (cos_TxK, sin_TxK), segment_ids_BxT, causal, collect)
+
+        def apply(x_BxTxD, block_and_key):
+            out = call(block_and_key[0], x_BxTxD, block_and_key[1])
+            return out if collect else (out, None)
+
+        if cfg.moe.on:  # router statistics per MoE block come back under stats_L["moe"]
+            x_BxTxD, stats_L = run_blocks(call, x_BxTxD, self.blocks, key, cfg, collect)
+        else:
+            x_BxTxD, stats_L = apply_blocks(apply, x_BxTxD, self.blocks, key, cfg.num_blocks, cfg.remat,
+                                            cfg.scan_blocks, cfg.scan_unroll, collect)
+        x_BxTxD = self.final_norm(x_BxTxD).astype(compute_dtype)
+        head_DxV = self.embed_VxD.T if self.head_DxV is None else self.head_DxV
+        logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(compute_dtype),
+                                  preferred_element_type=jnp.float32)
+        return (logits_BxTxV, stats_L) if collect else logits_BxTxV
+
+
+def param_labels(model: Llama) -> Llama:
+    """Same tree as `model`, each array replaced by its group: `hidden` (block matrices), `embed`
+    (token embeddings), `head` (untied output projection), `scalar` (norm gains, biases)."""
+
+    def label(path, leaf) -> str:
+        names = [getattr(p, "name", "") for p in path]
+        if names[0] == "blocks":
+            return "hidden" if names[-1] == "weight_IxO" else "scalar"
+        return {"embed_VxD": "embed", "head_DxV": "head"}.get(names[0], "scalar")
+
+    return jax.tree_util.tree_map_with_path(label, model)
+
+
+# Logical dimension names (utils/parallel/layout.py): `heads` and `mlp` go to the tensor axis, so
+# q/k/v are split column-wise into whole heads (query heads [0, H/t) with their kv heads [0, G/t):
+# utils/config.py requires parallel.tensor to divide num_kv_heads), o_proj and down_proj row-wise.
+PARAM_AXES = {
+    ("embed_VxD",): ("vocab", "embed"),
+    ("head_DxV",): ("embed", "vocab"),
+    **{(proj, "weight_IxO"): ("layers", "embed", "heads") for proj in ("q_proj", "k_proj", "v_proj")},
+    **{(proj, "bias_O"): ("layers", "heads") for proj in ("q_proj", "k_proj", "v_proj")},
+    ("o_proj", "weight_IxO"): ("layers", "heads", "embed"),
+    ("gate_proj", "weight_IxO"): ("layers", "embed", "mlp"),
+    ("up_proj", "weight_IxO"): ("layers", "embed", "mlp"),
+    ("down_proj", "weight_IxO"): ("layers", "mlp", "embed"),
+    ("router", "weight_IxO"): ("layers", "embed", "router"),  # MoE: the router is not split over experts
+}
+
+
+def param_axes(model: Llama) -> Llama:
+    """Same tree as `model`, each array replaced by the logical names of its dimensions."""
+
+    def axes(path, leaf) -> tuple:
+        names = tuple(getattr(p, "name", "") for p in path)
+        logical = next((v for key, v in PARAM_AXES.items() if names[-len(key):] == key), None)
+        if names[0] == "blocks":  # the stacked axes in front (grouped MoE blocks: two; experts: `expert`)
+            return block_axes(names, leaf.ndim, logical)
+        return logical or ("embed",) * leaf.ndim
+
+    return jax.tree_util.tree_map_with_path(axes, model)
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token, GPT's convention (models/gpt.py): 6·N for every matmul weight (the
+    q and o projections H·K·dim each, k and v only kv_heads·K·dim each, three SwiGLU matrices, the
+    head, tied or not) plus 12·num_blocks·dim·seq_len for attention's scores and values."""
+    assert cfg.vocab_size is not None
+    d, f, L, K = cfg.dim, cfg.mlp_width, cfg.num_blocks, cfg.head_dim
+    attn = 2 * d * cfg.num_heads * K + 2 * d * cfg.kv_heads * K
+    n_matmul = L * (attn + 3 * d * f) + d * cfg.vocab_size
+    if cfg.moe.on:  # an MoE block's MLP: top_k SwiGLU experts per token and the router, instead of one MLP
+        n_matmul += len(cfg.moe.layers(L)) * (moe_flops(cfg.moe, d, 3 * d * f) - 3 * d * f)
+    return 6.0 * n_matmul + 12.0 * L * d * seq_len
+
+
+# ---------------------------------------------------------------------------- Hugging Face
+
+
+HF_MODEL_TYPES = ("llama", "qwen2")
+# Our path -> (Hugging Face name, transposed): torch's Linear stores (out, in), ours (in, out).
+# Block entries are under `model.layers.{i}.`; QK-norm's names are Qwen3's.
+_HF_TOP = {
+    ("embed_VxD",): ("model.embed_tokens.weight", False),
+    ("final_norm", "gain_D"): ("model.norm.weight", False),
+    ("head_DxV",): ("lm_head.weight", True),
+}
+_HF_BLOCK = {
+    ("attn_norm", "gain_D"): ("input_layernorm.weight", False),
+    **{(p, "weight_IxO"): (f"self_attn.{p}.weight", True) for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{(p, "bias_O"): (f"self_attn.{p}.bias", False) for p in ("q_proj", "k_proj", "v_proj")},
+    ("q_norm", "gain_D"): ("self_attn.q_norm.weight", False),
+    ("k_norm", "gain_D"): ("self_attn.k_norm.weight", False),
+    ("mlp_norm", "gain_D"): ("post_attention_layernorm.weight", False),
+    **{(p, "weight_IxO"): (f"mlp.{p}.weight", True) for p in ("gate_proj", "up_proj", "down_proj")},
+}
+
+
+def hf_config(cfg: LlamaConfig) -> dict:
+    """transformers' config.json fields for this model: `qwen2` when it has qkv biases, else `llama`."""
+    if cfg.qk_norm:
+        raise ConfigError("model.qk_norm=true has no Hugging Face llama/qwen2 equivalent: export with the default "
+                          "safetensors format, or train with model.qk_norm=false")
+    qwen = cfg.qkv_bias
+    out = {
+        "model_type": "qwen2" if qwen else "llama",
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.mlp_width,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "num_hidden_layers": cfg.num_blocks,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.context_length,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,  # transformers < 5 reads this; 5.x reads rope_parameters
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+    }
+    if qwen:
+        out.update(use_sliding_window=False, sliding_window=None)
+    else:
+        out.update(attention_bias=False, mlp_bias=False)
+    return out
+
+
+def _unsupported(key: str, value, why: str) -> ConfigError:
+    return ConfigError(f"config.json {key}={value!r}: {why}; the llama family cannot represent it "
+                       "(pick a checkpoint without it)")
+
+
+def config_from_hf(hf: dict, base: LlamaConfig) -> LlamaConfig:
+    """A Config of the model a transformers config.json describes: its shape knobs from `hf`, the
+    execution knobs (scan_blocks, remat, dropout, attn_block_size, scan_unroll, ...) from `base`.
+    `context_length` is max_position_embeddings (rotary has no position table: a limit, not a shape)."""
+    model_type = hf.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ConfigError(f"config.json model_type={model_type!r} is not a llama-family model "
+                          f"({', '.join(HF_MODEL_TYPES)}): use a checkpoint of one of those")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _unsupported("hidden_act", hf["hidden_act"], "SwiGLU here uses silu")
+    rope = hf.get("rope_parameters") or {}
+    if hf.get("rope_scaling"):
+        raise _unsupported("rope_scaling", hf["rope_scaling"], "only plain rotary positions are implemented")
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise _unsupported("rope_parameters.rope_type", rope.get("rope_type", rope.get("type")),
+                           "only plain rotary positions are implemented")
+    if model_type == "llama" and hf.get("attention_bias"):
+        raise _unsupported("attention_bias", True, "llama's attention_bias also puts a bias on o_proj")
+    if hf.get("mlp_bias"):
+        raise _unsupported("mlp_bias", True, "the SwiGLU matrices have no biases")
+    if hf.get("use_sliding_window"):
+        raise _unsupported("use_sliding_window", True, "attention here is always full")
+    heads, dim = hf["num_attention_heads"], hf["hidden_size"]
+    if hf.get("head_dim") not in (None, dim // heads) or dim % heads:
+        raise _unsupported("head_dim", hf.get("head_dim"), f"the head size must be hidden_size/num_attention_heads "
+                           f"= {dim / heads:g}")
+    cfg = dataclasses.replace(
+        base, name="llama", dim=dim, num_heads=heads, num_blocks=hf["num_hidden_layers"],
+        num_kv_heads=hf.get("num_key_value_heads") or heads, mlp_hidden=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"], context_length=hf.get("max_position_embeddings", base.context_length),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2", qk_norm=False)
+    try:
+        cfg.check("model")
+    except ConfigError as e:
+        raise ConfigError(f"config.json describes a model this family rejects: {e}") from None
+    return cfg
+
+
+def _leaf_names(template) -> list[tuple[str, bool, bool]]:
+    """(Hugging Face name with `{}` for the block index, transposed, stacked) of each array leaf of
+    `template`, in leaf order."""
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(template)[0]:
+        names = tuple(getattr(p, "name", "") for p in path)
+        if names[1:] not in _HF_BLOCK and names not in _HF_TOP:  # e.g. LoRA factors: merged before an export
+            raise ValueError(f"{'.'.join(names)} has no Hugging Face name: merge LoRA factors first (for_export)")
+        if names[0] == "blocks":
+            hf_name, transposed = _HF_BLOCK[names[1:]]
+            out.append((f"model.layers.{{}}.{hf_name}", transposed, True))
+        else:
+            out.append((*_HF_TOP[names], False))
+    return out
+
+
+def hf_tensors(model: Llama) -> dict[str, np.ndarray]:
+    """Every weight under its Hugging Face name and layout (no `lm_head.weight` when tied, as
+    transformers' save_pretrained writes it), host numpy in the model's dtype."""
+    out = {}
+    leaves = jax.tree.leaves(model)
+    for (name, transposed, stacked), leaf in zip(_leaf_names(model), leaves, strict=True):
+        array = np.asarray(leaf)
+        for i, a in enumerate(array) if stacked else [(None, array)]:
+            out[name.format(i)] = np.array(a.T if transposed else a, order="C")  # a writable copy
+    return out
+
+
+def from_hf_tensors(cfg: LlamaConfig, tensors: dict) -> Llama:
+    """The model of `cfg` holding Hugging Face weights (`hf_tensors`' inverse), float32. Extra
+    tensors (a tied model's `lm_head.weight`, rotary buffers) are ignored; a missing or misshapen
+    one is a CheckpointError naming it."""
+    template = eqx.filter_eval_shape(Llama, cfg, jax.random.PRNGKey(0))
+    shapes = jax.tree.leaves(template)
+    leaves = []
+    for (name, transposed, stacked), shape in zip(_leaf_names(template), shapes, strict=True):
+        per_block = shape.shape[1:] if stacked else shape.shape
+        want = per_block[::-1] if transposed else per_block
+        parts = []
+        for i in range(cfg.num_blocks) if stacked else [None]:
+            key = name.format(i)
+            if key not in tensors:
+                raise CheckpointError(f"tensor {key} is missing from the Hugging Face weights: the checkpoint does "
+                                      "not match its config.json (or model.qkv_bias/tie_embeddings); re-export it")
+            a = np.asarray(tensors[key], dtype=np.float32)
+            if a.shape != tuple(want):
+                raise CheckpointError(f"tensor {key} has shape {a.shape}, the config.json's model needs "
+                                      f"{tuple(want)}: the weights and config.json disagree; re-export them together")
+            parts.append(a.T if transposed else a)
+        leaves.append(jnp.asarray(np.stack(parts) if stacked else parts[0]))
+    return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
+# model.lora.targets: the block's projections (Hugging Face's names)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+Config, Model = LlamaConfig, Llama  # the registry's names (models/__init__.py)
