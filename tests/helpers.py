@@ -8,6 +8,7 @@ first, so that happens before anything in the session imports jax.
 
 import os
 
+import pytest
 from hydra import compose, initialize_config_dir
 
 # NumPy references in tests call BLAS; on a 2-core machine its threads fight XLA's for cores.
@@ -19,6 +20,22 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+
+# The optimizers whose per-optimizer cases the quick set (`pytest -m "not slow"`) runs: one of the
+# Adam family and one matrix method. Every other optimizer's case is marked slow: the whole suite
+# (CI's `.ci/run`) still runs each of them, with the same assertions.
+QUICK_OPTIMIZERS = ("adamw", "muon")
+
+
+def per_optimizer(cases) -> list:
+    """pytest params of a per-optimizer test, each case an optimizer name or a tuple starting with
+    one; marked slow unless that optimizer is in QUICK_OPTIMIZERS."""
+    params = []
+    for case in cases:
+        values = case if isinstance(case, tuple) else (case,)
+        params.append(pytest.param(*values, marks=() if values[0] in QUICK_OPTIMIZERS else pytest.mark.slow))
+    return params
+
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 

@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from helpers import compose_config
+from helpers import compose_config, per_optimizer
 
 import train_jax as T
 from optimizer import OPTIMIZERS
@@ -90,7 +90,7 @@ def golden_losses(optimizer: str) -> list[float]:
     return golden_run(optimizer)[0]
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("optimizer", per_optimizer(sorted(OPTIMIZERS)))
 def test_golden_losses(optimizer):
     """The computed losses match the table and fall: each optimizer learns the batch it steps on
     (the table alone could hold losses that rise)."""

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import compose_config
+from helpers import compose_config, per_optimizer
 
 import train_jax as T
 from models.gpt import GPT, GPTConfig, param_labels
@@ -235,7 +235,7 @@ def test_group_override_validation(tiny_run):
     assert run.optimizer.group_overrides == {"hidden": {"lr": 0.02}, "embed": {"lr": 3e-3}}
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("name", per_optimizer(sorted(OPTIMIZERS)))
 def test_every_optimizer_trains_the_tiny_model(tiny_run, name):
     # others: their yaml defaults (AdEMAMix's, the paper's 1e-3, is for 100M+ models over 10k+ steps;
     # Kron's P starts at I, so its first steps are SGD-sized, lr·|g|, until the fit grows P: 30 steps

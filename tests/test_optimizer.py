@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import per_optimizer
 
 from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import OPTIMIZERS, make_optimizer
@@ -49,8 +50,8 @@ def _expected_decay(path, decay_embeddings: bool) -> bool:
 
 # Every optimizer with the default decay_embeddings=false; true (embeddings decayed, through a
 # different transform under Muon) on two, to keep the compile count down.
-@pytest.mark.parametrize(("name", "decay_embeddings"),
-                         [(name, False) for name in sorted(OPTIMIZERS)] + [("adamw", True), ("muon", True)])
+@pytest.mark.parametrize(("name", "decay_embeddings"), per_optimizer(
+    [(name, False) for name in sorted(OPTIMIZERS)] + [("adamw", True), ("muon", True)]))
 def test_weight_decay_is_decoupled_and_times_the_group_lr_for_every_optimizer(name, decay_embeddings):
     """One step on a zero gradient, so only the decay moves anything: a decayed weight becomes
     w·(1 − lr·weight_decay) with lr the group's scheduled lr, the same for every optimizer

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import per_optimizer
 
 import train_jax as T
 from models import losses
@@ -245,7 +246,7 @@ def test_after_a_skipped_step_the_applied_lr_is_the_logged_one_and_the_last_is_m
             np.testing.assert_allclose(lr, want, rtol=1e-3, err_msg=f"step {n}: the lr {label} applied")
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("name", per_optimizer(sorted(OPTIMIZERS)))
 def test_every_optimizers_schedule_counts_a_skipped_step(name):
     """A schedule that is 0 on step 1 only; step 1's gradient is NaN (skipped). Step 2 must use the
     schedule at step 2 (lr > 0, so every leaf moves), not at 1 (lr 0: nothing moves): every
