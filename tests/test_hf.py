@@ -230,6 +230,8 @@ def test_init_from_starts_at_the_transformers_loss(workdir, bpe):
     run = validate(compose_config(*RUN, "model.init_from=pretrained", "train.max_val_steps=2"))
     assert run.model.init_from == str(workdir / "pretrained") and (run.model.dim, run.model.context_length) == (32, 64)
     assert run.tokenizer.name_or_path == str(workdir / "pretrained")
+    # the saved config (checkpoints, exports, a resume) names the tokenizer the run used
+    assert run.config_dict["tokenizer"] == {"name": "hf", "name_or_path": str(workdir / "pretrained")}
     assert any("model.context_length 32 -> 64" in w for w in run.warnings)  # the header says so
     trainer = train_jax.build_trainer(run)
     _, want = hf.load_hf(run.model.init_from, run.model)

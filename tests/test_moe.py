@@ -31,7 +31,8 @@ from models.gpt import GPT, Block, GeluExperts, GPTConfig
 from models.layers import Linear
 from models.moe import MoE, MoEConfig, routing
 from optimizer import OPTIMIZERS
-from optimizer.muon import Muon
+from optimizer.diagnostics import find_states
+from optimizer.muon import Muon, MuonState
 from utils.config import validate
 from utils.errors import ConfigError
 from utils.parallel import mesh as meshlib
@@ -431,7 +432,7 @@ def test_muon_orthogonalises_each_expert_matrix():
     tx = Muon(momentum=0.0, nesterov=False).transform("hidden", lambda _: 1.0)
     state = tx.init({"w": g})
     update = np.asarray(jax.jit(tx.update)({"w": g}, state, {"w": g})[0]["w"])
-    coeffs = np.asarray(jax.tree.leaves(state)[0], np.float64)  # MuonState.ns_coeffs: (a, b, c)
+    coeffs = np.asarray(find_states(state, MuonState)[0].ns_coeffs, np.float64)  # (a, b, c)
     assert coeffs.shape == (3,)
     want = np.stack([[-math.sqrt(F / D) * np_newton_schulz(np.asarray(g[i, e]), coeffs, 5) for e in range(E)]
                      for i in range(L)])

@@ -271,7 +271,10 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         tokenizer = tokenizer_config({"name": "hf", "name_or_path": tok_dir}, "tokenizer") if tok_dir else run.tokenizer
         notes += (f"tokenizer={raw['tokenizer'].get('name')} replaced by the tokenizer of model.init_from "
                   f"(tokenizer=hf)",) if tok_dir and tokenizer != run.tokenizer else ()
-        run = dataclasses.replace(run, model=model, tokenizer=tokenizer, warnings=run.warnings + notes)
+        # The saved config says what ran: an export, a resume and the data's tokenizer check read it.
+        raw = {**raw, "tokenizer": {"name": "hf", "name_or_path": tok_dir}} if tok_dir else raw
+        run = dataclasses.replace(run, model=model, tokenizer=tokenizer, warnings=run.warnings + notes,
+                                  config_dict=raw)
     ck = run.checkpoint
     if ck.keep_best and run.train.skip_validation:
         raise ConfigError("checkpoint.keep_best=true ranks checkpoints by val/loss: set train.skip_validation=false "
