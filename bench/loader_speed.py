@@ -24,7 +24,7 @@ from Hydra overrides of conf/ with model=gpt2_124m (context 1024) and dataset.ba
   step (--step-ms, default the H100 estimate) after each `next()`; the mean (and max) time `next()`
   blocked, the first fetch (thread start) excluded. The mean is what `time/data_wait_sec` logs.
 
-Needed tokens/s = peak x MFU / FLOPs per token (models.gpt.flops_per_token, gpt2_124m with the
+Needed tokens/s = peak x MFU / FLOPs per token (models.flops_per_token, gpt2_124m with the
 GPT-2 vocabulary padded to 50304), the assumption printed; margin = loader tokens/s / needed.
 Timings on a shared machine are noisy: the load average is printed at start and end.
 """
