@@ -56,7 +56,7 @@ def test_overwrite_config_takes_the_command_line_and_reports_what_changed():
 
 def test_local_keys_come_from_the_command_line_without_a_report():
     warn = Warnings()
-    local = {"checkpoint": {"save_path": "/new/ck", "load": True}, "cache_dir": "/new/cache",
+    local = {"checkpoint": {"save_path": "/new/ck", "load": True}, "cache_dir": "/new/cache", "compile_cache": False,
              "parallel": {"data": 4}, "hydra": {"run": {"dir": "out"}}}
     assert set(local) == set(LOCAL_KEYS)
     merged = merge_config(source(), command_line(**local), CheckpointConfig(), warn)

@@ -1,0 +1,166 @@
+"""`model.attention=auto|xla|cudnn|blocked` (models/attention.py): the choice as a pure function of
+backend, dtype, head size and masks (fake machines: this CPU has no GPU), its one-line errors at the
+config boundary, the run header's line, and that `xla` and `blocked` are the attention runs had before
+the knob (GPT's golden losses, tests/test_golden.py, run with `auto`, which resolves to xla here).
+The cuDNN call's plumbing (layouts, the document mask) is checked by standing XLA's kernel in for
+cuDNN's, since the real kernel needs a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import compose_config
+
+import models
+from models import attention
+from models.layers import causal_attention
+from utils.config import resolve_vocab, validate
+from utils.errors import ConfigError
+from utils.logging import messages
+from utils.parallel import mesh as meshlib
+
+GPU_BF16 = dict(backend="gpu", compute_dtype="bfloat16", head_dim=64, context_length=1024, document_mask=False,
+                compute_capability="9.0")
+
+
+def choose(requested="auto", block_size=None, **changes):
+    return attention.choose(requested, block_size, **{**GPU_BF16, **changes})
+
+
+def test_auto_picks_cudnn_only_where_its_requirements_hold():
+    assert choose()[0] == "cudnn"
+    for changes, why in [
+        (dict(backend="cpu"), "needs an NVIDIA GPU (the backend is cpu)"),
+        (dict(backend="tpu"), "the backend is tpu"),
+        (dict(compute_dtype="float32"), "train.compute_dtype=bfloat16 or float16"),
+        (dict(head_dim=60), "multiple of 8"),
+        (dict(head_dim=264), "<= 256"),
+        (dict(head_dim=192, compute_capability="8.0"), "<= 128"),  # Ampere's limit; Hopper's is 256
+    ]:
+        impl, reason = choose(**changes)
+        assert impl == "xla" and why in reason, (changes, reason)
+    assert choose(head_dim=192)[0] == "cudnn" and choose(compute_dtype="float16")[0] == "cudnn"
+    # Document masks: correct on cuDNN (a dense bias) but unmeasured, so auto keeps XLA's.
+    assert choose(document_mask=True)[0] == "xla"
+    # attn_block_size from a config written before the knob keeps block-causal attention, on any machine.
+    assert choose(block_size=64)[0] == "blocked" and choose(block_size=64, backend="cpu")[0] == "blocked"
+
+
+def test_an_explicit_choice_is_kept_or_refused_in_one_line():
+    assert choose("xla")[0] == "xla" and choose("blocked", 64)[0] == "blocked"
+    assert choose("cudnn", document_mask=True)[0] == "cudnn"  # asked for: the mask as a bias
+    for changes in (dict(backend="cpu"), dict(compute_dtype="float32"), dict(head_dim=12),
+                    dict(document_mask=True, context_length=1023)):
+        with pytest.raises(ConfigError) as e:
+            choose("cudnn", **changes)
+        message = str(e.value)
+        assert message.startswith("model.attention=cudnn: it needs") or "even context" in message
+        assert "\n" not in message and "model.attention=auto" in message
+
+
+def test_knob_errors_at_the_config_boundary(tiny_run):
+    assert tiny_run().model.attention == "auto"
+    for overrides, match in [
+        (("model.attention=flash",), r"model.attention='flash' must be one of auto, xla, cudnn, blocked"),
+        (("model.attention=blocked",), r"model.attention=blocked needs model.attn_block_size"),
+        (("model.attention=xla", "model.attn_block_size=8"), r"read by model.attention=blocked only"),
+        (("model.attention=cudnn",), r"model.attention=cudnn: it needs train.compute_dtype=bfloat16"),
+        (("model.attention=cudnn", "train.compute_dtype=bfloat16", "model.dim=36", "model.num_heads=3"),
+         r"multiple of 8 and <= 256 \(got 12\)"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            tiny_run(*overrides)
+    # Both families carry the shared knob.
+    with pytest.raises(ConfigError, match="model.attention='flash'"):
+        tiny_run("model=llama_tiny", "model.attention=flash")
+
+
+def test_the_backend_decides_once_jax_is_up_and_the_header_says_why(tiny_run, capsys):
+    """On this CPU: auto -> xla with its reason; an explicit cudnn that passed validation (bf16,
+    head dim 16) is refused in one line before anything compiles; the header prints the choice."""
+    run = resolve_vocab(tiny_run(), 60)
+    assert run.model.attention == "xla"
+    assert run.notes == ("attention: xla (auto: cuDNN flash attention not used because it needs an NVIDIA GPU "
+                         f"(the backend is {jax.default_backend()}))",)
+    assert resolve_vocab(run, 60).notes == run.notes  # resolved twice (a bench, a script): one line
+    assert resolve_vocab(tiny_run("model.attn_block_size=8"), 60).model.attention == "blocked"
+    with pytest.raises(ConfigError, match=r"^model.attention=cudnn: it needs an NVIDIA GPU \(the backend is cpu\)"):
+        resolve_vocab(tiny_run("model.attention=cudnn", "train.compute_dtype=bfloat16"), 60)
+
+    mesh = meshlib.make_mesh(1, 1, 8, devices=jax.devices()[:1])
+    data = types.SimpleNamespace(tokens_per_step=128, fingerprint="f")
+    messages.announce(run, None, mesh, data, "dir", 1000)
+    assert "attention: xla (auto: cuDNN flash attention not used" in capsys.readouterr().out
+
+
+def _qkv(T=16, H=2, K=8, B=2, seed=0):
+    return jax.random.normal(jax.random.PRNGKey(seed), (3, B, H, T, K), jnp.float32)
+
+
+def _cfg(impl, block=None):
+    return types.SimpleNamespace(attention=impl, attn_block_size=block)
+
+
+def test_xla_and_blocked_are_the_attention_of_before():
+    """`xla` is causal_attention in one block and `blocked` the same with query blocks: the very same
+    function, so bit for bit; blocked against xla agree to float32 rounding (softmax sums over the same
+    keys in another order: a few ulps of values of order 1, so 1e-6)."""
+    q, k, v = _qkv()
+    seg = jnp.array([[0] * 5 + [1] * 11, [0] * 16])
+    for causal, seg_ids in ((True, None), (True, seg), (False, None), (False, seg)):
+        ref = causal_attention(q, k, v, segment_ids_BxT=seg_ids, causal=causal)
+        np.testing.assert_array_equal(attention.attend(_cfg("xla"), q, k, v, seg_ids, causal), ref)
+        np.testing.assert_array_equal(attention.attend(_cfg("auto"), q, k, v, seg_ids, causal), ref)
+    for seg_ids in (None, seg):
+        blocked = attention.attend(_cfg("blocked", 4), q, k, v, seg_ids)
+        np.testing.assert_array_equal(blocked, causal_attention(q, k, v, block_size=4, segment_ids_BxT=seg_ids))
+        np.testing.assert_allclose(blocked, causal_attention(q, k, v, segment_ids_BxT=seg_ids), atol=1e-6)
+
+
+def test_the_cudnn_call_passes_layouts_and_masks_right(monkeypatch):
+    """jax.nn.dot_product_attention's cuDNN kernel needs a GPU; with XLA's implementation standing in,
+    the cudnn path (B x T x N x H layout, is_causal, the document mask) must equal causal_attention.
+    Two float32 softmax implementations of values of order 1: 1e-5."""
+    real = jax.nn.dot_product_attention
+    calls = []
+
+    def stand_in(*args, implementation=None, **kwargs):
+        calls.append(implementation)
+        return real(*args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", stand_in)
+    q, k, v = _qkv(seed=1)
+    seg = jnp.array([[0] * 7 + [1] * 9, [0] * 3 + [1] * 3 + [2] * 10])
+    for causal in (True, False):
+        for seg_ids in (None, seg):
+            got = attention.attend(_cfg("cudnn"), q, k, v, seg_ids, causal)
+            np.testing.assert_allclose(got, causal_attention(q, k, v, segment_ids_BxT=seg_ids, causal=causal),
+                                       atol=1e-5)
+    assert calls == ["cudnn"] * 4
+
+
+def test_a_gpu_choice_runs_on_a_cpu_for_inference(tiny_run):
+    """A checkpoint trained with cudnn records it; sampling or exporting it on a CPU runs XLA's."""
+    cfg = resolve_vocab(tiny_run(), 60).model
+    gpu_cfg = attention.resolve(dataclasses.replace(cfg, attention="auto"), "bfloat16", 16, False,
+                                backend="gpu", compute_capability="9.0")[0]
+    assert gpu_cfg.attention == "cudnn"
+    assert attention.portable(gpu_cfg).attention == "xla"
+    model = models.build(attention.portable(gpu_cfg), jax.random.PRNGKey(0))
+    assert model(jnp.zeros((1, 16), jnp.int32)).shape == (1, 16, 64)
+
+
+def test_auto_with_a_block_size_keeps_the_numbers_of_before():
+    """gpt_bench's attn_block_size under auto resolves to blocked: the same logits as the blocked
+    model, bit for bit (the block-causal path configs from before the knob had)."""
+    cfg = validate(compose_config("model.attn_block_size=8")).model
+    cfg = dataclasses.replace(cfg, vocab_size=64)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 64)
+    logits = {impl: models.build(dataclasses.replace(cfg, attention=impl), jax.random.PRNGKey(0))(tokens)
+              for impl in ("auto", "blocked")}
+    np.testing.assert_array_equal(logits["auto"], logits["blocked"])
