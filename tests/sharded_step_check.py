@@ -8,7 +8,8 @@ jax is imported:
 Both runs use the same config, seed and batches; only the mesh differs (1x1 on the first device,
 data=4 x fsdp=2 on all eight), with two micro-batches per step so the accumulation scan runs
 sharded too. `--model llama_tiny` runs that family's tiny model instead, on 1 device and on
-data 2 x fsdp 2 x tensor 2 only (tests/test_llama.py).
+data 2 x fsdp 2 x tensor 2 only (tests/test_llama.py). `--moe` runs the MoE cases (MOE_CASES,
+tests/test_moe.py) with GPT's tiny model, `--moe --model llama_tiny` with Llama's.
 
 Time: nearly all of it is XLA compiling (per optimizer ~6 s for the sharded init, ~12 s for the
 sharded step, CPU time, at LLVM's default level; half at level 0, used here, see below), which runs
@@ -128,8 +129,8 @@ def layout_info(state) -> dict:
     model = state.model
     if getattr(getattr(model.cfg, "moe", None), "on", False):  # --moe: the experts' and the router's layout
         moe = model.blocks.moe if hasattr(model.blocks, "dense") else model.blocks
-        return {"specs": {"experts_in": spec(moe.moe.experts.mlp_in.weight_IxO),
-                          "experts_out": spec(moe.moe.experts.mlp_out.weight_IxO),
+        experts = [getattr(moe.moe.experts, f.name) for f in dataclasses.fields(moe.moe.experts)]  # first in, last out
+        return {"specs": {"experts_in": spec(experts[0].weight_IxO), "experts_out": spec(experts[-1].weight_IxO),
                           "router": spec(moe.moe.router.weight_IxO)}}
     if not hasattr(model, "wte_VxD"):
         linears = {f.name: getattr(model.blocks, f.name) for f in dataclasses.fields(model.blocks)}
@@ -245,15 +246,17 @@ MOE_CASES = {
 }
 
 
-def moe_check() -> dict:
-    """`--moe`: each MOE_CASES case's 3 steps on 1 device and on its 8-device mesh."""
+def moe_check(model: str | None = None) -> dict:
+    """`--moe`: each MOE_CASES case's 3 steps on 1 device and on its 8-device mesh (`--moe --model NAME`:
+    that family's tiny model, MODEL_OVERRIDES, with the same experts)."""
     devices = jax.devices()
     batches = np.random.default_rng(0).integers(0, 64, (STEPS, ACCUM, BATCH, WINDOW), dtype=np.int32)
+    base = (*OVERRIDES, *MODEL_OVERRIDES.get(model, ()))
     out = {"devices": len(devices)}
     for name, (extra, parallel) in MOE_CASES.items():
         one = tuple(o for o in extra if not o.startswith("parallel."))
-        losses_1, params_1, info_1 = train((1, 1), devices[:1], batches, (*OVERRIDES, *one))
-        losses_8, params_8, info_8 = train(parallel, devices, batches, (*OVERRIDES, *extra))
+        losses_1, params_1, info_1 = train((1, 1), devices[:1], batches, (*base, *one))
+        losses_8, params_8, info_8 = train(parallel, devices, batches, (*base, *extra))
         out[name] = {"mesh": info_8["mesh"], "losses_1": losses_1, "losses_8": losses_8, "specs": info_8["specs"],
                      "kept": info_8["state_shardings_kept"], "params_moved": info_1["params_moved"],
                      "max_param_diff": max(float(np.abs(a - b).max()) for a, b in zip(params_1, params_8, strict=True)),
@@ -264,7 +267,7 @@ def moe_check() -> dict:
 
 def main() -> None:
     if "--moe" in sys.argv:
-        print(json.dumps(moe_check()))
+        print(json.dumps(moe_check(sys.argv[sys.argv.index("--model") + 1] if "--model" in sys.argv else None)))
         return
     if "--model" in sys.argv:
         print(json.dumps(model_check(sys.argv[sys.argv.index("--model") + 1])))
