@@ -3,15 +3,23 @@
     python bench/step_speed.py                          # gpt_bench, batch 16, synthetic vs real data
     python bench/step_speed.py model=gpt_tiny dataset.batch_size=32 --steps 20
     python bench/step_speed.py model=gpt2_124m train.compute_dtype=bfloat16 dataset.batch_size=16   # GPU
+    python bench/step_speed.py --pairs 5                # eqtrain vs PyTorch eager and torch.compile, alternated
 
 Arguments other than --steps/--warmup/--data are Hydra overrides of conf/config.yaml, so the
 step measured is exactly the one `train_jax.py` compiles. MFU is printed two ways: 6·N (the
-parameter count convention of docs/performance.md's table) and 6·N + attention (what train/mfu logs).
+parameter count convention of docs/performance.md's table) and 6·N + attention (what train/mfu logs),
+against XLA's measured float32 matmul peak on a CPU and the device's bf16 data-sheet peak on an accelerator.
+
+--pairs N alternates eqtrain's step with bench/torch_reference.py's (the same GPT hand-written in
+PyTorch: eager, and torch.compile where it works) N times in this process (bench/pairs.py: warm
+both, then k steps of each per pair, the order flipping each pair) and prints each pair's times,
+the throughput ratios eqtrain / torch and their medians. It needs torch (the `parity` extra).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -28,6 +36,11 @@ from models import count_params, flops_per_token
 from utils.config import validate
 from utils.parallel import mesh as meshlib
 from utils.train.flops import peak_flops
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pairs as pairlib  # bench/pairs.py (bench/ holds scripts, not a package)
+
+NO_TORCH = 'step_speed.py --pairs needs PyTorch: pip install -e ".[dev,parity]"'
 
 
 def time_steps(step_fn, state, batches, steps: int, warmup: int):
@@ -50,7 +63,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--data", choices=("both", "synthetic", "real"), default="both")
     parser.add_argument("--repeats", type=int, default=1, help="measure each data source this many times")
+    parser.add_argument("--pairs", type=int, default=0, help="alternate with PyTorch's step N times (0 = off)")
+    parser.add_argument("--k", type=int, default=3, help="with --pairs: steps of each implementation per pair")
     args, overrides = parser.parse_known_args()
+    if args.pairs and importlib.util.find_spec("torch") is None:
+        sys.exit(NO_TORCH)
     overrides = ["model=gpt_bench", "dataset.batch_size=16", *overrides]
     conf_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
     with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
@@ -62,8 +79,12 @@ def main() -> None:
 
     flops_full = flops_per_token(run.model, run.context_length) * data.tokens_per_step
     flops_6n = 6 * count_params(state.model) * data.tokens_per_step
-    peak = peak_flops(run.train.compute_dtype, run.cache_dir, fresh=True)
+    on_cpu = jax.devices()[0].platform == "cpu"
+    # CPU: XLA's measured matmul speed in the compute dtype; accelerators: the bf16 data-sheet peak,
+    # the usual MFU denominator (llm.c, PaLM) whatever dtype the step runs in.
+    peak = peak_flops(run.train.compute_dtype if on_cpu else "bfloat16", run.cache_dir, fresh=True) or float("nan")
     print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind} | peak {peak / 1e9:,.0f} GFLOP/s "
+          f"({'XLA matmul, measured' if on_cpu else 'bf16 data sheet; nan = unknown device'}) "
           f"| params {count_params(state.model) / 1e6:.2f}M | tokens/step {data.tokens_per_step:,} "
           f"| {run.train.compute_dtype} | scan={run.model.scan_blocks} remat={run.model.remat}")
 
@@ -82,6 +103,8 @@ def main() -> None:
     state, metrics = step_fn(state, next(synthetic()))  # the first call traces and compiles
     jax.block_until_ready(metrics)
     print(f"compile (first step): {time.perf_counter() - t0:.2f} s")
+    if args.pairs:
+        return compare_with_torch(args, run, state, step_fn, synthetic(), peak, flops_full, data.tokens_per_step)
 
     medians = {}
     sources = [(n, f) for n, f in (("synthetic", synthetic), ("real", real)) if args.data in ("both", n)]
@@ -108,6 +131,58 @@ def main() -> None:
     per_batch = (time.perf_counter() - t0) / 200
     ref = medians.get("synthetic") or medians.get("real")
     print(f"real loader: {per_batch * 1e6:.0f} us per batch = {per_batch / ref:.3%} of the median step")
+
+
+def compare_with_torch(args, run, state, step_fn, batches, peak: float, flops: float, tokens: int) -> None:
+    """--pairs: eqtrain's step against PyTorch's on the same shape, alternated (bench/pairs.py)."""
+    import torch
+    import torch_reference as ref
+
+    m = run.model
+    if m.name != "gpt" or not m.tie_embeddings or not m.bias or m.dropout or m.moe.num_experts or m.lora.rank:
+        sys.exit("step_speed.py --pairs: bench/torch_reference.py is a plain GPT-2 (tied head, biases, no dropout, "
+                 "no MoE/LoRA): pick a model=gpt_* config")
+    on_cpu = jax.devices()[0].platform == "cpu"
+    if not on_cpu and not torch.cuda.is_available():
+        sys.exit("step_speed.py --pairs on a GPU needs a CUDA build of torch (this one is CPU-only)")
+    if on_cpu:
+        torch.set_num_threads(os.cpu_count())
+    shape = ref.Shape(vocab=m.vocab_size, context=run.context_length, dim=m.dim, heads=m.num_heads,
+                      blocks=m.num_blocks, mlp=m.mlp_ratio, batch=tokens // run.context_length)
+    device = "cpu" if on_cpu else "cuda"
+
+    def eqtrain():
+        nonlocal state
+        state, metrics = step_fn(state, next(batches))
+        jax.block_until_ready(metrics)
+
+    steps = {"eqtrain": eqtrain}
+    steps["torch eager"], _ = ref.build_step(shape, device=device)
+    compiled, _ = ref.build_step(shape, compile=True, device=device)
+    t0 = time.perf_counter()
+    try:  # inductor needs a working C++ compiler on CPU; say so and go on with eager alone
+        compiled()
+        steps["torch compile"] = compiled
+        print(f"torch.compile: first step {time.perf_counter() - t0:.2f} s")
+    except Exception as e:  # noqa: BLE001  (any backend failure means: no compiled reference here)
+        print(f"torch.compile does not work here ({type(e).__name__}: {str(e).splitlines()[0][:100]}): eager only")
+
+    print(f"{args.pairs} pairs of {args.k} steps each (order flips each pair), after {args.warmup} warm-up steps each; "
+          f"torch {torch.__version__} on {device}")
+    results = pairlib.run_pairs(steps, args.pairs, k=args.k, warmup=args.warmup)
+    refs = [n for n in steps if n != "eqtrain"]
+    for i, r in enumerate(results, 1):
+        times = " | ".join(f"{n} {r[n] * 1e3:7.1f} ms" for n in steps)
+        ratio = " ".join(f"{n.split()[-1]} {r[n] / r['eqtrain']:.2f}x" for n in refs)
+        print(f"pair {i}: {times} | eqtrain/torch tokens/s: {ratio}")
+    for n in refs:
+        rs = pairlib.ratios(results, "eqtrain", n)
+        print(f"median ratio eqtrain / {n} (tokens/s): {pairlib.summary(results, 'eqtrain')[n]:.2f}x "
+              f"(pairs {min(rs):.2f}-{max(rs):.2f})")
+    for n in steps:
+        med = statistics.median(r[n] for r in results)
+        print(f"{n:>13}: step {med * 1e3:8.1f} ms median | {tokens / med:10,.0f} tokens/s | "
+              f"MFU(6N+attn) {flops / med / peak:6.1%} of {'XLA matmul' if on_cpu else 'bf16'} peak")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """PyTorch eager reference for bench/step_speed.py: the same GPT as `model=gpt_bench`, hand-written.
 
-    pip install torch==2.13.0 numpy          # a separate venv; nothing from this repo is imported
-    /tmp/torchvenv/bin/python bench/torch_reference.py [--steps 10] [--warmup 2] [--compile]
+    pip install -e ".[dev,parity]"           # or torch==2.13.0 numpy alone: nothing from this repo is imported
+    python bench/torch_reference.py [--steps 10] [--warmup 2] [--compile]
+
+`build_step` is what `bench/step_speed.py --pairs N` imports to alternate this step with eqtrain's
+in one process (any GPT shape; CUDA when the tensors go there).
 
 GPT-2 style: vocab 512, context 256, dim 384, 6 heads, 6 blocks, MLP x4, tanh GELU, pre-LayerNorm,
 biases, learned positions, tied head, no dropout, GPT-2 init. One step = forward + cross-entropy +
@@ -15,6 +18,7 @@ wall-clock around each step is the step time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -27,31 +31,46 @@ import torch.nn.functional as F
 V, T, D, H, L, MLP, B = 512, 256, 384, 6, 6, 4, 16
 
 
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The GPT's shape and batch; the defaults are `model=gpt_bench dataset.batch_size=16`."""
+
+    vocab: int = V
+    context: int = T
+    dim: int = D
+    heads: int = H
+    blocks: int = L
+    mlp: int = MLP
+    batch: int = B
+
+
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, s: Shape = Shape()):
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
-        self.fc, self.out = nn.Linear(D, MLP * D), nn.Linear(MLP * D, D)
+        self.heads = s.heads
+        self.ln1, self.ln2 = nn.LayerNorm(s.dim), nn.LayerNorm(s.dim)
+        self.qkv, self.proj = nn.Linear(s.dim, 3 * s.dim), nn.Linear(s.dim, s.dim)
+        self.fc, self.out = nn.Linear(s.dim, s.mlp * s.dim), nn.Linear(s.mlp * s.dim, s.dim)
 
     def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, D))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
 class GPT(nn.Module):
-    def __init__(self):
+    def __init__(self, s: Shape = Shape()):
         super().__init__()
-        self.wte, self.wpe = nn.Parameter(torch.empty(V, D)), nn.Parameter(torch.empty(T, D))
-        self.blocks = nn.ModuleList(Block() for _ in range(L))
-        self.ln_f = nn.LayerNorm(D)
+        self.wte = nn.Parameter(torch.empty(s.vocab, s.dim))
+        self.wpe = nn.Parameter(torch.empty(s.context, s.dim))
+        self.blocks = nn.ModuleList(Block(s) for _ in range(s.blocks))
+        self.ln_f = nn.LayerNorm(s.dim)
         for name, p in self.named_parameters():  # GPT-2 init; LayerNorm stays ones/zeros
             if p.dim() == 2:
                 resid = name.endswith(("proj.weight", "out.weight"))
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * L) if resid else 0.02)
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * s.blocks) if resid else 0.02)
             elif name.endswith("bias") and "ln" not in name:
                 nn.init.zeros_(p)
 
@@ -60,6 +79,37 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x) @ self.wte.T  # tied head
+
+
+def flops_per_step(s: Shape) -> float:
+    """eqtrain's flops_per_token (6N of the matmuls + attention) times the tokens of one step."""
+    per_token = 6.0 * (s.blocks * 12 * s.dim * s.dim + s.dim * s.vocab) + 12.0 * s.blocks * s.dim * s.context
+    return per_token * s.batch * s.context
+
+
+def build_step(s: Shape = Shape(), compile: bool = False, device: str = "cpu"):
+    """(step, n_params): `step()` runs one full training step on a fixed random batch and returns
+    the loss as a Python float, which waits for the device (the step's end on CUDA too)."""
+    torch.manual_seed(0)
+    model = GPT(s).to(device)
+    decay = [p for n, p in model.named_parameters() if n.startswith("blocks") and p.dim() == 2]
+    no_decay = [p for n, p in model.named_parameters() if not (n.startswith("blocks") and p.dim() == 2)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)  # fused: ~2x foreach on CPU
+    forward = torch.compile(model) if compile else model
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, s.vocab, (s.batch, s.context + 1), generator=gen, dtype=torch.int64).to(device)
+
+    def step():
+        logits = forward(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, s.vocab), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.item()
+
+    return step, sum(p.numel() for p in model.parameters())
 
 
 def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
@@ -80,29 +130,11 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (inductor, CPU)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count())
-    torch.manual_seed(0)
-
-    model = GPT()
-    decay = [p for n, p in model.named_parameters() if n.startswith("blocks") and p.dim() == 2]
-    no_decay = [p for n, p in model.named_parameters() if not (n.startswith("blocks") and p.dim() == 2)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)  # fused: ~2x foreach on CPU
-    forward = torch.compile(model) if args.compile else model
-    batch = torch.randint(0, V, (B, T + 1), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
-
-    def step():
-        logits = forward(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, V), batch[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss.item()
-
-    n_params = sum(p.numel() for p in model.parameters())
-    tokens = B * T
+    shape = Shape()
+    step, n_params = build_step(shape, compile=args.compile)
+    tokens = shape.batch * shape.context
     flops_6n = 6 * n_params * tokens
-    flops_full = (6.0 * (L * 12 * D * D + D * V) + 12.0 * L * D * T) * tokens  # eqtrain flops_per_token
+    flops_full = flops_per_step(shape)
     peak = matmul_peak()
     print(f"devices: 1 x cpu ({os.cpu_count()} threads) | peak {peak / 1e9:,.0f} GFLOP/s (torch.mm 2048) "
           f"| params {n_params / 1e6:.2f}M | tokens/step {tokens:,} | float32 | torch {torch.__version__} "

@@ -26,6 +26,8 @@ if [[ "${SMOKE:-0}" == "1" ]]; then
 elif ! python -c "import jax,sys; sys.exit(jax.devices()[0].platform == 'cpu')"; then
   compute_dtype=float32
 fi
+source scripts/xla_gpu_flags.sh  # XLA's recommended GPU flags, on an NVIDIA GPU only (docs/performance.md)
+eqtrain_xla_gpu_flags            # EQTRAIN_GPU_FLAGS=0 leaves XLA_FLAGS alone; your own XLA_FLAGS are kept
 
 # exec: python replaces this shell, so the signal SLURM sends the batch shell before a time limit
 # (#SBATCH --signal=B:USR1@120) reaches the trainer, which saves and exits 3 (requeue it).
