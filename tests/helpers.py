@@ -6,7 +6,10 @@ Importing this module sets the process's BLAS and XLA flags (below); tests/conft
 first, so that happens before anything in the session imports jax.
 """
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -117,3 +120,38 @@ def random_grads(shapes: dict, steps: int, seed=0):
 
     rng = np.random.default_rng(seed)
     return [{k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()} for _ in range(steps)]
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ShardedCheck:
+    """tests/sharded_step_check.py (with `args`: its --moe / --model modes) started as a background
+    set-up (tests/background.py): its half minute and more of XLA compiling overlaps the in-process
+    tests instead of following them. `result()` is its JSON line."""
+
+    def __init__(self, where, cache_dir, args: tuple[str, ...] = ()):
+        self._out, self._err = where / "sharded.stdout", where / "sharded.stderr"
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",  # the script adds level 0
+               "JAX_PLATFORMS": "cpu",
+               "EQTRAIN_CACHE": str(cache_dir)}
+        with open(self._out, "w") as out, open(self._err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "sharded_step_check.py"), *args],
+                                         cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+
+    def wait(self) -> None:
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def result(self) -> dict:
+        try:
+            code = self.proc.wait(600)
+        except subprocess.TimeoutExpired:
+            self.close()
+            pytest.fail("tests/sharded_step_check.py did not finish within 600 s")
+        assert code == 0, self._err.read_text()[-4000:]
+        return json.loads(self._out.read_text().strip().splitlines()[-1])

@@ -16,15 +16,14 @@ import functools
 import json
 import math
 import os
-import subprocess
-import sys
 
+import background
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import compose_config
+from helpers import ShardedCheck, compose_config
 
 import models
 import train_jax as T
@@ -404,15 +403,17 @@ def test_a_short_run_through_train_jax_lowers_the_loss(tmp_path, monkeypatch):
     assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.3, losses
 
 
+@background.setup
+def llama_sharded_check(ctx) -> ShardedCheck:
+    return ShardedCheck(ctx.tmp_path_factory.mktemp("llama_sharded"), ctx.tmp_path_factory.mktemp("llama_cache"),
+                        ("--model", "llama_tiny"))
+
+
 @pytest.mark.slow
-def test_data_fsdp_tensor_on_8_devices_equals_1_device():
+def test_data_fsdp_tensor_on_8_devices_equals_1_device(llama_sharded_check):
     """tests/sharded_step_check.py --model llama_tiny: 3 steps of 2 micro-batches on data 2 x fsdp 2 x
     tensor 2 against 1 device (its tolerances: tests/test_train_step.py's, rtol 1e-5)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_step_check.py"), "--model",
-                          "llama_tiny"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = llama_sharded_check.result()
     assert r["devices"] == 8 and r["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
     np.testing.assert_allclose(r["losses_tp"], r["losses_1"], rtol=1e-5)
     assert r["params_allclose"] and r["kept"] and r["params_moved"] > 1e-3

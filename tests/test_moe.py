@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
-import subprocess
-import sys
 
+import background
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import compose_config
+from helpers import ShardedCheck, compose_config
 
 import models
 import train_jax as T
@@ -288,17 +286,19 @@ def test_bad_moe_knobs_are_one_line_errors(overrides, knob):
     assert "\n" not in str(e.value)
 
 
+@background.setup
+def moe_sharded_check(ctx) -> ShardedCheck:
+    return ShardedCheck(ctx.tmp_path_factory.mktemp("moe_sharded"), ctx.tmp_path_factory.mktemp("moe_cache"),
+                        ("--moe",))
+
+
 @pytest.mark.slow
-def test_expert_parallel_on_8_devices_equals_1_device():
+def test_expert_parallel_on_8_devices_equals_1_device(moe_sharded_check):
     """tests/sharded_step_check.py --moe: 3 steps of 2 micro-batches with 4 experts, capacity routing
     on data 2 x expert 2 x fsdp 2 and dropless routing (every second block MoE) on expert 2 x fsdp 2
     x tensor 2, against 1 device (tests/test_train_step.py's tolerance, rtol 1e-5: the same global
     computation, only float summation order differs). The experts' axis is split over `expert`."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_step_check.py"), "--moe"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = moe_sharded_check.result()
     assert r["devices"] == 8
     assert r["capacity"]["mesh"] == {"data": 2, "expert": 2, "fsdp": 2, "tensor": 1}
     assert r["dropless"]["mesh"] == {"data": 1, "expert": 2, "fsdp": 2, "tensor": 2}

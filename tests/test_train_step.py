@@ -2,10 +2,7 @@
 metrics; and (in a subprocess with 8 forced host devices) the sharded step against the 1-device
 one. Assembly as in bench/step_speed.py, with synthetic token batches (no corpus needed)."""
 
-import json
 import os
-import subprocess
-import sys
 
 import background
 import equinox as eqx
@@ -13,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import ShardedCheck
 
 import train_jax as T
 from models import losses
@@ -146,38 +144,6 @@ def test_step_donates_state_and_reports_metrics(tiny_run):
 
 
 # --- 8 forced host devices (subprocess: XLA_FLAGS must be set before jax is imported) ------------
-
-
-class ShardedCheck:
-    """tests/sharded_step_check.py started at the beginning of the session (a background set-up,
-    tests/background.py): its minute and more of XLA compiling overlaps the in-process tests instead
-    of following them."""
-
-    def __init__(self, where, cache_dir):
-        self._out, self._err = where / "sharded.stdout", where / "sharded.stderr"
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",  # the script adds level 0
-               "JAX_PLATFORMS": "cpu",
-               "EQTRAIN_CACHE": str(cache_dir)}
-        with open(self._out, "w") as out, open(self._err, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "sharded_step_check.py")],
-                                         cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
-
-    def wait(self) -> None:
-        self.proc.wait()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def result(self) -> dict:
-        try:
-            code = self.proc.wait(600)
-        except subprocess.TimeoutExpired:
-            self.close()
-            pytest.fail("tests/sharded_step_check.py did not finish within 600 s")
-        assert code == 0, self._err.read_text()[-4000:]
-        return json.loads(self._out.read_text().strip().splitlines()[-1])
 
 
 @background.setup
