@@ -399,6 +399,31 @@ def test_a_bandwidth_cap_reaches_every_upload_and_uploads_the_same_bytes(s3_env,
     assert default.max_bandwidth is None and default.max_concurrency > 1
 
 
+def test_a_save_while_an_upload_is_still_going_warns_once(s3_env, tmp_path, monkeypatch, capsys):
+    """Saves that outpace the uploads (a low checkpoint.remote_bandwidth, frequent saves) are said
+    once, naming the knob; both checkpoints still go up, in order."""
+    release = threading.Event()
+    real = remote.Mirror._put_file
+
+    def stalled(mirror, path, key):
+        release.wait(60)
+        real(mirror, path, key)
+
+    monkeypatch.setattr(remote.Mirror, "_put_file", stalled)
+    mirror = remote.Mirror(url("lagging"), str(tmp_path), remote.keep_policy(3, None), saving=lambda: False)
+    for step in (2, 4, 6):
+        fake_checkpoint(tmp_path, step, files=2)
+    mirror.submit(2)
+    mirror.submit(4)
+    mirror.submit(6)
+    release.set()
+    mirror.close()
+    out = capsys.readouterr().out
+    assert out.count("uploads fall behind the saves") == 1 and "checkpoint.remote_bandwidth" in out
+    assert "iter_4 was saved while iter_2 is still uploading" in out
+    assert mirror.uploaded == [2, 4, 6]
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "true"])
 def test_a_bad_bandwidth_cap_is_a_one_line_config_error(tiny_run, tmp_path, value):
     with pytest.raises(ConfigError, match=r"^checkpoint\.remote_bandwidth=") as e:

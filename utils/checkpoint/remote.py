@@ -288,6 +288,8 @@ class Mirror:
         self.uploaded: list[int] = []
         self.failed: list[int] = []
         self._closed = False
+        self._live = False  # past the start-up's catch-up uploads: a backlog from now on means uploads lag
+        self._lag_warned = False
         self._threads = [threading.Thread(target=self._watch, name="checkpoint.remote watcher", daemon=True),
                          threading.Thread(target=self._upload_all, name="checkpoint.remote uploader", daemon=True)]
         for t in self._threads:
@@ -297,6 +299,7 @@ class Mirror:
         for step in sorted(keep(complete_steps(directory))):
             if MARKER not in remote.get(step, {}):
                 self.submit(step)
+        self._live = True
 
     @classmethod
     def of(cls, cfg: CheckpointConfig, saving: Callable[[], bool], best: bool = False) -> "Mirror | None":
@@ -315,7 +318,13 @@ class Mirror:
         with self._lock:
             if step in self._pending:
                 return
+            behind = sorted(self._pending) if self._live else []
             self._pending.add(step)
+        if behind and not self._lag_warned:  # once per run: the saves outpace the uploads
+            self._lag_warned = True
+            warn(f"checkpoint.remote: {STEP_PREFIX}_{step} was saved while {STEP_PREFIX}_{behind[0]} is still "
+                 f"uploading to {self.url}: uploads fall behind the saves; raise checkpoint.remote_bandwidth "
+                 "(or set it to null) or save less often")
         self._submitted.put(step)
 
     def busy(self) -> bool:
