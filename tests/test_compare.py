@@ -12,9 +12,12 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 
+import background
 import pytest
-from helpers import TINY_OVERRIDES, load_script
+from helpers import REPO, TINY_OVERRIDES, load_script
 
 import train_jax as T
 from utils.compare import launch
@@ -351,18 +354,59 @@ def test_local_launcher_runs_each_run_in_its_own_process(reference, tmp_path, _c
     assert len([p for p in (path / ".submitit").iterdir() if p.name.isdigit()]) == 3  # a job folder per run
 
 
+class SlurmComparison:
+    """The tiny comparison through hydra/launcher=slurm with its driver (scripts/compare.py, its
+    report stubbed) in a subprocess started as a background set-up (tests/background.py): its half
+    minute of waiting on SLURM overlaps the in-process tests. No driver without a cluster."""
+
+    def __init__(self, where, cache_dir, problem: str | None):
+        self.problem, self.path, self._out = problem, where / "launched", where / "driver.stdout"
+        self.proc = None
+        if problem:
+            return
+        code = ("import sys; sys.path.insert(0, 'tests'); from helpers import load_script; "
+                "script = load_script('compare'); script.build_report = lambda d: None; "
+                "sys.exit(script.main(sys.argv[1:]))")
+        env = {**os.environ, "EQTRAIN_CACHE": str(cache_dir), "WANDB_MODE": "disabled"}
+        with open(self._out, "w") as out, open(where / "driver.stderr", "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", code, *ARGV, "hydra/launcher=slurm",
+                                          "hydra.launcher.partition=debug", "hydra.launcher.timeout_min=10",
+                                          "parallel=2", f"dir={self.path}"],
+                                         cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+
+    def wait(self) -> None:
+        if self.proc is not None:
+            self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def result(self) -> list[str]:
+        """The driver's output lines, once it has exited 0."""
+        code = self.proc.wait(600)
+        assert code == 0, (self._out.parent / "driver.stderr").read_text()[-4000:]
+        return self._out.read_text().splitlines()
+
+
+@background.setup
+def slurm_comparison(ctx) -> SlurmComparison:
+    from slurm_cluster import cluster_problem
+
+    return SlurmComparison(ctx.tmp_path_factory.mktemp("slurm_compare"), ctx.cache_dir, cluster_problem("debug"))
+
+
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_slurm_launcher_runs_each_run_as_a_slurm_job(reference, tmp_path, _cache_dir):
+def test_slurm_launcher_runs_each_run_as_a_slurm_job(reference, slurm_comparison):
     """hydra/launcher=slurm on the local one-node cluster (scripts/slurm/local_cluster.sh): a
     SLURM job per run, branches submitted when their trunk is done; the same losses as in-process."""
-    from slurm_cluster import cluster_problem, no_cluster
+    from slurm_cluster import no_cluster
 
-    problem = cluster_problem("debug")
-    if problem:
-        no_cluster(problem)
-    lines, path = _launched(tmp_path, _cache_dir, "hydra/launcher=slurm", "hydra.launcher.partition=debug",
-                            "hydra.launcher.timeout_min=10", "parallel=2")
+    if slurm_comparison.problem:
+        no_cluster(slurm_comparison.problem)
+    lines, path = slurm_comparison.result(), slurm_comparison.path
     _same_as_reference(lines, path, reference)
     scripts = [p.read_text() for p in (path / ".submitit").glob("*/*_submission.sh")]
     assert len(scripts) == 3 and all("#SBATCH --partition=debug" in s for s in scripts)  # sbatch scripts
