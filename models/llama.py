@@ -31,7 +31,7 @@ from models.layers import (
     rms,
 )
 from models.lora import LoraConfig, branch, branch_keys
-from models.moe import MoE, MoEConfig, block_axes, init_blocks, run_blocks
+from models.moe import MoE, MoEConfig, init_blocks, logical_axes, run_blocks
 from models.moe import flops_per_token as moe_flops
 from utils.errors import CheckpointError, ConfigError
 
@@ -348,14 +348,7 @@ PARAM_AXES = {
 def param_axes(model: Llama) -> Llama:
     """Same tree as `model`, each array replaced by the logical names of its dimensions."""
 
-    def axes(path, leaf) -> tuple:
-        names = tuple(getattr(p, "name", "") for p in path)
-        logical = next((v for key, v in PARAM_AXES.items() if names[-len(key):] == key), None)
-        if names[0] == "blocks":  # the stacked axes in front (grouped MoE blocks: two; experts: `expert`)
-            return block_axes(names, leaf.ndim, logical)
-        return logical or ("embed",) * leaf.ndim
-
-    return jax.tree_util.tree_map_with_path(axes, model)
+    return logical_axes(model, PARAM_AXES)
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:

@@ -248,6 +248,21 @@ def run_blocks(call: Callable, x_BxTxD: jax.Array, blocks, key: jax.Array | None
     return x_BxTxD, {kind: v if kind == "moe" else v.reshape(L) for kind, v in stats.items()}
 
 
+def logical_axes(model, table: dict[tuple[str, ...], tuple[str, ...]]):
+    """Same tree as `model`, each array replaced by the logical names of its dimensions: the `table`
+    entry whose key ends the array's path (a family's PARAM_AXES), after the stacked axes of blocks
+    (block_axes); `embed` for every dimension of an array the table does not name."""
+
+    def axes(path, leaf) -> tuple:
+        names = tuple(getattr(p, "name", "") for p in path)
+        logical = next((v for key, v in table.items() if names[-len(key):] == key), None)
+        if names[0] == "blocks":  # the stacked axes in front (grouped MoE blocks: two; experts: `expert`)
+            return block_axes(names, leaf.ndim, logical)
+        return logical or ("embed",) * leaf.ndim
+
+    return jax.tree_util.tree_map_with_path(axes, model)
+
+
 def block_axes(names: tuple[str, ...], ndim: int, logical: tuple | None) -> tuple:
     """The logical axes of a stacked block leaf at path `names`: `logical` is the family's for a
     plain stacked block (("layers", ...); None: a vector per block, ("layers", "embed")). Every
