@@ -20,10 +20,10 @@ import numpy as np
 
 from models import attention
 from models.layers import (
-    REMAT_POLICIES,
     LayerNorm,
     Linear,
     apply_blocks,
+    check_run_knobs,
     document_positions,
     dropout,
     layer_norm,
@@ -70,18 +70,8 @@ class GPTConfig:
                 "pick a head count that divides dim"
             )
         self.moe.check_blocks(self.num_blocks, prefix)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"{prefix}.dropout={self.dropout} must be in [0, 1)")
-        if self.remat not in REMAT_POLICIES:
-            raise ConfigError(f"{prefix}.remat={self.remat!r} must be one of {', '.join(REMAT_POLICIES)}")
-        if self.scan_unroll <= 0:
-            raise ConfigError(f"{prefix}.scan_unroll={self.scan_unroll} must be a positive integer "
-                              f"(1 = one block per scan iteration, {prefix}.num_blocks = fully unrolled)")
-        if self.attn_block_size is not None and self.attn_block_size <= 0:
-            raise ConfigError(f"{prefix}.attn_block_size={self.attn_block_size} must be positive or null")
+        check_run_knobs(self, prefix)
         attention.check_config(self, prefix)
-        if self.vocab_size is not None and self.vocab_size <= 0:
-            raise ConfigError(f"{prefix}.vocab_size={self.vocab_size} must be positive or null")
 
     @property
     def head_dim(self) -> int:

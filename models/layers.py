@@ -117,6 +117,24 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
+def check_run_knobs(cfg, prefix: str) -> None:
+    """The knobs every family's Config has for how its blocks run (dropout, remat, scan_unroll,
+    attn_block_size) and vocab_size: one-line ConfigErrors, the same in every family."""
+    from utils.errors import ConfigError
+
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"{prefix}.dropout={cfg.dropout} must be in [0, 1)")
+    if cfg.remat not in REMAT_POLICIES:
+        raise ConfigError(f"{prefix}.remat={cfg.remat!r} must be one of {', '.join(REMAT_POLICIES)}")
+    if cfg.scan_unroll <= 0:
+        raise ConfigError(f"{prefix}.scan_unroll={cfg.scan_unroll} must be a positive integer "
+                          f"(1 = one block per scan iteration, {prefix}.num_blocks = fully unrolled)")
+    if cfg.attn_block_size is not None and cfg.attn_block_size <= 0:
+        raise ConfigError(f"{prefix}.attn_block_size={cfg.attn_block_size} must be positive or null")
+    if cfg.vocab_size is not None and cfg.vocab_size <= 0:
+        raise ConfigError(f"{prefix}.vocab_size={cfg.vocab_size} must be positive or null")
+
+
 def apply_blocks(apply, x_BxTxD: jax.Array, blocks, key: jax.Array | None, num_blocks: int, remat: str,
                  scan: bool, unroll: int, collect: bool):
     """Run `apply(x, (block, key)) -> (x, stats or None)` over stacked `blocks` (every leaf has a
