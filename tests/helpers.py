@@ -125,7 +125,22 @@ def random_grads(shapes: dict, steps: int, seed=0):
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class ShardedCheck:
+class BackgroundProcess:
+    """A background set-up's handle (tests/background.py) over one subprocess `self.proc` (None: nothing started)."""
+
+    proc: subprocess.Popen | None = None
+
+    def wait(self) -> None:
+        if self.proc is not None:
+            self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ShardedCheck(BackgroundProcess):
     """tests/sharded_step_check.py (with `args`: its --moe / --model modes) started as a background
     set-up (tests/background.py): its half minute and more of XLA compiling overlaps the in-process
     tests instead of following them. `result()` is its JSON line."""
@@ -138,14 +153,6 @@ class ShardedCheck:
         with open(self._out, "w") as out, open(self._err, "w") as err:
             self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "sharded_step_check.py"), *args],
                                          cwd=REPO, env=env, stdout=out, stderr=err, text=True)
-
-    def wait(self) -> None:
-        self.proc.wait()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
     def result(self) -> dict:
         try:

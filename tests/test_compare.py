@@ -17,7 +17,7 @@ import sys
 
 import background
 import pytest
-from helpers import REPO, TINY_OVERRIDES, load_script
+from helpers import REPO, TINY_OVERRIDES, BackgroundProcess, load_script
 
 import train_jax as T
 from utils.compare import launch
@@ -354,14 +354,13 @@ def test_local_launcher_runs_each_run_in_its_own_process(reference, tmp_path, _c
     assert len([p for p in (path / ".submitit").iterdir() if p.name.isdigit()]) == 3  # a job folder per run
 
 
-class SlurmComparison:
+class SlurmComparison(BackgroundProcess):
     """The tiny comparison through hydra/launcher=slurm with its driver (scripts/compare.py, its
     report stubbed) in a subprocess started as a background set-up (tests/background.py): its half
     minute of waiting on SLURM overlaps the in-process tests. No driver without a cluster."""
 
     def __init__(self, where, cache_dir, problem: str | None):
         self.problem, self.path, self._out = problem, where / "launched", where / "driver.stdout"
-        self.proc = None
         if problem:
             return
         code = ("import sys; sys.path.insert(0, 'tests'); from helpers import load_script; "
@@ -373,15 +372,6 @@ class SlurmComparison:
                                           "hydra.launcher.partition=debug", "hydra.launcher.timeout_min=10",
                                           "parallel=2", f"dir={self.path}"],
                                          cwd=REPO, env=env, stdout=out, stderr=err, text=True)
-
-    def wait(self) -> None:
-        if self.proc is not None:
-            self.proc.wait()
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
     def result(self) -> list[str]:
         """The driver's output lines, once it has exited 0."""
