@@ -30,7 +30,7 @@ from optimizer import diagnostics, eval_view, group_schedules, make_optimizer
 from optimizer.nonfinite import skip_nonfinite
 from optimizer.restart import fresh_state
 from utils import cli
-from utils.checkpoint.resume import merge_config, restore_state, resume_source
+from utils.checkpoint.resume import frozen_base, merge_config, restore_state, resume_source
 from utils.checkpoint.signals import Preempted, StopSignals
 from utils.checkpoint.storage import Checkpointer, Source, step_path
 from utils.config import RunConfig, resolve_vocab, to_dict, validate
@@ -42,7 +42,7 @@ from utils.train import aux_state, early_stopping, loss_scale, step_metrics
 from utils.train import hooks as H
 from utils.train.activations import ActivationNorms
 from utils.train.flops import peak_flops
-from utils.train.step import TrainState, build_train_step
+from utils.train.step import TrainState, build_train_step, initial_keys
 from utils.train.trainer import Trainer
 
 
@@ -57,8 +57,7 @@ def init_data(run: RunConfig, tokenizer: Tokenizer, docs=None, state: dict | Non
 
 
 def init_model(run: RunConfig, key: jax.Array) -> eqx.Module:
-    cast = lambda x: x.astype(run.train.param_dtype) if eqx.is_inexact_array(x) else x
-    return jax.tree.map(cast, models.build(run.model, key))
+    return models.build(run.model, key, run.train.param_dtype)
 
 
 def init_scheduler(run: RunConfig) -> optax.Schedule:
@@ -79,7 +78,7 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, metrics=(
     init_metrics = lambda m: step_metrics.init_states(metrics, eqx.filter(m, eqx.is_inexact_array))
 
     def build() -> TrainState:
-        model_key, train_key = jax.random.split(jax.random.PRNGKey(run.random_seed))
+        model_key, train_key = initial_keys(run.random_seed)
         model = init_model(run, model_key)
         return TrainState(model, tx.init(eqx.filter(model, eqx.is_array)), jnp.zeros((), jnp.int32), train_key,
                           init_metrics(model), loss_scale.initial(run.train))
@@ -89,7 +88,7 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, metrics=(
                                        zero1=run.parallel.shard_optimizer_state)
     if source is None:
         return jax.jit(build, out_shardings=shardings)(), shardings
-    return restore_state(source, abstract, shardings, dataclasses.asdict(run.model),
+    return restore_state(source, abstract, shardings, dataclasses.asdict(run.model), build,
                          lambda m, step: fresh_state(tx, eqx.filter(m, eqx.is_array), step, shardings.opt_state),
                          jax.jit(init_metrics, out_shardings=shardings.metric_states)), shardings
 
@@ -141,7 +140,7 @@ def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[st
     by_group = group_schedules(o.hparams, schedule, o.schedule.lr, o.group_overrides)
     metrics = step_metrics.defaults(schedule, by_group, jax.tree.leaves(labels), run.train.skip_nonfinite)
     if aux.on:
-        metrics.append(aux_state.AuxHook(aux))
+        metrics.append(aux_state.AuxHook(aux, labels))
     if aux.on and aux.per_layer:
         metrics += [aux_state.per_layer(models.blocks, run.model.num_blocks), step_metrics.expert_loads()]
     if aux.on and aux.optim_diagnostics:
@@ -162,8 +161,8 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
                                         resumed.get("metrics", {}).get("time/elapsed_sec", 0.0))]
     if not t.skip_validation:
         hooks.append(H.Evaluation(trainer.evaluate, t.val_freq, t.max_steps, t.val_at_start))
-    saver = (Checkpointer(ck, run.config_dict, dataclasses.asdict(run.model), warn, trainer.eval_view)
-             if ck.save else None)
+    saver = (Checkpointer(ck, run.config_dict, dataclasses.asdict(run.model), warn, trainer.eval_view,
+                          frozen_base(trainer, source)) if ck.save else None)
     # Opened last, so a hook that fails to build leaves no open file, bar or wandb run behind.
     sinks = open_sinks(run.logging, run_dir, t.max_steps, int(trainer.state.step), run.config_dict,
                        saved=resumed.get("sinks"))  # a resumed run continues its wandb run

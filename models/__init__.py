@@ -62,14 +62,19 @@ def config_from_dict(raw: dict, prefix: str = "model"):
     return cfg
 
 
-def build(cfg, key: jax.Array):
+def build(cfg, key: jax.Array, param_dtype=None):
     """A freshly initialised model of `cfg` (vocab_size resolved), or with `model.init_from` the
-    weights of that Hugging Face directory (models/hf.py; read lazily, never under eval_shape)."""
+    weights of that Hugging Face directory (models/hf.py; read lazily, never under eval_shape);
+    its float arrays cast to `param_dtype` (train.param_dtype) when given."""
     if getattr(cfg, "init_from", None):
         from models import hf  # here: models.hf imports this registry
 
-        return lora.attach(hf.build_from_hf(cfg, key), lora_config(cfg), key)
-    return lora.attach(family(cfg).Model(cfg, key), lora_config(cfg), key)  # model.lora: factors on a frozen base
+        model = lora.attach(hf.build_from_hf(cfg, key), lora_config(cfg), key)
+    else:
+        model = lora.attach(family(cfg).Model(cfg, key), lora_config(cfg), key)  # model.lora: factors on a frozen base
+    if param_dtype is None:
+        return model
+    return jax.tree.map(lambda x: x.astype(param_dtype) if eqx.is_inexact_array(x) else x, model)
 
 
 def abstract(cfg):

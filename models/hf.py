@@ -166,7 +166,9 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
     tensors: dict[str, np.ndarray] = {}
     for shard in _shards(path):
         try:
-            with safe_open(shard, framework="flax") as f:  # the numpy reader has no bfloat16
+            # numpy, not flax: this runs inside the init program's pure_callbacks, where a JAX array (a
+            # device_put needing XLA's threads, all waiting on _READ_LOCK) deadlocks a model of some MB.
+            with safe_open(shard, framework="numpy") as f:  # bfloat16 as ml_dtypes' (safetensors >= 0.8)
                 for name in f.keys():
                     x = np.asarray(f.get_tensor(name))
                     tensors[name] = x.astype(np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
@@ -204,7 +206,7 @@ def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for shard in _shards(path):
         try:
-            with safe_open(shard, framework="flax") as f:
+            with safe_open(shard, framework="numpy") as f:
                 shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
             raise CheckpointError(f"{shard} cannot be read ({type(e).__name__}: {e}): save the model again") from None
@@ -224,7 +226,8 @@ def fill(cfg, named: dict[str, np.ndarray], where: str):
     `from_hf_tensors`, after they have mapped Hugging Face names and layouts to ours."""
     from utils.checkpoint.storage import leaf_name
 
-    shapes = eqx.filter_eval_shape(models.family(cfg).Model, cfg, jax.random.PRNGKey(0))
+    # the key made under the trace: a concrete one would be a device transfer (see _READ_LOCK)
+    shapes = eqx.filter_eval_shape(lambda: models.family(cfg).Model(cfg, jax.random.PRNGKey(0)))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     filled = []
     for p, x in leaves:
@@ -262,7 +265,9 @@ def _host_model(cfg, path: str) -> eqx.Module:
     return models.family(cfg).from_hf_tensors(cfg, read_tensors(path))
 
 
-_READ_LOCK = threading.Lock()  # XLA may run the per-leaf callbacks on several threads at once
+# XLA may run the per-leaf callbacks on several threads at once. Everything under the lock is numpy:
+# a JAX computation there would wait for XLA threads that are waiting for the lock.
+_READ_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1)

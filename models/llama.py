@@ -484,7 +484,7 @@ def from_hf_tensors(cfg: LlamaConfig, tensors: dict) -> Llama:
     """The model of `cfg` holding Hugging Face weights (`hf_tensors`' inverse), float32. Extra
     tensors (a tied model's `lm_head.weight`, rotary buffers) are ignored; a missing or misshapen
     one is a CheckpointError naming it."""
-    template = eqx.filter_eval_shape(Llama, cfg, jax.random.PRNGKey(0))
+    template = eqx.filter_eval_shape(lambda: Llama(cfg, jax.random.PRNGKey(0)))  # no device transfer: models/hf.py
     shapes = jax.tree.leaves(template)
     leaves = []
     for (name, transposed, stacked), shape in zip(_leaf_names(template), shapes, strict=True):
@@ -501,7 +501,7 @@ def from_hf_tensors(cfg: LlamaConfig, tensors: dict) -> Llama:
                 raise CheckpointError(f"tensor {key} has shape {a.shape}, the config.json's model needs "
                                       f"{tuple(want)}: the weights and config.json disagree; re-export them together")
             parts.append(a.T if transposed else a)
-        leaves.append(jnp.asarray(np.stack(parts) if stacked else parts[0]))
+        leaves.append(np.stack(parts) if stacked else parts[0])  # numpy: models/hf.py reads under a callback
     return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
 

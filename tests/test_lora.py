@@ -158,6 +158,34 @@ def test_frozen_base_gets_zero_gradient_and_no_optimizer_state(tiny_run):
         assert (np.abs(g).max() > 0) == is_factor(name), name
 
 
+def test_the_aux_hook_keeps_no_buffers_for_the_frozen_base(tiny_run):
+    """With LoRA the aux-state hook's three per-parameter buffers hold the factors alone (not three
+    copies of the base), and every diagnostic it logs, the extra x(n-1) forward/backward's included,
+    equals the hook keeping buffers for every array: the base's terms are exact zeros."""
+    from utils.train import aux_state
+
+    run = tiny_run(*LORA, "logging.log_callback_data=true", "logging.compute_last_loss=true",
+                   "logging.compute_last_grads=true", "logging.optim_diagnostics=false",
+                   "optimizer.groups.lora.lr=1e-2", "optimizer/lr_config=constant", "optimizer.lr_config.warmup=0")
+    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
+    labels = models.param_labels(models.abstract(run.model))
+    schedule = train_jax.init_scheduler(run)
+    results = []
+    for hook_labels in (labels, None):
+        metrics = [m for m in train_jax.default_metrics(run, schedule, labels) if m.name != "aux"]
+        metrics.append(aux_state.AuxHook(run.logging.aux, hook_labels))
+        _, _, state, step = train_jax.init_training(run, mesh, metrics=metrics)
+        for i in range(3):
+            state, out = step(state, batch(run, i), True)
+        results.append((state.metric_states["aux"], {k: float(v) for k, v in out.items()}))
+    (kept, logged), (full, want) = results
+    for buffer in (kept.last_params, kept.last_grads, kept.past_grads):
+        assert sorted(arrays(buffer)) == sorted(n for n in arrays(full.last_params) if is_factor(n))
+    assert set(logged) == set(want) and any(k.startswith("update/") for k in logged)
+    for name, value in want.items():  # the same terms summed, zeros left out: float32 rounding at most
+        assert logged[name] == pytest.approx(value, rel=16 * F32_EPS, abs=16 * F32_EPS), name
+
+
 def test_lora_group_validation_and_lr_override(tiny_run):
     run = tiny_run(*LORA, "optimizer.groups.lora.lr=5e-3", "optimizer.groups.lora.weight_decay=0.01")
     assert run.optimizer.group_overrides["lora"] == {"lr": 5e-3, "weight_decay": 0.01}

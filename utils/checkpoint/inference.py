@@ -14,6 +14,7 @@ import dataclasses
 import os
 from typing import Any
 
+import equinox as eqx
 from omegaconf import OmegaConf
 
 import models
@@ -23,6 +24,7 @@ from utils import files
 from utils.checkpoint import storage as ckptlib
 from utils.config import RunConfig, validate
 from utils.errors import CheckpointError
+from utils.train.step import initial_keys
 
 _ROOT_CONFIG = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf", "config.yaml")
@@ -48,7 +50,7 @@ def checkpoint_parser(doc: str) -> argparse.ArgumentParser:
 def open_for_inference(directory: str, load_file: str) -> tuple[ckptlib.Source, RunConfig]:
     """The checkpoint and its run config, validated, with this machine's cache_dir and the
     checkpoint's resolved model config (vocab_size filled in)."""
-    source = ckptlib.open_checkpoint(directory, load_file, with_opt_state=False,
+    source = ckptlib.open_checkpoint(files.user_path(directory), load_file, with_opt_state=False,
                                      names=("CHECKPOINT_DIR ", "--load-file "))
     config = dict(source.config)
     config["cache_dir"] = local_cache_dir()
@@ -59,9 +61,12 @@ def open_for_inference(directory: str, load_file: str) -> tuple[ckptlib.Source, 
 
 
 def restore_for_inference(directory: str, load_file: str) -> tuple[ckptlib.Source, RunConfig, Any]:
-    """`open_for_inference` plus the model's arrays (the optimizer state is never read)."""
+    """`open_for_inference` plus the model's arrays (the optimizer state is never read); a LoRA
+    checkpoint's frozen base, which it holds by reference, rebuilt as its run built it."""
     source, run = open_for_inference(directory, load_file)
-    model = ckptlib.restore_model(source, abstract_model(run.model, run.train.param_dtype))
+    rebuild = lambda: eqx.filter_jit(models.build)(run.model, initial_keys(run.random_seed)[0],
+                                                   run.train.param_dtype)
+    model = ckptlib.restore_model(source, abstract_model(run.model, run.train.param_dtype), rebuild)
     return source, run, model
 
 

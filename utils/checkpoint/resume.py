@@ -13,7 +13,9 @@ from typing import Any, Callable
 
 import jax
 
+from models import lora
 from utils.checkpoint import remote
+from utils.checkpoint.frozen import MANIFEST_KEY, FrozenPart, fingerprint
 from utils.checkpoint.storage import (
     CheckpointConfig,
     Source,
@@ -21,6 +23,7 @@ from utils.checkpoint.storage import (
     open_checkpoint,
     remove_incomplete,
     restore,
+    with_frozen,
 )
 from utils.errors import ConfigError
 from utils.train.step import TrainState
@@ -104,16 +107,18 @@ def merge_config(source: Source, current: dict, cfg: CheckpointConfig, warn: Cal
 # ----------------------------------------------------------------------------- the state
 
 
-def restore_state(source: Source, abstract, shardings, model_config: dict, fresh_opt_state: Callable,
-                  init_metrics: Callable):
+def restore_state(source: Source, abstract, shardings, model_config: dict, build: Callable,
+                  fresh_opt_state: Callable, init_metrics: Callable):
     """The TrainState saved in `source`, read straight into `shardings` (no host copy of the whole
     state; any mesh shape, any process count). `abstract`: the state's shapes. What the checkpoint
-    lacks is made anew: the optimizer state (`fresh_opt_state(model, step)`, for
-    overwrite_optimizer), the step metrics' states (`init_metrics(model)`, when a run switches
-    them on or changes them) and a float16 run's loss scale (at its init)."""
+    lacks is made anew: the frozen LoRA base it holds by reference (the model of `build()`, the
+    run's initial state, compiled for the model alone), the optimizer state (`fresh_opt_state(model,
+    step)`, for overwrite_optimizer), the step metrics' states (`init_metrics(model)`, when a run
+    switches them on or changes them) and a float16 run's loss scale (at its init)."""
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
     restored = restore(source, target, model_config)
-    model, progress = restored["model"], restored["progress"]
+    model = with_frozen(source, restored["model"], jax.jit(lambda: build().model, out_shardings=shardings.model))
+    progress = restored["progress"]
     opt_state = restored["opt_state"] if "opt_state" in restored else fresh_opt_state(model, progress["step"])
     metric_states = restored["metric_states"] if "metric_states" in restored else (
         {"aux": restored["aux"]} if "aux" in restored else None)
@@ -123,3 +128,20 @@ def restore_state(source: Source, abstract, shardings, model_config: dict, fresh
     if loss_scale is None and abstract.loss_scale is not None:
         loss_scale = jax.jit(abstract.loss_scale.fresh, out_shardings=shardings.loss_scale)()
     return TrainState(model, opt_state, progress["step"], progress["key"], metric_states, loss_scale)
+
+
+def frozen_base(trainer, source: Source | None) -> FrozenPart | None:
+    """A LoRA run's base from model.init_from, which its checkpoints then hold by reference
+    (utils/checkpoint/frozen.py), when the trainer's base is the directory's: a fresh run's, or one
+    rebuilt from a checkpoint that held it by reference (and checked). A random base is saved whole:
+    XLA's random draws are not bit-reproducible across backends, versions and programs (an eager and a
+    jitted draw of the same key differ in the last bit), so a seed is no reference to rebuild it
+    from. A run continued from a checkpoint holding the whole model keeps saving it whole too."""
+    model, run = trainer.state.model, trainer.run
+    if not (lora.has_factors(model) and run.model.init_from) or (
+            source is not None and MANIFEST_KEY not in source.manifest):
+        return None
+    is_frozen = lambda path: not lora.is_factor(path)
+    part = FrozenPart(is_frozen, {"model.init_from": run.model.init_from, "train.param_dtype": run.train.param_dtype},
+                      "")
+    return FrozenPart(is_frozen, part.source, fingerprint(part.frozen(model)))

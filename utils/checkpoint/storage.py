@@ -13,6 +13,9 @@ Layout of `checkpoint.save_path`:
     iter_{N}/config/config.yaml       the run's resolved config
     best/iter_{N}/...                 checkpoint.keep_best: the lowest val/loss so far
 
+A LoRA run's `model` and `eval_model` hold only the trained factors: the frozen base is saved by
+reference (the manifest's `frozen` entry: its source and a fingerprint), `utils/checkpoint/frozen.py`.
+
 orbax writes `iter_N.orbax-checkpoint-tmp` and renames it to `iter_N` only once every item is
 on disk, so a directory named `iter_N` is complete: a `kill -9` mid-save leaves a tmp directory,
 which the next run that saves there removes with a warning. Saves are asynchronous: `save`
@@ -47,6 +50,7 @@ import yaml
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
+from utils.checkpoint import frozen as frozen_ref
 from utils.errors import CheckpointError, ConfigError
 from utils.files import user_path
 
@@ -362,8 +366,16 @@ def _check_model_fits(source: Source, abstract_model: Any, model_config: dict) -
     except Exception as e:  # noqa: BLE001 - any orbax failure here means unreadable metadata
         raise CheckpointError(f"{os.path.join(source.path, 'model')} has unreadable array metadata "
                               f"({type(e).__name__}): the checkpoint is corrupt") from None
-    # Shapes only: orbax casts on restore, so a float32 checkpoint loads into a bfloat16 run.
-    for name, shape in _shapes(abstract_model).items():
+    # Shapes only: orbax casts on restore, so a float32 checkpoint loads into a bfloat16 run. A checkpoint
+    # holding its frozen base by reference lacks those arrays (frozen.complete checks them), never others.
+    needed = _shapes(abstract_model)
+    if frozen_ref.MANIFEST_KEY in source.manifest:
+        stray = sorted(set(saved_leaves) - set(needed))
+        if stray:
+            raise CheckpointError(f"{os.path.join(source.path, 'model')} holds {stray[0]}, which this model lacks: "
+                                  "it is another model's checkpoint; match the model config or start fresh")
+        needed = {name: shape for name, shape in needed.items() if name in saved_leaves}
+    for name, shape in needed.items():
         if saved_leaves.get(name) != shape:
             got = f"shape {saved_leaves[name]}" if name in saved_leaves else "nothing"
             raise CheckpointError(f"{os.path.join(source.path, 'model')} holds {got} for {name}, this model needs "
@@ -371,21 +383,44 @@ def _check_model_fits(source: Source, abstract_model: Any, model_config: dict) -
                                   "start fresh")
 
 
-def restore_model(source: Source, abstract_model: Any) -> Any:
+def restore_model(source: Source, abstract_model: Any, rebuild: Callable[[], Any] | None = None) -> Any:
     """Only the model of `source`, into the shapes (and shardings, if any) of `abstract_model`
     (e.g. `models.abstract(models.config_from_dict(source.manifest["model"]))`): for export
     and sampling, which need no optimizer state. The model to evaluate (`eval_model`) where the
-    checkpoint has one, else the trained one."""
+    checkpoint has one, else the trained one. `rebuild()` makes the model as the run started it;
+    it is called only for a checkpoint that holds its frozen base by reference."""
     _quiet_orbax()
     _check_model_fits(source, _arrays(abstract_model), {})
     item = EVAL_MODEL if os.path.isdir(os.path.join(source.path, EVAL_MODEL)) else "model"
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             restored = checkpointer.restore(
-                source.path, args=ocp.args.Composite(**{item: _restore_args(_arrays(abstract_model))}))
+                source.path, args=ocp.args.Composite(**{item: _restore_args(saved_part(source, abstract_model))}))
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types; the user needs the file
         raise _restore_error(source, e) from None
-    return eqx.combine(restored[item], abstract_model)
+    return eqx.combine(with_frozen(source, restored[item], rebuild), abstract_model)
+
+
+def saved_part(source: Source, abstract_model: Any) -> Any:
+    """The arrays of `abstract_model` that `source`'s model item holds: all, or without the frozen
+    ones a LoRA checkpoint keeps by reference."""
+    arrays = _arrays(abstract_model)
+    if frozen_ref.MANIFEST_KEY not in source.manifest:
+        return arrays
+    saved = _saved_shapes(os.path.join(source.path, "model"))
+    return jax.tree_util.tree_map_with_path(lambda p, x: x if leaf_name(p) in saved else None, arrays)
+
+
+def with_frozen(source: Source, model: Any, rebuild: Callable[[], Any] | None) -> Any:
+    """A restored model, completed with its frozen arrays rebuilt by `rebuild()` (checked against the
+    manifest's fingerprint) when `source` holds them by reference; else `model` as it is."""
+    record = source.manifest.get(frozen_ref.MANIFEST_KEY)
+    if record is None:
+        return model
+    if rebuild is None:
+        raise CheckpointError(f"{source.path} holds LoRA factors without their base: restore it with "
+                              "utils.checkpoint.inference.restore_for_inference, which reads the base")
+    return frozen_ref.complete(model, rebuild(), record, source.path)
 
 
 def _restore_args(target: Any) -> ocp.args.PyTreeRestore:
@@ -412,11 +447,12 @@ def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str
     "metric_states" when the run keeps some, the checkpoint has them in the same layout, and it
     continues the optimizer state (a fresh optimizer starts fresh diagnostics). A checkpoint from
     before metric_states gives its "aux" item, the aux hook's state alone, when that is all the
-    run keeps. "loss_scale" (float16 runs) whenever the run scales and the checkpoint has one."""
+    run keeps. "loss_scale" (float16 runs) whenever the run scales and the checkpoint has one. A
+    checkpoint holding its frozen base by reference gives "model" without it (`with_frozen` completes it)."""
     _quiet_orbax()
     abstract_model = _arrays(abstract_state.model)
     _check_model_fits(source, abstract_model, model_config)
-    items = {"model": _restore_args(abstract_model),
+    items = {"model": _restore_args(saved_part(source, abstract_state.model)),
              "progress": _restore_args({"step": abstract_state.step, "key": abstract_state.key})}
     if source.with_opt_state:
         items["opt_state"] = _restore_args(_arrays(abstract_state.opt_state))
@@ -443,7 +479,7 @@ def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str
 
 def _saved_shapes(item_dir: str) -> dict[str, tuple[int, ...]]:
     """{array name: shape} of the pytree saved in `item_dir` (from orbax's metadata, no arrays read)."""
-    metadata = ocp.StandardCheckpointer().metadata(item_dir).item_metadata
+    metadata = ocp.StandardCheckpointer().metadata(os.path.abspath(item_dir)).item_metadata  # orbax: absolute only
     return {m.name: tuple(m.shape) for m in jax.tree.leaves(metadata)}
 
 
@@ -480,9 +516,11 @@ class Checkpointer:
     checkpoint.remote, for their uploads)."""
 
     def __init__(self, cfg: CheckpointConfig, config_dict: dict, model_config: dict, warn: Callable[[str], None],
-                 eval_view: Callable[[Any], Any] | None = None):
+                 eval_view: Callable[[Any], Any] | None = None, frozen: frozen_ref.FrozenPart | None = None):
         _quiet_orbax()
         self.cfg = cfg
+        self._warn = warn
+        self._frozen = frozen  # LoRA's base: saved by reference while it is what the run started from
         self._eval_view = eval_view  # state -> the model to evaluate, saved as `eval_model` (optimizer.eval_view)
         self._config = {k: v for k, v in config_dict.items() if k != "hydra"}
         self._model = model_config
@@ -521,21 +559,37 @@ class Checkpointer:
             "versions": _versions(),
             **{name: value() for name, value in self._extra.items()},
         }
+        to_save = {"model": state.model, **({EVAL_MODEL: self._eval_view(state)} if self._eval_view else {})}
+        if self._by_reference(to_save.values()):
+            to_save = {name: self._frozen.trained(m) for name, m in to_save.items()}
+            manifest[frozen_ref.MANIFEST_KEY] = self._frozen.manifest()
         # The step metrics' states (the diagnostics' buffers) when the run keeps some: they resume exactly too.
         metric_states = _arrays(state.metric_states)
         extra = {"metric_states": ocp.args.PyTreeSave(metric_states)} if metric_states else {}
-        if self._eval_view is not None:
-            extra[EVAL_MODEL] = ocp.args.PyTreeSave(_arrays(self._eval_view(state)))
+        if EVAL_MODEL in to_save:
+            extra[EVAL_MODEL] = ocp.args.PyTreeSave(_arrays(to_save[EVAL_MODEL]))
         if getattr(state, "loss_scale", None) is not None:  # float16 runs: the scale resumes exactly too
             extra["loss_scale"] = ocp.args.PyTreeSave(_arrays(state.loss_scale))
         return ocp.args.Composite(
-            model=ocp.args.PyTreeSave(_arrays(state.model)),
+            model=ocp.args.PyTreeSave(_arrays(to_save["model"])),
             opt_state=ocp.args.PyTreeSave(_arrays(state.opt_state)),
             progress=ocp.args.PyTreeSave({"step": state.step, "key": state.key}),
             manifest=ocp.args.JsonSave(manifest),
             config=YamlSave(self._config),
             **extra,
         )
+
+    def _by_reference(self, models) -> bool:
+        """Whether this save leaves the frozen arrays out: the run has some, and each model to save
+        still holds them as the run started (else, once, a warning and full checkpoints from here on)."""
+        if self._frozen is None:
+            return False
+        if all(self._frozen.unchanged(m) for m in models):
+            return True
+        self._warn("the frozen LoRA base changed during training (it should not: please report it); "
+                   "checkpoints from here on hold the whole model, not only the factors")
+        self._frozen = None
+        return False
 
     def save(self, step: int, state, data_state: dict, metrics: dict, reason: str) -> bool:
         """Start writing iter_{step} (returns once the arrays are off the device); False if a

@@ -25,7 +25,7 @@ logged). The update this step applies, Δ_{n+1}, is `train/update_norm` (utils/t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import equinox as eqx
@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from models.lora import FROZEN_GROUP
 from utils.errors import ConfigError
 from utils.train.step_metrics import FnMetric, StepInputs, all_finite
 
@@ -214,20 +215,40 @@ class AuxHook:
     step's own dropout keys (`inputs.loss_at`) when compute_last_loss/compute_last_grads ask."""
 
     cfg: AuxConfig
+    # The optimizer groups' labels (a tree like the model's), or None. Arrays labelled `frozen` (LoRA's
+    # base) are left out of the buffers, which would otherwise hold three more copies of a fine-tuned
+    # base: no step moves them, so their x(n-1) is x(n) and their gradients are zeros, which is what
+    # each update fills them in with (every diagnostic stays the one over all arrays).
+    labels: Any = field(default=None, compare=False)
     name = "aux"
     logging_only = False
 
+    def _trained(self, tree):
+        if self.labels is None or FROZEN_GROUP not in jax.tree.leaves(self.labels):
+            return tree
+        return eqx.filter(tree, jax.tree.map(lambda label: label != FROZEN_GROUP, self.labels))
+
+    def _buffers(self, aux: AuxState, fn: Callable) -> AuxState:
+        """`aux` with `fn(buffer, base)` applied to each kept buffer; base is what a frozen array's would hold."""
+        return AuxState(*(None if buf is None else fn(buf, base) for buf, base in (
+            (aux.last_params, "params"), (aux.last_grads, "zeros"), (aux.past_grads, "zeros"))),
+            sums=aux.sums, inf_grads=aux.inf_grads)
+
     def init(self, params) -> AuxState | None:
-        return init(self.cfg, params)
+        return init(self.cfg, self._trained(params))
 
     def update(self, aux: AuxState, inputs: StepInputs, logging: bool) -> tuple[AuxState, dict[str, jax.Array]]:
         model = inputs.state.model
+        params = eqx.filter(model, eqx.is_inexact_array)
+        fill = {"params": params, "zeros": optax.tree.zeros_like(params)}
+        aux = self._buffers(aux, lambda buf, base: eqx.combine(buf, fill[base]))  # over every array again
         last = None
         if self.cfg.needs_last_point:
             last_model = eqx.combine(aux.last_params, eqx.filter(model, eqx.is_inexact_array, inverse=True))
             last = LastPoint(*inputs.loss_at(last_model, self.cfg.compute_last_grads))
-        return update(self.cfg, aux, eqx.filter(model, eqx.is_inexact_array), inputs.grads, inputs.updates,
-                      inputs.aux["loss"].mean(), last, logging)
+        new, out = update(self.cfg, aux, params, inputs.grads, inputs.updates, inputs.aux["loss"].mean(), last,
+                          logging)
+        return self._buffers(new, lambda buf, _: self._trained(buf)), out
 
 
 # ----------------------------------------------------------------------------- per-block norms

@@ -27,6 +27,13 @@ class TrainState(eqx.Module):
     loss_scale: Any = None  # float16 compute: a LossScale (utils/train/loss_scale.py); else None, no scaling
 
 
+def initial_keys(seed: int) -> tuple[jax.Array, jax.Array]:
+    """(the model's init key, the training key) of a run's random_seed: the run draws its weights from
+    the first, and whatever rebuilds them (a LoRA base saved by reference) draws the same."""
+    model_key, train_key = jax.random.split(jax.random.PRNGKey(seed))
+    return model_key, train_key
+
+
 def num_micro_batches(batch) -> int:
     return jax.tree.leaves(batch)[0].shape[0]
 
