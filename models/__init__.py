@@ -116,7 +116,14 @@ def uses_key(cfg, objective) -> bool:
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
-    return family(cfg).flops_per_token(cfg, seq_len)
+    """The family's 6·N + attention; with LoRA, the frozen base's weight gradients are never computed
+    (its matmuls cost 4·N: forward, and the input gradient the earlier factors need), and each factor
+    value costs 6 (x·A and h·B forward, both gradients backward)."""
+    flops = family(cfg).flops_per_token(cfg, seq_len)
+    if not lora_config(cfg).on:
+        return flops
+    n_matmul = family(cfg).flops_per_token(cfg, 0) / 6.0  # the attention term is the part linear in seq_len
+    return flops - 2.0 * n_matmul + 6.0 * lora.factor_count(abstract(cfg))
 
 
 def blocks(tree):

@@ -145,6 +145,12 @@ def is_factor(path) -> bool:
     return _name(path) in FACTORS
 
 
+def factor_count(model) -> int:
+    """How many values the factors hold (0 without LoRA): what a LoRA run trains. Abstract models too."""
+    leaves = jax.tree_util.tree_flatten_with_path(model)[0]
+    return sum(int(math.prod(x.shape)) for p, x in leaves if is_factor(p) and hasattr(x, "shape"))
+
+
 def labels(model, base_labels):
     """The optimizer groups with LoRA: `lora` for factors, `frozen` for everything else; the
     family's labels unchanged when the model has no factors."""

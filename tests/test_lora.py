@@ -186,6 +186,19 @@ def test_the_aux_hook_keeps_no_buffers_for_the_frozen_base(tiny_run):
         assert logged[name] == pytest.approx(value, rel=16 * F32_EPS, abs=16 * F32_EPS), name
 
 
+def test_lora_flops_skip_the_bases_weight_gradients(tiny_run):
+    """MFU's FLOPs with LoRA: the frozen matmuls cost 4 per weight (forward and input gradient, no weight
+    gradient), each factor value 6; the attention term stays. Counted by hand for the tiny GPT."""
+    run = tiny_run(*LORA)
+    d, L, T, V, r = 32, 2, 16, run.model.vocab_size, 4
+    n_matmul = L * (d * 3 * d + d * d + 2 * d * 4 * d) + d * V
+    n_factors = L * r * ((d + 3 * d) + (d + d) + (d + 4 * d) + (4 * d + d))  # qkv, out, mlp in, mlp out
+    assert lora.factor_count(models.build(run.model, jax.random.PRNGKey(0))) == n_factors
+    want = 4 * n_matmul + 6 * n_factors + 12 * L * d * T
+    assert models.flops_per_token(run.model, T) == want
+    assert models.flops_per_token(tiny_run().model, T) == 6 * n_matmul + 12 * L * d * T
+
+
 def test_lora_group_validation_and_lr_override(tiny_run):
     run = tiny_run(*LORA, "optimizer.groups.lora.lr=5e-3", "optimizer.groups.lora.weight_decay=0.01")
     assert run.optimizer.group_overrides["lora"] == {"lr": 5e-3, "weight_decay": 0.01}

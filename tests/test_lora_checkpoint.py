@@ -25,6 +25,7 @@ import train_jax
 from models import hf, lora
 from utils.checkpoint import frozen, inference
 from utils.checkpoint.storage import _saved_shapes, complete_steps, step_path
+from utils.config import validate
 from utils.errors import CheckpointError
 
 RUN = ("model.vocab_size=null", "train.max_steps=4", "logging.log_every=1", "train.skip_validation=true",
@@ -121,11 +122,14 @@ def test_a_hugging_face_directory_is_read_without_jax(tmp_path, family, dtype):
         np.testing.assert_array_equal(a, np.asarray(b, np.float32))  # bfloat16 widens exactly
 
 
-def test_a_lora_checkpoint_holds_the_factors_and_a_reference_to_its_base(tmp_path, pretrained):
+def test_a_lora_checkpoint_holds_the_factors_and_a_reference_to_its_base(tmp_path, pretrained, capsys):
     """model and eval_model (Schedule-Free's x) items name the factors alone; the manifest records the
     base's directory and fingerprint; sampling/export's restore reads the base from that directory
     under the saved factors (x's, not the y the step trains)."""
     train(tmp_path, "run", *FINE_TUNE, "checkpoint.save_path=ck", "optimizer=schedule_free_adamw")
+    run = validate(compose_config(*RUN, *FINE_TUNE, "checkpoint.save=false"))
+    factors = lora.factor_count(models.abstract(run.model))
+    assert f"M params ({factors:,} trained: LoRA factors)" in capsys.readouterr().out  # the header says what trains
     path, manifest = latest("ck")
     for item in ("model", "eval_model"):
         saved = _saved_shapes(str(path / item))

@@ -32,10 +32,13 @@ def warn(message: str) -> None:
 def announce(run, state, mesh, data, run_dir: str, num_params: int, source=None) -> None:
     """A run's first lines: what trains on what (and how it is laid out, with
     parallel.print_layout), the config's warnings, and where a resumed run picks up."""
+    from models import lora
     from utils.parallel import layout
     from utils.parallel import mesh as meshlib
 
-    say(f"eqtrain: {num_params / 1e6:.2f}M params | {run.optimizer.name} + {run.optimizer.schedule_name} | "
+    factors = lora.factor_count(state.model)  # LoRA: the trained share of the count
+    trained = f" ({factors:,} trained: LoRA factors)" if factors else ""
+    say(f"eqtrain: {num_params / 1e6:.2f}M params{trained} | {run.optimizer.name} + {run.optimizer.schedule_name} | "
         f"{data.tokens_per_step:,} tokens/step | {meshlib.topology(mesh)} | data {data.fingerprint} | "
         f"run dir {run_dir}")
     for note in getattr(run, "notes", ()):  # choices made for this machine, e.g. model.attention=auto's
