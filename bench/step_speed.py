@@ -4,11 +4,19 @@
     python bench/step_speed.py model=gpt_tiny dataset.batch_size=32 --steps 20
     python bench/step_speed.py model=gpt2_124m train.compute_dtype=bfloat16 dataset.batch_size=16   # GPU
     python bench/step_speed.py --pairs 5                # eqtrain vs PyTorch eager and torch.compile, alternated
+    python bench/step_speed.py --pairs 5 --quiet 0.1    # each pair waits until other processes leave the CPUs
 
 Arguments other than --steps/--warmup/--data are Hydra overrides of conf/config.yaml, so the
 step measured is exactly the one `train_jax.py` compiles. MFU is printed two ways: 6·N (the
 parameter count convention of docs/performance.md's table) and 6·N + attention (what train/mfu logs),
 against XLA's measured float32 matmul peak on a CPU and the device's bf16 data-sheet peak on an accelerator.
+
+The step timed is the plain variant, which every step but the logging ones (one in
+`logging.log_every`) runs; `--logging-step` times the logging variant instead (it adds the metrics
+marked "logging steps only": the optimizer diagnostics, the aux-state norms). Run as a script, it
+first re-executes itself with glibc's transparent huge pages for large allocations
+(utils/host_memory.py: XLA:CPU's per-step temporary buffer otherwise costs ~360,000 page faults a
+step); `EQTRAIN_HUGE_PAGES=0` keeps the default allocator. The header says which.
 
 --pairs N alternates eqtrain's step with bench/torch_reference.py's (the same GPT hand-written in
 PyTorch: eager, and torch.compile where it works) N times in this process (bench/pairs.py: warm
@@ -19,8 +27,10 @@ the throughput ratios eqtrain / torch and their medians. It needs torch (the `pa
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
+import resource
 import statistics
 import sys
 import time
@@ -33,6 +43,7 @@ from hydra import compose, initialize_config_dir
 
 import train_jax as T
 from models import count_params, flops_per_token
+from utils import host_memory
 from utils.config import validate
 from utils.parallel import mesh as meshlib
 from utils.train.flops import peak_flops
@@ -65,6 +76,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="measure each data source this many times")
     parser.add_argument("--pairs", type=int, default=0, help="alternate with PyTorch's step N times (0 = off)")
     parser.add_argument("--k", type=int, default=3, help="with --pairs: steps of each implementation per pair")
+    parser.add_argument("--logging-step", action="store_true", help="time the logging variant of the step")
+    parser.add_argument("--quiet", type=float, default=0.0, metavar="SHARE",
+                        help="with --pairs: before each pair wait (up to --quiet-wait s) until other processes use "
+                             "under SHARE of the CPUs (e.g. 0.1; 0 = never wait)")
+    parser.add_argument("--quiet-wait", type=float, default=300.0, help="with --quiet: the longest wait per pair")
     args, overrides = parser.parse_known_args()
     if args.pairs and importlib.util.find_spec("torch") is None:
         sys.exit(NO_TORCH)
@@ -74,7 +90,8 @@ def main() -> None:
         run = validate(compose("config", overrides=overrides))
 
     trainer = T.build_trainer(run)
-    run, data, state, step_fn = trainer.run, trainer.data, trainer.state, trainer.train_step
+    run, data, state = trainer.run, trainer.data, trainer.state
+    step_fn = functools.partial(trainer.train_step, logging=args.logging_step)
     tokenizer, sharding = trainer.tokenizer, meshlib.batch_sharding(trainer.mesh, 1)
 
     flops_full = flops_per_token(run.model, run.context_length) * data.tokens_per_step
@@ -86,7 +103,8 @@ def main() -> None:
     print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind} | peak {peak / 1e9:,.0f} GFLOP/s "
           f"({'XLA matmul, measured' if on_cpu else 'bf16 data sheet; nan = unknown device'}) "
           f"| params {count_params(state.model) / 1e6:.2f}M | tokens/step {data.tokens_per_step:,} "
-          f"| {run.train.compute_dtype} | scan={run.model.scan_blocks} remat={run.model.remat}")
+          f"| {run.train.compute_dtype} | scan={run.model.scan_blocks} remat={run.model.remat} "
+          f"| {'logging' if args.logging_step else 'plain'} step | host allocator: {allocator()}")
 
     def synthetic():
         rng = np.random.default_rng(0)
@@ -119,6 +137,9 @@ def main() -> None:
         print(f"{name:>9}: step {med * 1e3:8.1f} ms median (min {min(times[name]) * 1e3:.1f}) | "
               f"{data.tokens_per_step / med:10,.0f} tokens/s | MFU(6N) {flops_6n / med / peak:6.1%} | "
               f"MFU(6N+attn) {flops_full / med / peak:6.1%}")
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # 4 steps: 1 untimed, 3 timed
+    state, _ = time_steps(step_fn, state, synthetic(), 3, warmup=1)
+    print(f"page faults: {(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / 4:,.0f} per step")
     if len(medians) == 2:
         print(f"real loader, step vs synthetic: {medians['real'] / medians['synthetic'] - 1:+.1%} "
               "(noisy on a shared machine; the direct figure below is the one to trust)")
@@ -131,6 +152,11 @@ def main() -> None:
     per_batch = (time.perf_counter() - t0) / 200
     ref = medians.get("synthetic") or medians.get("real")
     print(f"real loader: {per_batch * 1e6:.0f} us per batch = {per_batch / ref:.3%} of the median step")
+
+
+def allocator() -> str:
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return "glibc huge pages" if host_memory.TUNABLE in tunables else "default (EQTRAIN_HUGE_PAGES=0 or unsupported)"
 
 
 def compare_with_torch(args, run, state, step_fn, batches, peak: float, flops: float, tokens: int) -> None:
@@ -169,7 +195,11 @@ def compare_with_torch(args, run, state, step_fn, batches, peak: float, flops: f
 
     print(f"{args.pairs} pairs of {args.k} steps each (order flips each pair), after {args.warmup} warm-up steps each; "
           f"torch {torch.__version__} on {device}")
-    results = pairlib.run_pairs(steps, args.pairs, k=args.k, warmup=args.warmup)
+    shares = []
+    gate = (lambda: shares.append(pairlib.wait_for_quiet(args.quiet, args.quiet_wait))) if args.quiet else None
+    results = pairlib.run_pairs(steps, args.pairs, k=args.k, warmup=args.warmup, before_pair=gate)
+    if shares:
+        print(f"other processes' share of the CPUs just before each pair: {' '.join(f'{x:.0%}' for x in shares)}")
     refs = [n for n in steps if n != "eqtrain"]
     for i, r in enumerate(results, 1):
         times = " | ".join(f"{n} {r[n] * 1e3:7.1f} ms" for n in steps)
@@ -186,4 +216,5 @@ def compare_with_torch(args, run, state, step_fn, batches, peak: float, flops: f
 
 
 if __name__ == "__main__":
+    host_memory.use_huge_pages()  # here, not in main(): tests call main() inside pytest's process
     main()

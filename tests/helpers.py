@@ -6,6 +6,8 @@ Importing this module sets the process's BLAS and XLA flags (below); tests/conft
 first, so that happens before anything in the session imports jax.
 """
 
+import copy
+import functools
 import json
 import os
 import subprocess
@@ -19,8 +21,16 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # The tests' tiny models spend their time compiling, not running. LLVM's optimisation of the CPU
 # kernels XLA emits does not change what the programs compute (the HLO, its SPMD partitioning and
 # its fusions are the same; golden losses agree well inside their tolerance), and at level 0 the
-# suite's CPU time falls by about a third. Benchmarks (bench/) and real runs keep the default.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+# suite's CPU time falls by about a third. XLA's newer MLIR fusion emitters cost most of what is
+# left: every one of the hundreds of small programs a test compiles (eager ops, model inits, steps)
+# pays their set-up. The classic emitters, with the module compiled in one piece (not split for
+# parallel codegen, which on two busy cores only adds threads), compile the same fused HLO to
+# kernels that compute the same bits: `python tests/test_golden.py` prints the default's table
+# exactly, in 17 s of CPU instead of 45 s; and a gradient compiled in another program still equals
+# the train step's bit for bit, which tests that recompute a step's values outside it rely on
+# (with the split left on, both drift by an ulp). Benchmarks (bench/) and real runs keep the defaults.
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+                " --xla_cpu_parallel_codegen_split_count=1")
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
@@ -79,7 +89,16 @@ def offline_env(cache_dir) -> dict[str, str]:
 
 
 def compose_config(*overrides: str):
-    """conf/config.yaml composed with TINY_OVERRIDES then `overrides` (later ones win)."""
+    """conf/config.yaml composed with TINY_OVERRIDES then `overrides` (later ones win); a copy of
+    its own, which the caller may change."""
+    return copy.deepcopy(_composed(overrides))
+
+
+@functools.cache
+def _composed(overrides: tuple[str, ...]):
+    """Hydra's composition takes ~0.1 s (it parses and merges every yaml again) and many tests ask
+    for the same overrides; conf/ does not change during a session. Interpolations stay unresolved
+    in the composed config (resolved when validated), so the test's environment still applies."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose("config", overrides=[*TINY_OVERRIDES, *overrides])
 

@@ -11,6 +11,7 @@ import dataclasses
 import types
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from helpers import compose_config
 
 import models
 from models import attention
-from models.layers import causal_attention
+from models.layers import causal_attention, split_heads
 from utils.config import resolve_vocab, validate
 from utils.errors import ConfigError
 from utils.logging import messages
@@ -164,3 +165,65 @@ def test_auto_with_a_block_size_keeps_the_numbers_of_before():
     logits = {impl: models.build(dataclasses.replace(cfg, attention=impl), jax.random.PRNGKey(0))(tokens)
               for impl in ("auto", "blocked")}
     np.testing.assert_array_equal(logits["auto"], logits["blocked"])
+
+
+def _grads(q, k, v, seed=1, **kwargs):
+    """d/d(q, k, v) of <causal_attention(q, k, v, **kwargs), r> for a fixed random r: every output weighs in."""
+    r = jax.random.normal(jax.random.PRNGKey(seed), q.shape, jnp.float32)
+    return jax.grad(lambda q, k, v: jnp.sum(causal_attention(q, k, v, **kwargs) * r), argnums=(0, 1, 2))(q, k, v)
+
+
+def test_blocked_gradients_are_the_unblocked_ones():
+    """Query blocks cut by split and keys rebuilt by concatenation (models/layers.py) must give the
+    gradient of plain causal attention. Both sum the same products over <= 16 keys in another order,
+    so they differ by float32 rounding: a few ulps (2^-23 ≈ 1.2e-7) of the gradients' scale (order 1
+    here), bounded by 1e-5 x their largest entry, where a key block read or summed wrongly is order 1."""
+    q, k, v = _qkv()
+    seg = jnp.array([[0] * 5 + [1] * 11, [0] * 16])
+    for seg_ids in (None, seg):
+        ref = _grads(q, k, v, segment_ids_BxT=seg_ids)
+        for block in (4, 8):
+            got = _grads(q, k, v, block_size=block, segment_ids_BxT=seg_ids)
+            for g, r in zip(got, ref):
+                np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+
+
+def _primitives(fn, *args) -> set[str]:
+    """The primitives of fn's jaxpr, nested jaxprs (pjit, custom_jvp) included."""
+    names = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            names.add(eqn.primitive.name)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return names
+
+
+def test_the_attention_backward_never_pads_to_full_length():
+    """The gradients of split_heads and of block-causal attention are concatenations of block-sized
+    pieces: no `pad` (the transpose of indexing or slicing, which on XLA:CPU wrote a zero-filled
+    full-size copy of dq/dk/dv per head part and per query block: ~8% of a gpt_bench step)."""
+    B, T, H, K = 2, 16, 2, 8
+    qkv = jax.random.normal(jax.random.PRNGKey(0), (B, T, 3 * H * K), jnp.float32)
+    loss = lambda qkv: jnp.sum(causal_attention(*split_heads(qkv, H, K), block_size=4) ** 2)
+    assert "pad" not in _primitives(jax.grad(loss), qkv)
+    slicing = lambda qkv: jnp.sum(qkv.reshape(B, T, H, 3, K)[:, :, :, 0] ** 2)  # what the check catches
+    assert "pad" in _primitives(jax.grad(slicing), qkv)
+
+
+def test_split_heads_reads_the_head_major_columns():
+    """The fused projection's columns are (head, q|k|v, K) (models/gpt.py `_head_major`): head h's
+    query is columns [h·3K, h·3K + K), its key the next K, its value the K after; and the gradient
+    puts each head's cotangent back in those columns (a permutation: exact)."""
+    B, T, H, K = 2, 3, 2, 4
+    qkv = jnp.arange(B * T * 3 * H * K, dtype=jnp.float32).reshape(B, T, 3 * H * K)
+    q, k, v = split_heads(qkv, H, K)
+    for part, x_BxHxTxK in enumerate((q, k, v)):
+        for h in range(H):
+            start = h * 3 * K + part * K
+            np.testing.assert_array_equal(x_BxHxTxK[:, h], qkv[:, :, start : start + K])
+    _, pullback = jax.vjp(lambda a: split_heads(a, H, K), qkv)
+    np.testing.assert_array_equal(pullback([q, k, v])[0], qkv)

@@ -23,6 +23,7 @@ every page point at files (and headings) that exist.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -256,14 +257,24 @@ def _sweeper_params(fixed: list[str]) -> dict:
     return dict(params) if params else {}
 
 
+@functools.cache
+def _composed(overrides: tuple[str, ...]):
+    """utils.config.compose_overrides of these overrides, once: the pages repeat many commands (the
+    bare `python train_jax.py` nine times) and each composition takes ~0.1 s. The config is only
+    validated, which reads it; a composition error is raised again each time (not cached)."""
+    from utils.config import compose_overrides
+
+    return compose_overrides(list(overrides), "train_jax")
+
+
 def _validated(cmd: Command, *extra: str) -> list:
-    from utils.config import compose_overrides, validate
+    from utils.config import validate
 
     args = list(cmd.words[2:])
     multirun = bool({"-m", "--multirun"} & set(args))
     args = [a for a in args if a not in ("-m", "--multirun")]
     assert all("=" in a or a.startswith("~") for a in args), f"{cmd}: not Hydra overrides: {args}"
-    return [validate(compose_overrides([*job, *extra], "train_jax")) for job in _jobs(args, multirun)]
+    return [validate(_composed((*job, *extra))) for job in _jobs(args, multirun)]
 
 
 def test_train_commands_compose_and_validate():
@@ -290,10 +301,10 @@ def test_sweeps_expand_to_every_job():
 # --- the scripts: their own argument parsing, and their config -------------------------------------
 
 def _hydra_args(module, argv: list[str]):
-    from utils.config import compose_overrides, validate
+    from utils.config import validate
 
     ours, overrides = module.split_argv(argv)
-    return ours, validate(compose_overrides(overrides, "docs"))
+    return ours, validate(_composed(tuple(overrides)))
 
 
 def _lr_find_args(argv):
@@ -302,9 +313,9 @@ def _lr_find_args(argv):
     module = load_script("lr_find")
     node, overrides = module.split_argv(argv)
     build_section(module.LRFindConfig, node, "lr_find")
-    from utils.config import compose_overrides, validate
+    from utils.config import validate
 
-    return validate(compose_overrides(overrides, "docs"))
+    return validate(_composed(tuple(overrides)))
 
 
 def _compare_args(argv):
@@ -314,7 +325,7 @@ def _compare_args(argv):
         return len(argv) == 2
     from utils.compare.executor import launcher_config
     from utils.compare.plan import compare_config
-    from utils.config import compose_overrides, validate
+    from utils.config import validate
 
     module = load_script("compare")
     ours, theirs, launcher = module.split_argv(argv)
@@ -322,7 +333,7 @@ def _compare_args(argv):
     names = [a.split("=", 1)[1] for a in launcher if a.startswith("hydra/launcher=")]
     if launcher:
         launcher_config(names[-1], [a for a in launcher if a.startswith("hydra.")])
-    return validate(compose_overrides(theirs, "docs"))
+    return validate(_composed(tuple(theirs)))
 
 
 SCRIPT_ARGS = {  # script -> how its command line is checked without running it
@@ -351,7 +362,7 @@ def _argparse_flags(path: Path) -> set[str]:
 
 
 def test_bench_commands_use_flags_their_script_defines():
-    from utils.config import compose_overrides, validate
+    from utils.config import validate
 
     benches = [c for c in COMMANDS if _bench(c)]
     assert benches
@@ -364,7 +375,7 @@ def test_bench_commands_use_flags_their_script_defines():
         assert flags <= known, f"{cmd}: {flags - known} not among {path.name}'s flags {sorted(known)}"
         overrides = [a for a in args if "=" in a and not a.startswith("-")]
         if overrides:
-            validate(compose_overrides(overrides, "bench"))
+            validate(_composed(tuple(overrides)))
 
 
 # --- the representative commands that really run -----------------------------------------------------

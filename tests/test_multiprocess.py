@@ -27,7 +27,7 @@ from pathlib import Path
 
 import background
 import pytest
-from helpers import CLI_TINY, offline_env
+from helpers import CLI_TINY, BackgroundProcess, offline_env
 
 from utils.checkpoint.signals import EXIT_PREEMPTED
 from utils.checkpoint.storage import complete_steps, open_checkpoint
@@ -208,14 +208,35 @@ def test_sigterm_to_one_process_stops_both_and_the_resume_is_bit_identical(jobs)
     assert back == pytest.approx({k: full[k] for k in (n + 3, n + 4)}, rel=1e-6)
 
 
-def test_importing_and_validating_leaves_the_jax_backend_unstarted():
+class ImportCheck(BackgroundProcess):
+    """A fresh interpreter that imports train_jax and validates a config per optimizer, then says
+    whether JAX's backend started. Its ~2 s of imports run beside the in-process tests."""
+
+    CODE = ("import sys; sys.path.insert(0, 'tests'); from helpers import compose_config; import train_jax; "
+            "from utils.config import validate; from jax._src import xla_bridge as xb; "
+            "[validate(compose_config(f'optimizer={o}')) for o in __import__('optimizer').OPTIMIZERS]; "
+            "print('started' if xb._backends else 'not started')")
+
+    def __init__(self, where: Path, env: dict[str, str]):
+        self.out, self.err = where / "stdout", where / "stderr"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", self.CODE], cwd=REPO, env=env, stdout=out, stderr=err,
+                                         text=True)
+
+
+@background.setup
+def import_check(ctx) -> ImportCheck:
+    return ImportCheck(ctx.tmp_path_factory.mktemp("import_check"), offline_env(ctx.cache_dir))
+
+
+def test_importing_and_validating_leaves_the_jax_backend_unstarted(import_check):
     """jax.distributed.initialize must come before anything starts JAX's backend; train() calls it
     after importing every module and validating the config (every registry: optimizers, objectives,
     sinks), so none of that may touch a device. A module that builds an optax state at import did,
     and every multi-process run then failed."""
-    code = ("import sys; sys.path.insert(0, 'tests'); from helpers import compose_config; import train_jax; "
-            "from utils.config import validate; from jax._src import xla_bridge as xb; "
-            "[validate(compose_config(f'optimizer={o}')) for o in __import__('optimizer').OPTIMIZERS]; "
-            "print('started' if xb._backends else 'not started')")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip().splitlines()[-1:] == ["not started"], out.stderr[-2000:]
+    try:
+        import_check.proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        import_check.close()
+    assert import_check.out.read_text().strip().splitlines()[-1:] == ["not started"], \
+        import_check.err.read_text()[-2000:]

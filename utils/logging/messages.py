@@ -36,7 +36,7 @@ def announce(run, state, mesh, data, run_dir: str, num_params: int, source=None)
     from utils.parallel import layout
     from utils.parallel import mesh as meshlib
 
-    factors = lora.factor_count(state.model)  # LoRA: the trained share of the count
+    factors = lora.factor_count(state.model) if state is not None else 0  # LoRA: the trained share
     trained = f" ({factors:,} trained: LoRA factors)" if factors else ""
     say(f"eqtrain: {num_params / 1e6:.2f}M params{trained} | {run.optimizer.name} + {run.optimizer.schedule_name} | "
         f"{data.tokens_per_step:,} tokens/step | {meshlib.topology(mesh)} | data {data.fingerprint} | "

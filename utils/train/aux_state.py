@@ -24,6 +24,7 @@ logged). The update this step applies, Δ_{n+1}, is `train/update_norm` (utils/t
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -35,7 +36,7 @@ import optax
 
 from models.lora import FROZEN_GROUP
 from utils.errors import ConfigError
-from utils.train.step_metrics import FnMetric, StepInputs, all_finite
+from utils.train.step_metrics import FnMetric, StepInputs
 
 F32 = jnp.float32
 
@@ -97,14 +98,33 @@ class AuxState(eqx.Module):
 # ----------------------------------------------------------------------------- tree arithmetic, in float32
 
 
-def _vdot(a, b) -> jax.Array:
-    return optax.tree.vdot(optax.tree.cast(a, F32), optax.tree.cast(b, F32))
+_REDUCTIONS = {"sum": (jax.lax.add, 0.0), "max": (jax.lax.max, -math.inf), "min": (jax.lax.min, math.inf)}
+LeafStat = tuple[str, Callable[[dict[str, jax.Array]], jax.Array]]  # ("sum" | "max" | "min", leaf values -> array)
 
 
-def _norms(tree) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(L2, L1, L∞ = max |x|) of a whole tree."""
-    t = optax.tree.cast(tree, F32)
-    return optax.tree.norm(t), optax.tree.norm(t, ord=1), optax.tree.norm(t, ord=math.inf)
+def leafwise(stats: dict[str, LeafStat], trees: dict[str, Any]) -> dict[str, jax.Array]:
+    """Whole-tree reductions, computed together: {name: the reduction `op` over every element of
+    every leaf of fn(leaf)} for `stats` {name: (op, fn)}; fn gets one leaf of each of `trees` (trees
+    of one structure) as {tree name: that leaf in float32} and returns an array of the leaf's shape.
+
+    Why together: every stat of one leaf is one variadic reduction, so one XLA kernel that reads
+    the leaf's arrays once. One reduction per stat and leaf (optax.tree.norm, optax.tree.vdot) made
+    the diagnostics ~15 kernels per leaf: a third of the train step's compile time on a CPU
+    (issue 25) and as many passes over memory. The values are the same sums, rounded in another
+    order (float32 summation error, as before)."""
+    names = list(stats)
+    ops = [_REDUCTIONS[stats[name][0]] for name in names]
+
+    def combine(acc, x):
+        return tuple(op(a, b) for (op, _), a, b in zip(ops, acc, x))
+
+    per_leaf = []
+    for leaves in zip(*(jax.tree.leaves(tree) for tree in trees.values()), strict=True):
+        leaf = {k: v.astype(F32) for k, v in zip(trees, leaves)}
+        operands = tuple(jnp.broadcast_to(stats[name][1](leaf), leaves[0].shape).astype(F32) for name in names)
+        inits = tuple(jnp.asarray(init, F32) for _, init in ops)
+        per_leaf.append(jax.lax.reduce(operands, inits, combine, tuple(range(len(leaves[0].shape)))))
+    return {name: functools.reduce(op, [r[i] for r in per_leaf]) for i, (name, (op, _)) in enumerate(zip(names, ops))}
 
 
 def cosine(dot: jax.Array, norm_a: jax.Array, norm_b: jax.Array) -> jax.Array:
@@ -140,8 +160,53 @@ def update(cfg: AuxConfig, aux: AuxState, params, grads, updates, loss: jax.Arra
            logging: bool) -> tuple[AuxState, dict[str, jax.Array]]:
     """(the next AuxState, metrics): the `_sum`s and buffers at every step, every other value only
     when `logging`. `params` is x_n, `grads` g_n, `updates` Δ(n+1), `loss` f(x_n, z_n). A step
-    whose gradient is not finite leaves the buffers and sums as they were."""
-    finite = all_finite(grads)
+    whose gradient is not finite leaves the buffers and sums as they were. Every inner product and
+    norm over the parameters is one `leafwise` pass (in float32)."""
+    trees = {"x": params, "g": grads, "u": updates}
+    delta = lambda v: v["x"] - v["x1"]  # Δ(n) = x(n) - x(n-1)
+    stats: dict[str, LeafStat] = {"finite": ("min", lambda v: jnp.isfinite(v["g"]))}
+
+    def norms(name: str, fn: Callable) -> None:  # the squared L2 norm, the L1 norm and max |.| of fn
+        stats[name + "^2"] = ("sum", lambda v: jnp.square(fn(v)))
+        stats[name + "_l1"] = ("sum", lambda v: jnp.abs(fn(v)))
+        stats[name + "_inf"] = ("max", lambda v: jnp.abs(fn(v)))
+
+    def dot(name: str, a: str, b: Callable) -> None:
+        stats[name] = ("sum", lambda v: v[a] * b(v))
+
+    if cfg.store_last_params:
+        trees["x1"] = aux.last_params
+        dot("<g, d>", "g", delta)
+    if cfg.store_last_grads:
+        trees["g1"] = aux.last_grads
+        if cfg.store_last_params:
+            dot("<g1, d>", "g1", delta)
+    if cfg.store_past_grads:
+        trees["gs"] = aux.past_grads
+    if logging:
+        norms("x", lambda v: v["x"])
+        norms("g", lambda v: v["g"])
+        if cfg.store_last_params:
+            norms("d", delta)
+            dot("<x, x1>", "x", lambda v: v["x1"])
+            dot("x1^2", "x1", lambda v: v["x1"])
+            dot("<u, d>", "u", delta)
+            dot("u^2", "u", lambda v: v["u"])
+        if cfg.store_last_grads:
+            dot("<g, g1>", "g", lambda v: v["g1"])
+            dot("g1^2", "g1", lambda v: v["g1"])
+        if cfg.store_past_grads:
+            dot("<g, gs>", "g", lambda v: v["gs"])
+            dot("gs^2", "gs", lambda v: v["gs"])
+        if last is not None and last.grads is not None:
+            trees["g'"] = last.grads
+            dot("<g, g'>", "g", lambda v: v["g'"])
+            dot("g'^2", "g'", lambda v: v["g'"])
+            stats["<g-g', d>"] = ("sum", lambda v: (v["g"] - v["g'"]) * delta(v))
+    r = leafwise(stats, trees)
+    norm = lambda name: jnp.sqrt(r[name + "^2"])
+
+    finite = r["finite"] > 0
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     out: dict[str, jax.Array] = {}
     sums = dict(aux.sums)
@@ -150,49 +215,37 @@ def update(cfg: AuxConfig, aux: AuxState, params, grads, updates, loss: jax.Arra
         sums[name + "_sum"] = jnp.where(finite, sums[name + "_sum"] + value, sums[name + "_sum"])
         out[name] = value
 
-    def log_norms(prefix: str, norms: tuple[jax.Array, jax.Array, jax.Array]) -> None:
-        out.update({f"{prefix}/norm": norms[0], f"{prefix}/norm_l1": norms[1], f"{prefix}/norm_inf": norms[2]})
+    def log_norms(prefix: str, name: str) -> None:
+        out.update({f"{prefix}/norm": norm(name), f"{prefix}/norm_l1": r[name + "_l1"],
+                    f"{prefix}/norm_inf": r[name + "_inf"]})
 
-    g_norms = _norms(grads)
     if logging:
-        log_norms("params", _norms(params))
-        log_norms("grads", g_norms)
-
+        log_norms("params", "x")
+        log_norms("grads", "g")
     if cfg.store_last_params:
-        delta = optax.tree.sub(optax.tree.cast(params, F32), optax.tree.cast(aux.last_params, F32))
-        delta_norm = optax.tree.norm(delta)
-        g_delta = _vdot(grads, delta)
-        add_sum("update/<gn, xn-x(n-1)>", g_delta)
-        add_sum("update/<gn, Delta(n)>", g_delta)  # Δ(n) is x(n) - x(n-1): the same product, the seed's two names
+        add_sum("update/<gn, xn-x(n-1)>", r["<g, d>"])
+        add_sum("update/<gn, Delta(n)>", r["<g, d>"])  # Δ(n) is x(n) - x(n-1): the same product, the seed's two names
         if logging:
-            log_norms("update", _norms(delta))  # Δ(n), as trainit's full_log; Δ(n+1) is train/update_norm
-            out["params/cos(xn, x(n-1))"] = cosine(_vdot(params, aux.last_params), optax.tree.norm(
-                optax.tree.cast(params, F32)), optax.tree.norm(optax.tree.cast(aux.last_params, F32)))
-            out["update/cos(gn, Delta(n))"] = cosine(g_delta, g_norms[0], delta_norm)
-            out["update/cos(Delta(n+1), Delta(n))"] = cosine(_vdot(updates, delta), optax.tree.norm(
-                optax.tree.cast(updates, F32)), delta_norm)
+            log_norms("update", "d")  # Δ(n), as trainit's full_log; Δ(n+1) is train/update_norm
+            out["params/cos(xn, x(n-1))"] = cosine(r["<x, x1>"], norm("x"), norm("x1"))
+            out["update/cos(gn, Delta(n))"] = cosine(r["<g, d>"], norm("g"), norm("d"))
+            out["update/cos(Delta(n+1), Delta(n))"] = cosine(r["<u, d>"], norm("u"), norm("d"))
     if cfg.store_last_grads:
-        last_g_norm = optax.tree.norm(aux.last_grads)
         if logging:
-            dot = _vdot(grads, aux.last_grads)
-            out["grads/<gn, g(n-1)>"] = dot
-            out["grads/cos(gn, g(n-1))"] = cosine(dot, g_norms[0], last_g_norm)
+            out["grads/<gn, g(n-1)>"] = r["<g, g1>"]
+            out["grads/cos(gn, g(n-1))"] = cosine(r["<g, g1>"], norm("g"), norm("g1"))
         if cfg.store_last_params:
-            dot = _vdot(aux.last_grads, delta)
-            add_sum("update/<g(n-1), Delta(n)>", dot)
+            add_sum("update/<g(n-1), Delta(n)>", r["<g1, d>"])
             if logging:
-                out["update/cos(g(n-1), Delta(n))"] = cosine(dot, last_g_norm, delta_norm)
+                out["update/cos(g(n-1), Delta(n))"] = cosine(r["<g1, d>"], norm("g1"), norm("d"))
     if cfg.store_past_grads and logging:
-        dot = _vdot(grads, aux.past_grads)
-        out["grads/<gn, g(1:n-1)>"] = dot
-        out["grads/cos(gn, g(1:n-1))"] = cosine(dot, g_norms[0], optax.tree.norm(aux.past_grads))
+        out["grads/<gn, g(1:n-1)>"] = r["<g, gs>"]
+        out["grads/cos(gn, g(1:n-1))"] = cosine(r["<g, gs>"], norm("g"), norm("gs"))
     if last is not None:
         add_sum("loss/fn-f(n-1)", loss.astype(F32) - last.loss.astype(F32))
         if last.grads is not None and logging:
-            out["grads/cos(gn, g'(n-1))"] = cosine(_vdot(grads, last.grads), g_norms[0], optax.tree.norm(
-                optax.tree.cast(last.grads, F32)))
-            out["curvature/<gn-g'(n-1), Delta(n)>"] = _vdot(optax.tree.sub(optax.tree.cast(grads, F32),
-                                                                          optax.tree.cast(last.grads, F32)), delta)
+            out["grads/cos(gn, g'(n-1))"] = cosine(r["<g, g'>"], norm("g"), norm("g'"))
+            out["curvature/<gn-g'(n-1), Delta(n)>"] = r["<g-g', d>"]
 
     inf_grads = aux.inf_grads + (~finite).astype(jnp.int32)
     new = AuxState(

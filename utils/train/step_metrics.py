@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from utils.train import loss_scale
+from utils.train import loss_scale, precompile
 
 MetricFn = Callable[[Any, Any, Any, dict], dict[str, jax.Array]]
 
@@ -194,13 +194,38 @@ class TrainStep:
     plain: Callable
     logging: Callable
     traces: list = dataclasses.field(default_factory=lambda: [0])  # one mutable cell
+    # variants compiling ahead of time (`precompile`), by their `logging` flag
+    background: precompile.Background = dataclasses.field(default_factory=precompile.Background)
 
     def __call__(self, state, batch, logging: bool = True):
+        self.background.wait(self._variant(logging))  # a call racing its compilation would compile it again
         return (self.logging if logging else self.plain)(state, batch)
 
     def compiled(self) -> int:
-        """Programs compiled so far: grows on the call that traced and compiled a variant."""
+        """Programs compiled so far: grows on the call that traced and compiled a variant (or, with
+        `precompile`, in the background thread that did)."""
         return self.traces[0]
+
+    def precompile(self, state, batch, variants: Sequence[bool] = (False, True)) -> None:
+        """Start compiling the variants (their `logging` flags, in the order they are needed) in
+        background threads for arguments shaped like `state` and `batch` (arrays or
+        ShapeDtypeStructs); the call of a variant waits for its compilation (utils/train/precompile.py)."""
+        args = precompile.abstract((state, batch))
+        for logging in dict.fromkeys(self._variant(v) for v in variants):
+            fn = self.logging if logging else self.plain
+            self.background.start(logging, lambda fn=fn: fn.lower(*args).compile())
+
+    def wait(self) -> None:
+        """Block until every background compilation has ended (a benchmark's timer, a test)."""
+        for logging in (False, True):
+            self.background.wait(logging)
+
+    def pending(self, logging: bool) -> bool:
+        """The call of this variant will collect a background compilation (and wait if it is still running)."""
+        return self.background.pending(self._variant(logging))
+
+    def _variant(self, logging: bool) -> bool:
+        return True if self.plain is self.logging else bool(logging)
 
 
 def compile_variants(step: Callable, metrics: Sequence[StepMetric], split: bool = False, **jit_kwargs) -> TrainStep:
