@@ -53,15 +53,18 @@ class FrozenPart:
         """`tree` with its frozen leaves None: what the checkpoint saves."""
         return jax.tree_util.tree_map_with_path(lambda p, x: None if self.is_frozen(p) else x, tree)
 
-    def frozen(self, tree: Any) -> Any:
-        return jax.tree_util.tree_map_with_path(lambda p, x: x if self.is_frozen(p) else None, tree)
-
     def unchanged(self, tree: Any) -> bool:
         """Whether `tree`'s frozen leaves still hash to the run's start (one pass over them on device)."""
-        return fingerprint(self.frozen(tree)) == self.fingerprint
+        return FrozenPart.of(tree, self.is_frozen, self.source).fingerprint == self.fingerprint
 
     def manifest(self) -> dict:
         return {"source": self.source, "fingerprint": self.fingerprint}
+
+    @classmethod
+    def of(cls, model: Any, is_frozen: Callable[[Any], bool], source: dict) -> "FrozenPart":
+        """The frozen part of `model` as it is now: its fingerprint taken from the model's values."""
+        frozen = jax.tree_util.tree_map_with_path(lambda p, x: x if is_frozen(p) else None, model)
+        return cls(is_frozen, source, fingerprint(frozen))
 
 
 @jax.jit
@@ -81,7 +84,7 @@ def _leaf_sums(leaves: list[jax.Array]) -> jax.Array:
 
 def fingerprint(tree: Any) -> str:
     """A short hex hash of `tree`'s array leaves (names, shapes, dtypes and values); None leaves
-    are not part of it, so `FrozenPart.frozen(model)` and a rebuilt base with the trained leaves
+    are not part of it, so a model's frozen leaves (`FrozenPart.of`) and a rebuilt base with the trained leaves
     taken out hash alike."""
     named = [(_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "dtype")]
     named.sort(key=lambda item: item[0])

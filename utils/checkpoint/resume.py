@@ -15,7 +15,7 @@ import jax
 
 from models import lora
 from utils.checkpoint import remote
-from utils.checkpoint.frozen import MANIFEST_KEY, FrozenPart, fingerprint
+from utils.checkpoint.frozen import MANIFEST_KEY, FrozenPart
 from utils.checkpoint.storage import (
     CheckpointConfig,
     Source,
@@ -141,7 +141,5 @@ def frozen_base(trainer, source: Source | None) -> FrozenPart | None:
     if not (lora.has_factors(model) and run.model.init_from) or (
             source is not None and MANIFEST_KEY not in source.manifest):
         return None
-    is_frozen = lambda path: not lora.is_factor(path)
-    part = FrozenPart(is_frozen, {"model.init_from": run.model.init_from, "train.param_dtype": run.train.param_dtype},
-                      "")
-    return FrozenPart(is_frozen, part.source, fingerprint(part.frozen(model)))
+    return FrozenPart.of(model, lambda path: not lora.is_factor(path),
+                         {"model.init_from": run.model.init_from, "train.param_dtype": run.train.param_dtype})
