@@ -7,6 +7,10 @@ jobs (logging, evaluation, checkpoints, sampling) are hooks (utils/train/hooks.p
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # XLA:CPU's step buffer on 2 MiB pages (re-executes: before jax loads, it costs nothing)
+    from utils.host_memory import use_huge_pages
+    use_huge_pages()
+
 import contextlib
 import dataclasses
 import functools
@@ -73,8 +77,7 @@ def init_optimizer(run: RunConfig, schedule: optax.Schedule, labels) -> optax.Gr
 
 
 def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, metrics=(), source: Source | None = None):
-    """(state, its shardings): built directly into its shards (no host copy of the full model), or
-    restored from `source` straight into the same shards; `metrics`' states beside it."""
+    """(state, its shardings): built or restored (`source`) straight into its shards; `metrics`' states beside it."""
     init_metrics = lambda m: step_metrics.init_states(metrics, eqx.filter(m, eqx.is_inexact_array))
 
     def build() -> TrainState:
@@ -95,9 +98,8 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, metrics=(
 
 def make_evaluate(run: RunConfig, val: WindowDataset, mesh, eval_step: Callable | None = None
                   ) -> Callable[[eqx.Module], dict[str, float]]:
-    """model -> val/loss, perplexity, accuracy over min(len(val), max_val_steps·batch_size) windows,
-    each once, drawn by a fixed seed (not random_seed): the same windows at every evaluation, resume
-    and seed of a sweep, so evaluations compare; random, so not just the first files'."""
+    """model -> val/loss, perplexity, accuracy over min(len(val), max_val_steps·batch_size) windows, each once, drawn
+    by a fixed seed (not random_seed): the same windows at every evaluation, resume and sweep seed, so they compare."""
     eval_step = eval_step or eqx.filter_jit(functools.partial(run.objective.eval_sums,  # mdlm: fixed seeded masks
                                                               compute_dtype=run.train.compute_dtype))
     return H.evaluator(eval_step, mesh, functools.partial(
@@ -120,9 +122,8 @@ def build_trainer(run: RunConfig, source: Source | None = None, schedule: optax.
 
 def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=None,
                   schedule: optax.Schedule | None = None):
-    """(schedule, optimizer, sharded initial or restored state, train step compiled on first call);
-    model.vocab_size must be resolved. `metrics` (StepMetric list) defaults to loss, norms and lrs;
-    `schedule` replaces optimizer.lr_config's (the LR finder's exponential sweep)."""
+    """(schedule, optimizer, sharded initial or restored state, train step); model.vocab_size must be resolved.
+    `metrics` (StepMetric list) defaults to loss, norms and lrs; `schedule` replaces lr_config's (the LR finder's)."""
     labels = models.param_labels(models.abstract(run.model))
     schedule = schedule or init_scheduler(run)
     tx = init_optimizer(run, schedule, labels)

@@ -9,8 +9,9 @@ Where the factors live: a targeted `Linear` of the stacked blocks becomes a `Lor
 subclass with `lora_a_IxR`, `lora_b_RxO`), so the factors stack and scan with their block, keep
 the base weight's tree path (`blocks.attn_qkv.weight_IxO` is still there: export, sharding and
 Hugging Face key maps see the base unchanged) and a family calling `Linear.__call__` gets the
-branch for free. A family that reads a weight directly (GPT's fused qkv einsum) adds `branch(...)`
-to that output itself. Nothing here knows a family: targets are the field names of the blocks'
+branch for free (GPT's projections, its fused qkv included, all go through it). A family that
+computes a projection another way (Llama's `_project`, which calls `Linear.__call__` on the base)
+adds `branch(...)` to that output itself. Nothing here knows a family: targets are the field names of the blocks'
 projections (a family may list them as `LORA_TARGETS` so a typo fails at validation).
 
 Frozen base: the train step differentiates `stop_base(model)`, so every base array gets a zero
