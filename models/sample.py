@@ -17,10 +17,13 @@ import numpy as np
 
 @eqx.filter_jit
 def _next_token(model, window_1xT: jax.Array, pos: jax.Array, key: jax.Array, temperature: float):
+    """(the id drawn at `pos`, the key for the next draw). The key is split in here: split eagerly,
+    it compiles two programs of its own (the split, and unpacking its result), ~2 s of a small
+    CPU's time at the start of every run, competing with the step's compilation."""
+    key, sub = jax.random.split(key)
     logits_V = model(window_1xT)[0, pos - 1]
-    if temperature == 0.0:
-        return jnp.argmax(logits_V)
-    return jax.random.categorical(key, logits_V / temperature)
+    token = jnp.argmax(logits_V) if temperature == 0.0 else jax.random.categorical(sub, logits_V / temperature)
+    return token, key
 
 
 def generate(model, prompt_ids: np.ndarray, num_tokens: int, key: jax.Array,
@@ -34,8 +37,10 @@ def generate(model, prompt_ids: np.ndarray, num_tokens: int, key: jax.Array,
         context = ids[-T:]
         window = np.zeros((1, T), np.int32)
         window[0, : len(context)] = context
-        key, sub = jax.random.split(key)
-        token = int(_next_token(model, jnp.asarray(window), jnp.int32(len(context)), sub, temperature))
+        # numpy in: jit converts it as it dispatches (jnp.asarray would compile a program per conversion),
+        # and every call sees the same argument kinds (a key put on the model's mesh would compile it again)
+        token, key = _next_token(model, window, np.int32(len(context)), np.asarray(key), temperature)
+        token = int(token)
         if token == stop_id:
             break
         ids.append(token)

@@ -307,6 +307,43 @@ def test_sampling_stays_inside_the_trained_window():
     np.testing.assert_array_equal(got, want)
 
 
+class _Traces:
+    """Shapes a forward pass was traced with (hashable by identity: a static field of a jitted module)."""
+
+    def __init__(self):
+        self.shapes: list = []
+
+
+class _CountingModel(eqx.Module):
+    """A model whose forward pass records each trace of it (Python runs only while jax traces)."""
+    inner: GPT
+    traces: _Traces = eqx.field(static=True)
+
+    @property
+    def cfg(self):
+        return self.inner.cfg
+
+    def __call__(self, x, **kwargs):
+        self.traces.shapes.append(x.shape)
+        return self.inner(x, **kwargs)
+
+
+def test_generation_compiles_one_program():
+    """A whole sample is one compiled program, with the model placed on a mesh as a run's is: a key
+    split eagerly, or handed back on the mesh, compiled more programs at every run's start (seconds
+    on a small CPU, competing with the step's compilation). Sampling the same model again compiles nothing."""
+    from models.sample import generate
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    model = jax.device_put(build(CFG), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    counting = _CountingModel(model, _Traces())
+    first = generate(counting, [1, 2, 3], 6, jax.random.PRNGKey(5), temperature=1.0)
+    again = generate(counting, [4], 3, jax.random.PRNGKey(6), temperature=1.0)
+    assert counting.traces.shapes == [(1, T)], counting.traces.shapes
+    assert len(first) == 9 and len(again) == 4
+    np.testing.assert_array_equal(first, generate(model, [1, 2, 3], 6, jax.random.PRNGKey(5), temperature=1.0))
+
+
 def test_printable_escapes_control_bytes_but_keeps_text():
     from models.sample import printable
 
