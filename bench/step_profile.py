@@ -35,12 +35,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from utils import host_memory
+
+if __name__ == "__main__":  # not in main(): tests call it in pytest's process
+    host_memory.use_huge_pages()  # first, before jax loads: the re-execution then costs ~nothing
+
 import jax
 import numpy as np
 from hydra import compose, initialize_config_dir
 
 import train_jax as T
-from utils import host_memory
 from utils.config import validate
 from utils.parallel import mesh as meshlib
 
@@ -244,5 +248,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    host_memory.use_huge_pages()
     main()

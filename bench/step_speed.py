@@ -37,13 +37,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from utils import host_memory
+
+if __name__ == "__main__":  # not in main(): tests call it in pytest's process
+    host_memory.use_huge_pages()  # first, before jax loads: the re-execution then costs ~nothing
+
 import jax
 import numpy as np
 from hydra import compose, initialize_config_dir
 
 import train_jax as T
 from models import count_params, flops_per_token
-from utils import host_memory
 from utils.config import validate
 from utils.parallel import mesh as meshlib
 from utils.train.flops import peak_flops
@@ -216,5 +220,4 @@ def compare_with_torch(args, run, state, step_fn, batches, peak: float, flops: f
 
 
 if __name__ == "__main__":
-    host_memory.use_huge_pages()  # here, not in main(): tests call main() inside pytest's process
     main()
