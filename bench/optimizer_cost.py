@@ -4,7 +4,8 @@
     python bench/optimizer_cost.py --optimizers adamw,muon --steps 5 model=gpt_tiny
 
 "update" times the optimizer's `tx.update` (clipping included) jitted on its own, on the
-state's real shapes; "step" times the full train step. Shampoo runs twice, preconditioning
+state's real shapes; "step" times the full train step (its plain variant: every step but the
+one in `logging.log_every` that computes the diagnostics). Shampoo runs twice, preconditioning
 every step and every 10 (its update time is then the mean over 10 consecutive updates, the
 expensive one included). Trailing arguments are Hydra overrides.
 """
@@ -18,6 +19,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from utils import host_memory
+
+if __name__ == "__main__":  # the allocator `python train_jax.py` runs with (utils/host_memory.py)
+    host_memory.use_huge_pages()  # first, before jax loads: the re-execution then costs ~nothing
 
 import equinox as eqx
 import jax
@@ -73,7 +79,7 @@ def measure(overrides: list[str], steps: int) -> tuple[float, float, float]:
     holder = {"state": state}
 
     def one_step():
-        holder["state"], metrics = step(holder["state"], batch)
+        holder["state"], metrics = step(holder["state"], batch, logging=False)  # the variant most steps run
         return metrics
 
     t0 = time.perf_counter()
