@@ -172,8 +172,10 @@ def _node_exists(node: str) -> bool:
 COVERED_ELSEWHERE = {
     "pytest": lambda: "pytest" in (ROOT / ".ci" / "run").read_text().split("\n"),  # CI's test command
     "ruff check .": lambda: "ruff check ." in (ROOT / ".ci" / "run").read_text().split("\n"),  # CI lints first
-    "pytest -m 'not slow'": lambda: '"slow:' in (ROOT / "pyproject.toml").read_text()  # the marker exists
-    and any("pytest.mark.slow" in p.read_text() for p in (ROOT / "tests").glob("test_*.py")),
+    # the marker exists and is used, and the dev extra installs pytest-xdist (-n, --dist)
+    "pytest -m 'not slow' -n 2 --dist loadfile": lambda: '"slow:' in (ROOT / "pyproject.toml").read_text()
+    and any("pytest.mark.slow" in p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    and "pytest-xdist" in (ROOT / "pyproject.toml").read_text().split("parity = [")[0],
     "SMOKE=1 bash scripts/train_lm.sh":
         "tests/test_cli.py::test_train_lm_script_smoke_forwards_the_slurm_signal_and_resumes",
     "tensorboard --logdir outputs": "tests/test_sinks.py::test_tensorboard_events_read_back",
