@@ -9,7 +9,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # XLA:CPU's step buffer on 2 MiB pages (re-executes: before jax loads, it costs nothing)
     from utils.host_memory import use_huge_pages
-    use_huge_pages()
+    use_huge_pages(__file__)
 
 import contextlib
 import dataclasses

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from utils import host_memory
 
 if __name__ == "__main__":  # the allocator `python train_jax.py` runs with (utils/host_memory.py)
-    host_memory.use_huge_pages()  # first, before jax loads: the re-execution then costs ~nothing
+    host_memory.use_huge_pages(__file__)  # first, before jax loads: the re-execution then costs ~nothing
 
 import equinox as eqx
 import jax

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from utils import host_memory
 
 if __name__ == "__main__":  # not in main(): tests call it in pytest's process
-    host_memory.use_huge_pages()  # first, before jax loads: the re-execution then costs ~nothing
+    host_memory.use_huge_pages(__file__)  # first, before jax loads: the re-execution then costs ~nothing
 
 import jax
 import numpy as np

@@ -12,7 +12,9 @@ faults, ~900 per step.
 The tunable is read once, when the process starts, so `use_huge_pages()` sets it and re-executes
 the same command line (`os.execv`: same PID, same arguments) before anything else runs. It does
 nothing where it cannot help (not Linux/glibc >= 2.35, huge pages `never`), when the tunable is
-already set, or with `EQTRAIN_HUGE_PAGES=0`.
+already set, or with `EQTRAIN_HUGE_PAGES=0`; and nothing when the script runs inside another
+program (IPython's `%run`, `runpy` from a wrapper): re-executing that program's command line would
+restart it, a notebook kernel with all its state.
 """
 
 from __future__ import annotations
@@ -56,10 +58,26 @@ def tunables_with_huge_pages(current: str) -> str:
     return f"{current}:{TUNABLE}" if current else TUNABLE
 
 
-def use_huge_pages() -> None:
+def started_as(script: str, argv: list[str], orig_argv: list[str]) -> bool:
+    """Whether the interpreter's command line (`orig_argv`) ran `script` itself, as `python script ...`
+    or `python -m module ...`, with the arguments the script sees (`argv`): re-executing it then runs
+    the script again, and nothing else."""
+    n = len(argv) - 1
+    if len(orig_argv) < n + 2 or (n and orig_argv[-n:] != argv[1:]):
+        return False
+    head = orig_argv[: len(orig_argv) - n]
+    module = os.path.splitext(os.path.basename(script))[0]
+    if len(head) >= 3 and head[-2] == "-m":
+        return head[-1] == module
+    return os.path.exists(head[-1]) and os.path.samefile(head[-1], script)
+
+
+def use_huge_pages(script: str) -> None:
     """Re-execute this process with glibc's huge-page tunable, where it helps (module docstring).
-    Call it first thing in a script's main: whatever ran before is run again."""
+    Call it first thing in a script's main, with the script's `__file__`: whatever ran before is run again."""
     if sys.platform != "linux" or not wanted(libc=glibc_version(), mode=thp_mode()):
+        return
+    if not started_as(script, sys.argv, getattr(sys, "orig_argv", [])):
         return
     os.environ["GLIBC_TUNABLES"] = tunables_with_huge_pages(os.environ.get("GLIBC_TUNABLES", ""))
     sys.stdout.flush()
