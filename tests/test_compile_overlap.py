@@ -122,3 +122,23 @@ def test_the_diagnostics_read_each_parameter_array_in_one_reduction():
     primitives = [eqn.primitive.name for eqn in jax.make_jaxpr(update)(aux, params).jaxpr.eqns]
     reductions = [p for p in primitives if p.startswith(("reduce", "argm", "dot_general", "cum"))]
     assert reductions == ["reduce"] * len(params), reductions  # one variadic reduce per array, nothing else
+
+
+def test_the_cpu_peak_is_measured_before_the_background_compilations_start(tiny_run, tmp_path, monkeypatch):
+    """MFU's denominator, measured once per cache_dir and cached: measured while the variants compile
+    on the other core it reads low (209 GFLOP/s instead of 507 on 2 cores), and every later run from
+    that cache_dir logs an MFU twice too high. compile_ahead takes it first, into the cache."""
+    from utils.train import flops
+
+    run = tiny_run(*TWO_VARIANTS, "model.vocab_size=null", f"cache_dir={tmp_path / 'cache'}")
+    trainer = T.build_trainer(run)
+    seen = []
+    monkeypatch.setattr(flops, "measure_matmul_flops",
+                        lambda *a, **k: seen.append(trainer.train_step.pending(False)
+                                                    or trainer.train_step.pending(True)) or 1e11)
+    precompile.compile_ahead(trainer, 0, run.train.max_steps)
+    assert trainer.train_step.pending(False) and trainer.train_step.pending(True)  # compiling now
+    trainer.train_step.wait()
+    assert seen == [False]  # measured once, with nothing compiling beside it
+    assert flops.peak_flops(run.train.compute_dtype, run.cache_dir) == 1e11  # cached: the hooks read it
+    trainer.data.close()
