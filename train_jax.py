@@ -212,7 +212,7 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
     if start >= run.train.max_steps:
         say(f"nothing to train: the run is at step {start} = train.max_steps")
         return dict(source.manifest.get("metrics", {})) if source else {}
-    precompile.compile_ahead(trainer, start, end)  # in background threads, while the start hooks run
+    precompile.compile_ahead(trainer, start, end)  # in a background thread, while the start hooks run
     ctx = H.LoopContext(start, end, trainer.state, trainer.data.train, eval_view=trainer.eval_view)
     # Logged once, with the first record: the data stream's fingerprint and what the source counted.
     ctx.add({**diagnostics.state_bytes_metric(trainer.state.opt_state), "data/fingerprint": trainer.data.fingerprint,

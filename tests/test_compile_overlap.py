@@ -1,4 +1,4 @@
-"""The train step's variants compiled ahead of time in background threads (utils/train/precompile.py,
+"""The train step's variants compiled ahead of time in a background thread (utils/train/precompile.py,
 TrainStep.precompile; issue 25): the first calls use those programs (no second trace), they compute
 exactly what the lazily compiled step computes, and a dispatch that waited for one counts the wait
 as compilation time. And the diagnostics' reductions, the logging variant's extra compile time, stay
@@ -75,6 +75,26 @@ def test_a_dispatch_that_waits_for_a_background_compilation_counts_the_wait(tiny
     assert ctx.compile_sec >= 0.3 and step.compiled() == 1 and not step.pending(True)
     ctx.advance(2, *ctx.dispatch(step, batch, logging=True))
     assert ctx.compile_sec == 0.0 and step.compiled() == 1
+
+
+def test_background_compilations_run_one_after_another_in_the_order_asked():
+    """XLA:CPU's LLVM pool is shared by every compilation of the process, first come first served:
+    two variants compiled side by side only delay the one the loop needs first (and the start-up's
+    own programs behind them). So they run one at a time, in the order `start` was called."""
+    background, events = precompile.Background(), []
+
+    def compile_fn(name: str):
+        def run():
+            events.append(("start", name))
+            time.sleep(0.2)  # long enough for a second worker, if there were one, to start the next
+            events.append(("end", name))
+        return run
+
+    background.start(False, compile_fn("plain"))
+    background.start(True, compile_fn("logging"))
+    background.wait(True)
+    background.wait(False)
+    assert events == [("start", "plain"), ("end", "plain"), ("start", "logging"), ("end", "logging")], events
 
 
 @pytest.mark.parametrize("start, end, log_every, expected", [

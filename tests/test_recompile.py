@@ -6,7 +6,7 @@ cost a whole compile time in the middle of training.
 Compilations are counted from JAX's own log (`jax_log_compiles`: one "Compiling <name>" record per
 program lowered), which fires on every jit cache miss whether or not the persistent cache then
 finds the executable on disk. It is switched on for the whole process, not with the thread-local
-`jax.log_compiles()` context: the run compiles its step variants in background threads
+`jax.log_compiles()` context: the run compiles its step variants in a background thread
 (utils/train/precompile.py), and those count too."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_the_step_variants_compile_once_across_evaluations_and_a_resume(tmp_path
     steps), both step variants (the aux hook on), saved at its end. Segment 2, the same command,
     resumes it and trains steps 5-8. In each the step (`counted`, both variants' name:
     utils/train/step_metrics.compile_variants) compiles exactly twice, plain and logging variant,
-    both ahead of time in background threads (utils/train/precompile.py) while the start hooks
+    both ahead of time in a background thread (utils/train/precompile.py) while the start hooks
     run, and the evaluation's program once."""
     command = (*RUN, "train.max_steps=8", "checkpoint.save=true", f"checkpoint.save_path={tmp_path / 'ck'}",
                "checkpoint.num_steps=4", "checkpoint.resume=auto", "checkpoint.async_save=false")

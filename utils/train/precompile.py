@@ -1,10 +1,19 @@
-"""The train step's variants compiled ahead of time, in background threads, while the run does
+"""The train step's variants compiled ahead of time, in a background thread, while the run does
 its other start-up work (the baseline evaluation, its samples), so the first steps do not wait
 for compilations the machine could have done meanwhile.
 
 Why threads: XLA releases the GIL while it compiles, and a start-up is mostly one busy thread
-(Python, or one XLA compilation), so a second core sits idle. Each variant compiles in a thread
-of its own: the plain one and the logging one overlap each other too.
+(Python, or one XLA compilation), so a second core sits idle.
+
+Why one thread, the variants one after the other (plain first, as the loop needs them): XLA:CPU
+compiles a program's kernels with LLVM in one process-wide pool of as many threads as the
+machine has cores (cpu_compiler.cc, `GetCompilationThreadPool`), first come first served. Two
+compilations side by side do not finish sooner than one after the other; they share that pool,
+so the variant the loop needs first finishes later, and the start-up's own compilations (the
+evaluation's, the sampler's) queue behind both. Measured on the 2-core VM (the default run,
+`compile_cache=false`, 2026-11-24): the first logged step came 0.45 s sooner with one thread
+(10.33–10.79 s after start, 3 runs) than with two (10.60–11.36 s), and the sampler's program,
+queued behind both variants, took 2.2–3.1 s to compile instead of 0.3 s.
 
 Why the step still works unchanged: a background thread runs `jitted.lower(...).compile()` on the
 arguments' shapes, which fills the same in-memory caches jax's own first call would (its trace,
@@ -83,8 +92,9 @@ class Background:
     def start(self, name: Any, compile_fn) -> None:
         if name in self._pending:  # already compiling
             return
-        if self._pool is None:  # non-daemon workers: the interpreter exits after a running compilation ends
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="eqtrain-compile")
+        if self._pool is None:  # non-daemon: the interpreter exits after a running compilation ends; one worker:
+            # the variants in the order they are needed (the module docstring)
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eqtrain-compile")
         self._pending[name] = self._pool.submit(compile_fn)
 
     def pending(self, name: Any) -> bool:
