@@ -103,14 +103,17 @@ def _composed(overrides: tuple[str, ...]):
         return compose("config", overrides=[*TINY_OVERRIDES, *overrides])
 
 
-def load_script(name: str):
-    """scripts/<name>.py imported as a module, to call its functions and main(argv) in-process.
-    Registered in sys.modules before it runs: its dataclasses look their module up while built."""
+def load_script(name: str, folder: str = "scripts"):
+    """<folder>/<name>.py (scripts/ or bench/: scripts, not packages) imported as a module, to call
+    its functions and main(argv) in-process. Registered in sys.modules before it runs: its
+    dataclasses look their module up while built. A bench script imports its neighbours by name."""
     import importlib.util
     import sys
 
-    path = os.path.join(os.path.dirname(CONF_DIR), "scripts", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
+    path = os.path.join(os.path.dirname(CONF_DIR), folder, f"{name}.py")
+    if folder == "bench" and os.path.dirname(path) not in sys.path:
+        sys.path.insert(0, os.path.dirname(path))
+    spec = importlib.util.spec_from_file_location(f"_{folder}_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

@@ -8,21 +8,13 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from helpers import load_script
 
 
 def load(name: str):
-    """bench/ holds scripts, not a package: import one by path."""
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_script(name, "bench")
 
 
 pairs = load("pairs")
