@@ -479,7 +479,8 @@ def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str
 
 def _saved_shapes(item_dir: str) -> dict[str, tuple[int, ...]]:
     """{array name: shape} of the pytree saved in `item_dir` (from orbax's metadata, no arrays read)."""
-    metadata = ocp.StandardCheckpointer().metadata(os.path.abspath(item_dir)).item_metadata  # orbax: absolute only
+    with ocp.StandardCheckpointer() as checkpointer:  # closed here, not whenever the collector gets to it
+        metadata = checkpointer.metadata(os.path.abspath(item_dir)).item_metadata  # orbax: absolute paths only
     return {m.name: tuple(m.shape) for m in jax.tree.leaves(metadata)}
 
 
