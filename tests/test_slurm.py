@@ -11,7 +11,9 @@ where EQTRAIN_REQUIRE_SLURM=1 (.ci/run sets it as root with apt-get): there that
   losses equal an uninterrupted run's, bit for bit, across the stop (the reference runs to 100
   steps past it; resumed deterministic training is then the same computation);
 - train.sbatch with two tasks, signalled: both save and stop, one exiting well after the other,
-  and the job is still requeued and resumes.
+  and the job is still requeued and resumes;
+- the same job requeued by SLURM (`scontrol requeue`, as a preemption does): SIGTERM reaches every
+  process at once, srun included, both trainers save within KillWait and the job resumes.
 
 The jobs are submitted from the session's background (tests/background.py) while earlier tests
 run in the pytest process, one scenario after another; the tests inspect what they left. Every job
@@ -30,6 +32,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any, Callable
 
 import background
 import pytest
@@ -220,13 +223,27 @@ class Scenarios:
         sleep from a sitecustomize on PYTHONPATH), as a process 0 that finishes a wandb upload or a
         slow save does: long enough for a step that srun terminates when task 0 exits (SIGTERM,
         which a stopped trainer ignores, then SIGKILL after KillWait) to kill it."""
+        stop = lambda job_id: subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
+        return self._two_task_job(where, name, stop, slow_task=True)
+
+    def two_tasks_requeue(self, where: Path, name: str) -> dict:
+        """The same job ended from outside, the way SLURM preempts a job it requeues (PreemptMode=
+        REQUEUE) or an admin moves it: `scontrol requeue`. SLURM sends SIGTERM to every process of
+        the job at once (the batch shell, srun and both trainers) and SIGKILL after KillWait, and
+        srun, on its SIGTERM, cancels its step ("forcing job termination"): the trainers must still
+        save within that grace, and the requeued job resume from what they saved."""
+        stop = lambda job_id: subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
+        return self._two_task_job(where, name, stop, slow_task=False)
+
+    def _two_task_job(self, where: Path, name: str, stop: Callable[[str], Any], slow_task: bool) -> dict:
         where.mkdir(parents=True)
         ck, run = where / "ck", where / "run"
         (where / "site").mkdir()
-        (where / "site" / "sitecustomize.py").write_text(
-            "import atexit, os, time\n"
-            "if os.environ.get('SLURM_PROCID') == '1' and os.environ.get('SLURM_RESTART_COUNT', '0') == '0':\n"
-            f"    atexit.register(time.sleep, {kill_wait_s() + 3})\n")
+        if slow_task:
+            (where / "site" / "sitecustomize.py").write_text(
+                "import atexit, os, time\n"
+                "if os.environ.get('SLURM_PROCID') == '1' and os.environ.get('SLURM_RESTART_COUNT', '0') == '0':\n"
+                f"    atexit.register(time.sleep, {kill_wait_s() + 3})\n")
         args = [*RUN, f"train.max_steps={TWO_TASK_STEPS}", "checkpoint.save_steps=100000"]
         with self._lock:
             if self._closed:
@@ -245,7 +262,7 @@ class Scenarios:
             fields = job_fields(job_id) or fields
             metrics = run / "metrics.jsonl"
             if not signalled and metrics.exists() and "train/loss" in metrics.read_text():
-                subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
+                stop(job_id)
                 signalled = True
             if fields.get("JobState") in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY"):
                 break
@@ -295,7 +312,7 @@ def slurm_scenarios(ctx) -> Scenarios | None:
     return Scenarios(ctx.tmp_path_factory.mktemp("slurm"), ctx.cache_dir)
 
 
-@background.setup(params=["time_limit", "two_tasks", "srun", "sweep"])
+@background.setup(params=["time_limit", "two_tasks", "two_tasks_requeue", "srun", "sweep"])
 def slurm_job(ctx, scenario: str) -> Submitted | None:
     scenarios = ctx.setup("slurm_scenarios")
     return None if scenarios is None else scenarios.submit(scenario)
@@ -341,6 +358,7 @@ def test_srun_two_processes_train_as_one(slurm_job):
 STEPS = 3000  # ~30 s of training on an idle core: the time-limit signal comes while it trains
 AFTER_STOP = 100  # steps of the second segment that the reference covers
 STOP_LINE = re.compile(r"stopped by SIGUSR1 after step (\d+): saved (\S+);")
+TERM_LINE = re.compile(r"stopped by SIGTERM after step (\d+): saved ")
 
 
 @pytest.mark.parametrize("slurm_job", ["time_limit"], indirect=True)
@@ -407,6 +425,27 @@ def test_two_task_job_signalled_requeues_and_resumes(slurm_job):
     assert 0 < k < TWO_TASK_STEPS, f"the job finished before the signal (raise TWO_TASK_STEPS)\n{out[-3000:]}"
     assert "requeueing job" in out and f"resumed from {ck}/iter_{k} at step {k}" in out, out[-4000:]
     assert "2 task(s)" in out
+    got = losses(r["run"])
+    assert [s for s, _ in got] == list(range(1, TWO_TASK_STEPS + 1))  # each step once, across the stop
+    assert all(math.isfinite(loss) for _, loss in got)
+
+
+@pytest.mark.parametrize("slurm_job", ["two_tasks_requeue"], indirect=True)
+def test_two_task_job_requeued_by_slurm_saves_on_sigterm_and_resumes(slurm_job):
+    """`scontrol requeue` (SLURM's own requeue, as a preemption does) sends SIGTERM to every process
+    of the 2-task job at once, srun included, which then cancels its step: both trainers still save
+    the step they agreed on within KillWait, SLURM requeues the job itself (the script does not
+    requeue a second time on SIGTERM), and the next start resumes there, every step logged once."""
+    r = slurm_job.result()
+    out, ck = r["out"], r["ck"]
+    assert r["signalled"], f"the job never logged a training step\n{out[-3000:]}"
+    assert r["state"] == "COMPLETED" and r["restarts"] == 1, f"{r['state']}, {r['restarts']} restart(s)\n{out[-4000:]}"
+    stops = TERM_LINE.findall(out)
+    assert len(stops) == 2 and stops[0] == stops[1], out[-4000:]  # both tasks, the same step
+    k = int(stops[0])
+    assert 0 < k < TWO_TASK_STEPS, f"the job finished before the signal (raise TWO_TASK_STEPS)\n{out[-3000:]}"
+    assert "2 of 2 task(s) saved and stopped" in out and "requeueing job" not in out, out[-4000:]
+    assert f"resumed from {ck}/iter_{k} at step {k}" in out, out[-4000:]
     got = losses(r["run"])
     assert [s for s, _ in got] == list(range(1, TWO_TASK_STEPS + 1))  # each step once, across the stop
     assert all(math.isfinite(loss) for _, loss in got)
