@@ -19,7 +19,8 @@ first re-executes itself with glibc's transparent huge pages for large allocatio
 step); `EQTRAIN_HUGE_PAGES=0` keeps the default allocator. The header says which.
 
 --pairs N alternates eqtrain's step with bench/torch_reference.py's (the same GPT hand-written in
-PyTorch: eager, and torch.compile where it works) N times in this process (bench/pairs.py: warm
+PyTorch: eager, and torch.compile where it works; in train.compute_dtype, bfloat16 under
+torch.autocast) N times in this process (bench/pairs.py: warm
 both, then k steps of each per pair, the order flipping each pair) and prints each pair's times,
 the throughput ratios eqtrain / torch and their medians. It needs torch (the `parity` extra).
 """
@@ -92,6 +93,8 @@ def main() -> None:
     conf_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
     with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
         run = validate(compose("config", overrides=overrides))
+    if args.pairs:
+        check_pairs(run)
 
     trainer = T.build_trainer(run)
     run, data, state = trainer.run, trainer.data, trainer.state
@@ -163,15 +166,25 @@ def allocator() -> str:
     return "glibc huge pages" if host_memory.TUNABLE in tunables else "default (EQTRAIN_HUGE_PAGES=0 or unsupported)"
 
 
-def compare_with_torch(args, run, state, step_fn, batches, peak: float, flops: float, tokens: int) -> None:
-    """--pairs: eqtrain's step against PyTorch's on the same shape, alternated (bench/pairs.py)."""
-    import torch
+def check_pairs(run) -> None:
+    """--pairs compares what bench/torch_reference.py can build: stop with one line, before anything compiles."""
     import torch_reference as ref
 
     m = run.model
     if m.name != "gpt" or not m.tie_embeddings or not m.bias or m.dropout or m.moe.num_experts or m.lora.rank:
         sys.exit("step_speed.py --pairs: bench/torch_reference.py is a plain GPT-2 (tied head, biases, no dropout, "
                  "no MoE/LoRA): pick a model=gpt_* config")
+    if run.train.compute_dtype not in ref.AUTOCAST:
+        sys.exit(f"step_speed.py --pairs: the PyTorch reference runs train.compute_dtype={' or '.join(ref.AUTOCAST)}, "
+                 f"not {run.train.compute_dtype}")
+
+
+def compare_with_torch(args, run, state, step_fn, batches, peak: float, flops: float, tokens: int) -> None:
+    """--pairs: eqtrain's step against PyTorch's on the same shape, alternated (bench/pairs.py)."""
+    import torch
+    import torch_reference as ref
+
+    m = run.model
     on_cpu = jax.devices()[0].platform == "cpu"
     if not on_cpu and not torch.cuda.is_available():
         sys.exit("step_speed.py --pairs on a GPU needs a CUDA build of torch (this one is CPU-only)")
@@ -187,8 +200,9 @@ def compare_with_torch(args, run, state, step_fn, batches, peak: float, flops: f
         jax.block_until_ready(metrics)
 
     steps = {"eqtrain": eqtrain}
-    steps["torch eager"], _ = ref.build_step(shape, device=device)
-    compiled, _ = ref.build_step(shape, compile=True, device=device)
+    dtype = run.train.compute_dtype  # bfloat16: torch.autocast, the same mixed precision
+    steps["torch eager"], _ = ref.build_step(shape, device=device, dtype=dtype)
+    compiled, _ = ref.build_step(shape, compile=True, device=device, dtype=dtype)
     t0 = time.perf_counter()
     try:  # inductor needs a working C++ compiler on CPU; say so and go on with eager alone
         compiled()
@@ -198,7 +212,7 @@ def compare_with_torch(args, run, state, step_fn, batches, peak: float, flops: f
         print(f"torch.compile does not work here ({type(e).__name__}: {str(e).splitlines()[0][:100]}): eager only")
 
     print(f"{args.pairs} pairs of {args.k} steps each (order flips each pair), after {args.warmup} warm-up steps each; "
-          f"torch {torch.__version__} on {device}")
+          f"torch {torch.__version__} on {device}, {dtype}")
     shares = []
     gate = (lambda: shares.append(pairlib.wait_for_quiet(args.quiet, args.quiet_wait))) if args.quiet else None
     results = pairlib.run_pairs(steps, args.pairs, k=args.k, warmup=args.warmup, before_pair=gate)

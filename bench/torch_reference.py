@@ -87,9 +87,19 @@ def flops_per_step(s: Shape) -> float:
     return per_token * s.batch * s.context
 
 
-def build_step(s: Shape = Shape(), compile: bool = False, device: str = "cpu"):
+AUTOCAST = {"float32": None, "bfloat16": torch.bfloat16}  # eqtrain's train.compute_dtype -> torch's autocast
+
+
+def build_step(s: Shape = Shape(), compile: bool = False, device: str = "cpu", dtype: str = "float32"):
     """(step, n_params): `step()` runs one full training step on a fixed random batch and returns
-    the loss as a Python float, which waits for the device (the step's end on CUDA too)."""
+    the loss as a Python float, which waits for the device (the step's end on CUDA too).
+
+    `dtype` is the compute dtype, as eqtrain's `train.compute_dtype`: "bfloat16" runs the forward
+    and the loss under torch.autocast (matmuls and attention in bf16, weights, gradients and AdamW
+    in float32), the usual mixed precision to compare eqtrain's bf16 step with on a GPU."""
+    if dtype not in AUTOCAST:
+        raise ValueError(f"dtype={dtype!r}: the PyTorch reference runs {' or '.join(AUTOCAST)} "
+                         "(float16 would need a GradScaler, as eqtrain's loss scale)")
     torch.manual_seed(0)
     model = GPT(s).to(device)
     decay = [p for n, p in model.named_parameters() if n.startswith("blocks") and p.dim() == 2]
@@ -101,8 +111,9 @@ def build_step(s: Shape = Shape(), compile: bool = False, device: str = "cpu"):
     batch = torch.randint(0, s.vocab, (s.batch, s.context + 1), generator=gen, dtype=torch.int64).to(device)
 
     def step():
-        logits = forward(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, s.vocab), batch[:, 1:].reshape(-1))
+        with torch.autocast(device_type=device, dtype=AUTOCAST[dtype] or torch.float32, enabled=bool(AUTOCAST[dtype])):
+            logits = forward(batch[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, s.vocab).float(), batch[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -105,3 +105,35 @@ def test_torch_reference_trains_its_shape_and_counts_flops_like_eqtrain():
                        vocab_size=shape.vocab, mlp_ratio=shape.mlp)
     tokens = shape.batch * shape.context
     assert ref.flops_per_step(shape) == pytest.approx(flops_per_token(config, shape.context) * tokens, rel=1e-12)
+
+
+def test_torch_reference_in_bfloat16_is_autocast_mixed_precision():
+    """dtype="bfloat16" (eqtrain's train.compute_dtype, what a GPU comparison runs): the forward in
+    bf16 under autocast, so its losses differ from float32's by bf16 rounding (~2^-8 relative), not
+    by more, and it still trains; float16 (it would need a GradScaler) is refused."""
+    pytest.importorskip("torch", reason="parity tier: pip install -e '.[dev,parity]'")
+    ref = load("torch_reference")
+    shape = ref.Shape(vocab=64, context=16, dim=32, heads=2, blocks=2, mlp=4, batch=4)
+    step32, _ = ref.build_step(shape)
+    step16, _ = ref.build_step(shape, dtype="bfloat16")
+    losses32, losses16 = [step32() for _ in range(5)], [step16() for _ in range(5)]
+    assert losses16 != losses32  # autocast is on: the bf16 forward rounds differently
+    assert all(abs(a - b) < 0.05 * abs(a) for a, b in zip(losses32, losses16))  # ... by bf16 rounding only
+    assert losses16[-1] < losses16[0]
+    with pytest.raises(ValueError, match="float16"):
+        ref.build_step(shape, dtype="float16")
+
+
+def test_step_speed_pairs_refuses_what_the_reference_cannot_build_before_compiling(monkeypatch):
+    pytest.importorskip("torch", reason="parity tier: pip install -e '.[dev,parity]'")
+    step_speed = load("step_speed")
+
+    def built(*_):
+        raise AssertionError("the trainer was built before the check")
+    monkeypatch.setattr(step_speed.T, "build_trainer", built)
+    for override, says in (("train.compute_dtype=float16", "compute_dtype=float32 or bfloat16, not float16"),
+                           ("model=llama_tiny", "plain GPT-2")):
+        monkeypatch.setattr(sys, "argv", ["step_speed.py", "--pairs", "1", override])
+        with pytest.raises(SystemExit) as stop:
+            step_speed.main()
+        assert says in str(stop.value.code), stop.value.code
