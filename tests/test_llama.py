@@ -4,9 +4,9 @@ equivalent execution paths, dropout, parameter groups, FLOPs, bad knobs, the Hug
 mapping's round trip, a short run through train_jax.train, golden losses, and 8 devices == 1.
 
 Tolerances: the models are 2 blocks of dim 32 (dot products of <= 96 terms) with O(0.1-1) logits, so
-float32 rounding is ~sqrt(96)·EPS32 ≈ 1.2e-6 of the values' scale; atol 1e-5 (~80 EPS32 at scale 1)
-leaves ~10x room, while every bug the tests target (a wrong kv head, a rotary off by one position,
-a norm gain dropped) moves logits by > 1e-3.
+float32 rounding is ~sqrt(96)·EPS32 ≈ 1.2e-6 of the values' scale (ROUNDING); logits_atol, 8 ROUNDING ≈
+80 EPS32 of the logits' scale (1e-5 at scale 1), leaves ~8x room, while every bug the tests target (a
+wrong kv head, a rotary off by one position, a norm gain dropped) moves logits by > 1e-3.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import ShardedCheck, compose_config
+from test_golden import RTOL
 
 import models
 import train_jax as T
@@ -41,7 +42,19 @@ CFG = llama.LlamaConfig(dim=32, num_heads=4, num_kv_heads=2, num_blocks=2, conte
 FULL_CFG = dataclasses.replace(CFG, num_kv_heads=1, qkv_bias=True, qk_norm=True, tie_embeddings=False,
                                rope_theta=500.0)
 T_ = CFG.context_length
-ATOL = 1e-5  # see the module docstring
+EPS32 = float(np.finfo(np.float32).eps)
+ROUNDING = math.sqrt(96) * EPS32  # see the module docstring
+GRAD_ROUNDING = (math.sqrt(64) + math.sqrt(96)) * EPS32  # backward: also summed over a batch's 64 tokens
+
+
+def scale(x) -> float:
+    """The largest magnitude in x: the scale a float32 sum's rounding is relative to."""
+    return float(np.abs(np.asarray(x)).max())
+
+
+def logits_atol(want) -> float:
+    """See the module docstring: each of two computations within ROUNDING of the exact logits, 4x."""
+    return 8 * ROUNDING * scale(want)
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,8 +147,8 @@ def test_logits_equal_a_numpy_repeat_kv_reference(cfg):
     tokens_BxT = _tokens((2, T_), seed=3)
     got_BxTxV = np.asarray(forward(model, jnp.asarray(tokens_BxT)))
     want_BxTxV = np.stack([np_forward(model, row) for row in tokens_BxT])
-    assert 0.1 < np.abs(want_BxTxV).max() < 10  # the O(1) scale the tolerance assumes
-    np.testing.assert_allclose(got_BxTxV, want_BxTxV, rtol=0, atol=ATOL)
+    assert 0.1 < np.abs(want_BxTxV).max() < 10  # the O(1) scale the docstring assumes
+    np.testing.assert_allclose(got_BxTxV, want_BxTxV, rtol=0, atol=logits_atol(want_BxTxV))
 
 
 def test_rotary_matches_complex_rotation_and_depends_on_relative_position():
@@ -144,8 +157,11 @@ def test_rotary_matches_complex_rotation_and_depends_on_relative_position():
     pos_T = np.arange(12) * 7.0  # angles past 2π for the fast pairs
     cos, sin = llama.rotary_cos_sin(jnp.asarray(pos_T), K, theta)
     got = np.asarray(llama.apply_rotary(jnp.asarray(x_1xTxK), cos, sin))
-    # Angles up to 77 rad computed in float32: ~77·EPS32 ≈ 1e-5 absolute on unit values.
-    np.testing.assert_allclose(got, np_rotary(x_1xTxK.astype(np.float64), pos_T, theta), rtol=0, atol=5e-5)
+    # Angles up to 77 rad computed in float32 are off by ~77·EPS32 (their rounding, relative to them),
+    # which turns a pair by that: 77·EPS32 times the largest pair's norm, 2x.
+    pair_norm = np.hypot(x_1xTxK[..., : K // 2], x_1xTxK[..., K // 2 :]).max()
+    np.testing.assert_allclose(got, np_rotary(x_1xTxK.astype(np.float64), pos_T, theta), rtol=0,
+                               atol=2 * 77 * EPS32 * pair_norm)
     # q·k after rotation depends only on the positions' difference: shift both by 5, same dot.
     q, k = jnp.asarray(x_1xTxK[:, :1]), jnp.asarray(x_1xTxK[:, 1:2])
 
@@ -154,7 +170,10 @@ def test_rotary_matches_complex_rotation_and_depends_on_relative_position():
         rk = llama.apply_rotary(k, *llama.rotary_cos_sin(jnp.asarray([pk]), K, theta))
         return float((rq * rk).sum())
 
-    assert abs(dot(3, 1) - dot(8, 6)) < 1e-5 and abs(dot(3, 1) - dot(3, 2)) > 1e-3
+    # Each dot: 8 products of entries turned by angles <= 8 rad (~8·EPS32/2 of rounding) and their sum
+    # (~√8·EPS32), of |q||k|; two dots.
+    tol = 2 * (8 / 2 + math.sqrt(8)) * EPS32 * float(jnp.linalg.norm(q) * jnp.linalg.norm(k))
+    assert abs(dot(3, 1) - dot(8, 6)) < tol and abs(dot(3, 1) - dot(3, 2)) > 1e-3
 
 
 def test_changing_a_token_changes_only_its_own_and_later_logits():
@@ -163,12 +182,15 @@ def test_changing_a_token_changes_only_its_own_and_later_logits():
     changed_BxT = tokens_BxT.copy()
     changed_BxT[:, t + 1] = (changed_BxT[:, t + 1] + 17) % CFG.vocab_size
     before, after = np.asarray(forward(model, jnp.asarray(tokens_BxT))), np.asarray(forward(model, changed_BxT))
-    np.testing.assert_allclose(after[:, : t + 1], before[:, : t + 1], rtol=0, atol=1e-6)
+    # Equal in exact arithmetic and in float32 too (a masked probability is exactly 0, and adds exactly 0):
+    # at most the forward's sums ordered differently, one ROUNDING.
+    np.testing.assert_allclose(after[:, : t + 1], before[:, : t + 1], rtol=0, atol=ROUNDING * scale(before))
     assert (np.abs(after - before).max(-1)[:, t + 1:] > 1e-5).all()
     # causal=False (mdlm): the earlier positions see it too, and match the reference.
     bidir = np.asarray(forward(model, changed_BxT, causal=False))
     assert (np.abs(bidir - np.asarray(forward(model, tokens_BxT, causal=False))).max(-1)[:, :t] > 1e-5).all()
-    np.testing.assert_allclose(bidir[0], np_forward(model, changed_BxT[0], causal=False), rtol=0, atol=ATOL)
+    want = np_forward(model, changed_BxT[0], causal=False)
+    np.testing.assert_allclose(bidir[0], want, rtol=0, atol=logits_atol(want))
 
 
 def test_packed_documents_give_each_document_its_standalone_logits():
@@ -180,9 +202,11 @@ def test_packed_documents_give_each_document_its_standalone_logits():
     tokens_T = _tokens((T_,), seed=5)
     seg_1xT = np.array([[0] * 5 + [1] * 11])
     packed = np.asarray(forward(model, jnp.asarray(tokens_T[None]), segment_ids_BxT=jnp.asarray(seg_1xT)))[0]
-    np.testing.assert_allclose(packed[:5], np.asarray(forward(model, tokens_T[None, :5]))[0], rtol=0, atol=ATOL)
-    np.testing.assert_allclose(packed[5:], np.asarray(forward(model, tokens_T[None, 5:]))[0], rtol=0, atol=ATOL)
-    np.testing.assert_allclose(packed, np_forward(model, tokens_T, seg_1xT[0]), rtol=0, atol=ATOL)
+    want = np_forward(model, tokens_T, seg_1xT[0])
+    atol = logits_atol(want)
+    np.testing.assert_allclose(packed[:5], np.asarray(forward(model, tokens_T[None, :5]))[0], rtol=0, atol=atol)
+    np.testing.assert_allclose(packed[5:], np.asarray(forward(model, tokens_T[None, 5:]))[0], rtol=0, atol=atol)
+    np.testing.assert_allclose(packed, want, rtol=0, atol=atol)
 
 
 # --- equivalent execution paths, dropout ------------------------------------------------------------
@@ -194,7 +218,7 @@ def test_scan_unroll_and_block_causal_attention_give_the_same_logits():
     want = forward(model, tokens_BxT)
     for flags in ({"scan_blocks": False}, {"scan_unroll": 2}, {"attn_block_size": 4}):
         got = forward(with_cfg(model, dataclasses.replace(CFG, **flags)), tokens_BxT)
-        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL, err_msg=str(flags))
+        np.testing.assert_allclose(got, want, rtol=0, atol=logits_atol(want), err_msg=str(flags))
 
 
 def test_remat_policies_give_the_same_loss_and_gradients():
@@ -206,20 +230,22 @@ def test_remat_policies_give_the_same_loss_and_gradients():
     for remat in (r for r in REMAT_POLICIES if r != "none"):
         (loss_r, _), grads_r = loss_and_grads(with_cfg(model, dataclasses.replace(FULL_CFG, remat=remat)),
                                               tokens_BxT1, None, jnp.float32)
-        np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
-        for g, g_r in zip(leaves, jax.tree.leaves(grads_r), strict=True):
-            np.testing.assert_allclose(g_r, g, rtol=1e-4, atol=1e-6)  # recomputed: the same ops, re-fused
+        # The same forward: the loss, a mean over 64 tokens, at most summed in another order (√64·EPS32).
+        np.testing.assert_allclose(loss_r, loss, rtol=math.sqrt(64) * EPS32)
+        for g, g_r in zip(leaves, jax.tree.leaves(grads_r), strict=True):  # recomputed, re-fused: 4x
+            np.testing.assert_allclose(g_r, g, rtol=0, atol=4 * GRAD_ROUNDING * scale(g))
 
 
 def test_bfloat16_compute_keeps_float32_logits_close_to_float32():
-    """Matmuls in bfloat16 (8-bit mantissa: 2^-8 ≈ 4e-3 per rounding), logits float32. Through 2 blocks
-    a few roundings accumulate: within 5% of the logits' scale, and not equal (bfloat16 really ran)."""
+    """Matmuls in bfloat16 (8-bit mantissa: 2^-8 ≈ 4e-3 per rounding), logits float32. 15 matmuls in a
+    row (7 a block, the head), each rounding both inputs: ~√30·2^-8 ≈ 2% of the logits' scale if
+    those add up at random; within 2x that, and not equal (bfloat16 really ran)."""
     model, tokens_BxT = build(FULL_CFG), jnp.asarray(_tokens((2, T_)))
     f32 = np.asarray(forward(model, tokens_BxT))
     bf16 = eqx.filter_jit(lambda m, t: m(t, compute_dtype=jnp.bfloat16))(model, tokens_BxT)
     assert bf16.dtype == jnp.float32
     error = np.abs(np.asarray(bf16) - f32).max() / np.abs(f32).max()
-    assert 1e-4 < error < 0.05, error
+    assert 1e-4 < error < 2 * math.sqrt(2 * 15) * 2.0**-8, error
 
 
 def test_dropout_is_active_only_with_a_key():
@@ -237,14 +263,18 @@ def test_collect_returns_each_blocks_activation_rms():
     model = build(CFG)
     tokens_BxT = _tokens((2, T_))
     logits, stats = eqx.filter_jit(lambda m, t: m(t, collect=True))(model, jnp.asarray(tokens_BxT))
-    np.testing.assert_allclose(logits, forward(model, jnp.asarray(tokens_BxT)), rtol=0, atol=1e-6)
+    want_logits = np.asarray(forward(model, jnp.asarray(tokens_BxT)))  # the same ops: at most one ROUNDING
+    np.testing.assert_allclose(logits, want_logits, rtol=0, atol=ROUNDING * scale(want_logits))
     want = {}
     for row in tokens_BxT:
         np_forward(model, row, stats=want)
     assert set(stats) == set(want) == {"attn", "mlp", "resid"}
+    # Each activation carries ROUNDING of its scale into the RMS; the mean of 2·16·32 = 1024 squares, a
+    # pairwise float32 sum, adds <= log2(1024)·EPS32/2: 4x.
+    rms_rtol = 4 * (ROUNDING + math.log2(1024) * EPS32 / 2)
     for name, per_row_block in want.items():  # RMS over the batch: rows are equal-sized, so mean the squares
         squares_BxL = np.array([np.mean(np.square(v)) for v in per_row_block]).reshape(2, CFG.num_blocks)
-        np.testing.assert_allclose(stats[name], np.sqrt(squares_BxL.mean(0)), rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(stats[name], np.sqrt(squares_BxL.mean(0)), rtol=rms_rtol, err_msg=name)
 
 
 # --- parameters: init, groups, axes, FLOPs --------------------------------------------------------
@@ -367,9 +397,8 @@ def test_hf_config_round_trip_and_refusals():
 LLAMA_TINY = ("model=llama_tiny", "model.num_heads=4", "model.num_kv_heads=2")  # dim 32, 2 blocks (TINY_OVERRIDES)
 # (loss logged at step 1, 2, 3; loss of the weights after step 3): AdamW, tests/test_golden.py's run
 # and batch with model=llama_tiny at the tiny shape, float32 on CPU. Tolerance: test_golden.py's RTOL
-# and its reasoning (a 2-block forward, dot products of <= 96 terms, first-order updates).
+# (imported) and its reasoning (a 2-block forward, dot products of <= 96 terms, first-order updates).
 GOLDEN = [4.191713333129883, 4.169217109680176, 4.125115871429443, 4.063600063323975]
-RTOL = 2e-5
 
 
 def golden_losses() -> list[float]:
@@ -412,10 +441,12 @@ def llama_sharded_check(ctx) -> ShardedCheck:
 @pytest.mark.slow
 def test_data_fsdp_tensor_on_8_devices_equals_1_device(llama_sharded_check):
     """tests/sharded_step_check.py --model llama_tiny: 3 steps of 2 micro-batches on data 2 x fsdp 2 x
-    tensor 2 against 1 device (its tolerances: tests/test_train_step.py's, rtol 1e-5)."""
+    tensor 2 against 1 device (the losses' tolerance below; the parameters' in sharded_step_check.py)."""
     r = llama_sharded_check.result()
     assert r["devices"] == 8 and r["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
-    np.testing.assert_allclose(r["losses_tp"], r["losses_1"], rtol=1e-5)
+    # Each loss carries the forward's ROUNDING (relative, at O(1) logits), its sums ordered by the mesh;
+    # the parameters, within sharded_step_check's tolerance, move it by less. 8x, as logits_atol.
+    np.testing.assert_allclose(r["losses_tp"], r["losses_1"], rtol=8 * ROUNDING)
     assert r["params_allclose"] and r["kept"] and r["params_moved"] > 1e-3
     # Heads and MLP columns over tensor (q/k/v/gate/up column-, o/down row-parallel), FSDP on the other side.
     specs = r["specs"]

@@ -25,6 +25,17 @@ CFG = GPTConfig(dim=32, num_heads=2, num_blocks=2, context_length=16, vocab_size
 DROPOUT_CFG = dataclasses.replace(CFG, dropout=0.5)
 T = CFG.context_length
 NO_REMAT, REMATS = "none", [name for name in REMAT_POLICIES if name != "none"]  # model.remat's policies
+# Tolerances from float32 rounding (EPS32 = 2⁻²³ ≈ 1.19e-7), at the scale of the values compared: the
+# tiny model's dot products have <= 128 terms (the MLP's down projection), each rounding to ~√128·EPS32
+# ≈ 11 EPS32 of its terms' scale; backward, the gradients sum that over the batch's 64 tokens too.
+EPS32 = float(np.finfo(np.float32).eps)
+ROUNDING = math.sqrt(128) * EPS32
+GRAD_ROUNDING = (math.sqrt(64) + math.sqrt(128)) * EPS32
+
+
+def scale(x) -> float:
+    """The largest magnitude in x: the scale a float32 sum's rounding is relative to."""
+    return float(np.abs(np.asarray(x)).max())
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,7 +85,10 @@ def test_changing_a_token_changes_only_its_own_and_later_logits():
     logits_BxTxV = np.asarray(forward(model, jnp.asarray(tokens_BxT)))
     changed_logits_BxTxV = np.asarray(forward(model, jnp.asarray(changed_BxT)))
 
-    np.testing.assert_allclose(changed_logits_BxTxV[:, : t + 1], logits_BxTxV[:, : t + 1], rtol=0, atol=1e-6)
+    # Equal in exact arithmetic and in float32 too (a masked probability is exactly 0, and adds
+    # exactly 0): at most the forward's sums ordered differently, one ROUNDING.
+    np.testing.assert_allclose(changed_logits_BxTxV[:, : t + 1], logits_BxTxV[:, : t + 1], rtol=0,
+                               atol=ROUNDING * scale(logits_BxTxV))
     diff_BxT = np.abs(changed_logits_BxTxV - logits_BxTxV).max(-1)
     assert (diff_BxT[:, t + 1 :] > 1e-5).all(), diff_BxT  # every later position sees the change
 
@@ -122,16 +136,19 @@ def test_scan_and_unrolled_blocks_give_the_same_logits():
     scanned = build(CFG)
     unrolled = with_cfg(scanned, dataclasses.replace(CFG, scan_blocks=False))
     logits_BxTxV = forward(scanned, tokens_BxT)
-    np.testing.assert_allclose(forward(unrolled, tokens_BxT), logits_BxTxV, rtol=1e-5, atol=1e-6)
+    # The same ops, fused differently: each path within a ROUNDING of the exact logits; two paths, 4x.
+    atol = 8 * ROUNDING * scale(logits_BxTxV)
+    np.testing.assert_allclose(forward(unrolled, tokens_BxT), logits_BxTxV, rtol=0, atol=atol)
     if hasattr(CFG, "scan_unroll"):  # two blocks per scan iteration: the same maths
         unrolled_2 = with_cfg(scanned, dataclasses.replace(CFG, scan_unroll=2))
-        np.testing.assert_allclose(forward(unrolled_2, tokens_BxT), logits_BxTxV, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(forward(unrolled_2, tokens_BxT), logits_BxTxV, rtol=0, atol=atol)
     # With dropout on, block i gets the same key either way, so the masks match too.
     key = jax.random.PRNGKey(4)
     scanned_d = with_cfg(scanned, DROPOUT_CFG)
     unrolled_d = with_cfg(scanned, dataclasses.replace(DROPOUT_CFG, scan_blocks=False))
     dropped_BxTxV = forward(scanned_d, tokens_BxT, key)
-    np.testing.assert_allclose(forward(unrolled_d, tokens_BxT, key), dropped_BxTxV, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(forward(unrolled_d, tokens_BxT, key), dropped_BxTxV, rtol=0,
+                               atol=8 * ROUNDING * scale(dropped_BxTxV))
     assert not np.allclose(dropped_BxTxV, logits_BxTxV, atol=1e-4)
 
 
@@ -144,11 +161,14 @@ def test_remat_gives_the_same_loss_and_gradients():
     for flags in [{"remat": r} for r in REMATS]:
         variant = with_cfg(model, dataclasses.replace(CFG, **flags))
         (loss_v, _), grads_v = loss_and_grads(variant, tokens_BxT1, None, jnp.float32)
-        np.testing.assert_allclose(loss_v, loss, rtol=1e-6)
+        # The same forward: the loss, a mean over 64 tokens of 64-way log-softmaxes, at most summed in
+        # another order (√64·EPS32 relative).
+        np.testing.assert_allclose(loss_v, loss, rtol=math.sqrt(64) * EPS32)
         flat_v = _leaves_by_name(grads_v)
         assert flat_v.keys() == flat.keys()
-        for name in flat:
-            np.testing.assert_allclose(flat_v[name], flat[name], rtol=1e-5, atol=1e-7, err_msg=f"{flags} {name}")
+        for name in flat:  # recomputed activations, re-fused: GRAD_ROUNDING of each leaf's scale, 4x
+            np.testing.assert_allclose(flat_v[name], flat[name], rtol=0, atol=4 * GRAD_ROUNDING * scale(flat[name]),
+                                       err_msg=f"{flags} {name}")
 
 
 def test_cross_entropy_matches_numpy():
@@ -158,7 +178,9 @@ def test_cross_entropy_matches_numpy():
     logits_BxTxV = np.asarray(forward(model, jnp.asarray(tokens_BxT1[:, :-1])))
     targets_BxT = tokens_BxT1[:, 1:]
     nll = _numpy_nll(logits_BxTxV.reshape(-1, CFG.vocab_size), targets_BxT.reshape(-1))
-    np.testing.assert_allclose(float(loss), nll, rtol=1e-5)
+    # float32 against float64 on the same logits: a log-softmax over 64 and a mean over 64 tokens, two
+    # 64-term sums, ≲ √64·EPS32 relative each; 4x.
+    np.testing.assert_allclose(float(loss), nll, rtol=4 * 2 * math.sqrt(64) * EPS32)
     assert int(correct) == int((logits_BxTxV.argmax(-1) == targets_BxT).sum())
 
 
@@ -210,12 +232,18 @@ def _numpy_causal_attention(q, k, v):
     return out
 
 
+# q·k over K = 4, the softmax's and the weighted sum's <= 8 terms: three float32 sums, ≲ √8·EPS32 each of
+# v's scale (a sum's rounding is relative to its terms, not to its result); 4x.
+ATTENTION_ROUNDING = 4 * 3 * math.sqrt(8) * EPS32
+
+
 def test_causal_attention_matches_numpy_reference():
     rng = np.random.default_rng(7)
     q, k, v = (rng.normal(size=(2, 3, 8, 4)).astype(np.float32) for _ in range(3))
     got = np.asarray(causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)))
-    np.testing.assert_allclose(got, _numpy_causal_attention(q, k, v), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got[:, :, 0], v[:, :, 0], rtol=1e-6)  # the first position sees only itself
+    np.testing.assert_allclose(got, _numpy_causal_attention(q, k, v), rtol=0, atol=ATTENTION_ROUNDING * scale(v))
+    # The first position sees only itself: exp(0) normalised by itself, v to a rounding or two.
+    np.testing.assert_allclose(got[:, :, 0], v[:, :, 0], rtol=2 * EPS32)
 
 
 @pytest.mark.skipif("block_size" not in inspect.signature(causal_attention).parameters,
@@ -225,7 +253,7 @@ def test_block_causal_attention_matches_numpy_reference(block_size):
     rng = np.random.default_rng(8)
     q, k, v = (rng.normal(size=(2, 3, 8, 4)).astype(np.float32) for _ in range(3))
     got = np.asarray(causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), block_size=block_size))
-    np.testing.assert_allclose(got, _numpy_causal_attention(q, k, v), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, _numpy_causal_attention(q, k, v), rtol=0, atol=ATTENTION_ROUNDING * scale(v))
 
 
 def test_flops_per_token_hand_count():
@@ -249,14 +277,15 @@ def test_dropout_needs_a_key_and_changes_outputs():
     k1, k2 = jax.random.PRNGKey(1), jax.random.PRNGKey(2)
 
     evaluation = np.asarray(forward(model, tokens_BxT))
+    same = ROUNDING * scale(evaluation)  # no mask applied: the same ops, at most summed in another order
     np.testing.assert_array_equal(forward(model, tokens_BxT), evaluation)  # key=None: deterministic ...
-    np.testing.assert_allclose(forward(no_dropout, tokens_BxT), evaluation, rtol=1e-6, atol=1e-7)  # ... no dropout
+    np.testing.assert_allclose(forward(no_dropout, tokens_BxT), evaluation, rtol=0, atol=same)  # ... no dropout
     dropped_1 = np.asarray(forward(model, tokens_BxT, k1))
     np.testing.assert_array_equal(forward(model, tokens_BxT, k1), dropped_1)  # same key, same mask
     assert not np.allclose(dropped_1, evaluation, atol=1e-4)
     assert not np.allclose(dropped_1, forward(model, tokens_BxT, k2), atol=1e-4)
     # dropout=0 ignores the key altogether.
-    np.testing.assert_allclose(forward(no_dropout, tokens_BxT, k1), evaluation, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(forward(no_dropout, tokens_BxT, k1), evaluation, rtol=0, atol=same)
 
 
 # --- bfloat16 compute ----------------------------------------------------------------------------

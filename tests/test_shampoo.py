@@ -24,6 +24,7 @@ from optimizer.shampoo import Shampoo, scale_by_shampoo
 from utils.errors import ConfigError
 
 NO_BLOCKS = 10_000  # a block_size larger than every test matrix
+EPS32, EPS64 = float(np.finfo(np.float32).eps), float(np.finfo(np.float64).eps)
 
 
 # --- references ----------------------------------------------------------------------------------
@@ -43,12 +44,17 @@ def test_reference_root_agrees_with_scipy():
     for p in (2, 4):
         expected = scipy.linalg.fractional_matrix_power(stats + 1e-3 * np.linalg.eigvalsh(stats).max() * np.eye(7),
                                                         -1.0 / p)
-        np.testing.assert_allclose(np_root(stats, p, 1e-3), np.real(expected), rtol=1e-8, atol=1e-10)
+        # Both float64 and backward stable (eigh; Schur): each the root of a matrix off by <= ~7·EPS64·λmax,
+        # which the root amplifies by κ/p (κ = 1 + 1/1e-3, the damping's condition) relative to its scale.
+        atol = 7 * (1 + 1e3) / p * EPS64 * np.abs(expected).max()
+        np.testing.assert_allclose(np_root(stats, p, 1e-3), np.real(expected), rtol=0, atol=atol)
 
 
-def np_shampoo(grads, beta2, eps, every=1, start=1, left=True, right=True, p=None):
+def np_shampoo(grads, beta2, eps, every=1, start=1, left=True, right=True, p=None, perturb=None):
     """Directions L^{-1/p} G R^{-1/p} for a sequence of 2-D gradients, roots refreshed on steps
-    start, start+every, ... and held in between (identity before the first refresh)."""
+    start, start+every, ... and held in between (identity before the first refresh). `perturb`
+    (statistic -> statistic) is applied to each statistic just before its root (shampoo_rtol)."""
+    perturb = perturb or (lambda s: s)
     p = p or 2.0 * (left + right)
     m, n = grads[0].shape
     L, R = np.zeros((m, m)), np.zeros((n, n))
@@ -61,7 +67,7 @@ def np_shampoo(grads, beta2, eps, every=1, start=1, left=True, right=True, p=Non
         else:
             L, R = beta2 * L + (1 - beta2) * g @ g.T, beta2 * R + (1 - beta2) * g.T @ g
         if t >= start and (t - start) % every == 0:
-            root_l, root_r = np_root(L, p, eps), np_root(R, p, eps)
+            root_l, root_r = np_root(perturb(L), p, eps), np_root(perturb(R), p, eps)
         out.append((root_l if left else np.eye(m)) @ g @ (root_r if right else np.eye(n)))
     return out
 
@@ -80,6 +86,43 @@ def rel_err(a, b):
     return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
 
 
+def shampoo_rtol(grads, beta2, eps, **kw) -> np.ndarray:
+    """Per step, the float32 error of np_shampoo's direction relative to its norm (a bound for
+    rel_err), propagated in float64. float32 eigh is backward stable: its roots are those of a
+    statistic off by ~u·λmax (u = EPS32/2). So rerun the reference with every statistic shifted by
+    ±u·λmax·I (every eigenvalue off by that at once, the worst case for S^{-1/p}, which amplifies it
+    where λ is small: ~u·κ/p, large for roots held over new gradients), taken as is, and perturbed
+    by random symmetric matrices of that norm (a typical error; it mixes eigenvectors, on a
+    rank-deficient statistic into the damped null space), 4x. Plus the float32 sums of <= n terms
+    (the statistic, the root from its eigenvectors, two products), ~√n·u each: 5 of them, 4x."""
+    ref = np_shampoo(grads, beta2, eps, **kw)
+    rng = np.random.default_rng(0)
+
+    def shift(sign):
+        return lambda s: s + sign * EPS32 / 2 * np.linalg.eigvalsh(s).max() * np.eye(len(s))
+
+    def mix(s):
+        z = rng.normal(size=s.shape)
+        return s + EPS32 / 2 * np.linalg.eigvalsh(s).max() * (z + z.T) / np.linalg.norm(z + z.T, 2)
+
+    def moves(perturb):
+        return [rel_err(a, r) for a, r in zip(np_shampoo(grads, beta2, eps, perturb=perturb, **kw), ref, strict=True)]
+
+    eigh_T = np.max([moves(shift(1)), moves(shift(-1)), 4 * np.maximum(moves(mix), moves(mix))], axis=0)
+    return eigh_T + 4 * 5 * np.sqrt(max(np.shape(grads[0]))) * EPS32 / 2
+
+
+def adam_rtol(b2: float, steps: int) -> float:
+    """The float32 error of np_adam's direction relative to it, over `steps` steps. Its bias
+    correction 1 - b2^t subtracts from 1 a float32 b2^t that is off by t times b2's own rounding
+    plus ~1 ulp (EPS32/2 below 1) of the power: a large part of 1 - b2^t ≈ t·(1 - b2) (b2 = 0.999:
+    up to 7e-5 of it), which the square root halves. The rest, g², the moment, the square root, the
+    division: a few roundings, 8 EPS32."""
+    if b2 == 1.0:  # sums, no correction
+        return 8 * EPS32
+    t = np.arange(1, steps + 1)
+    b2_rounding = abs(float(np.float32(b2)) - b2)
+    return float(np.max((t * b2_rounding + EPS32 / 2) / (1 - b2**t))) / 2 + 8 * EPS32
 
 
 # --- the preconditioner --------------------------------------------------------------------------
@@ -91,16 +134,17 @@ def rel_err(a, b):
                          ids=["ema", "sum", "default-eps", "exponent-override"])
 def test_two_sided_matches_numpy(shape, beta2, eps, p):
     """A 6x4 gradient leaves L rank-deficient on step 1, where float32 eigh resolves the damped
-    null space only to ~1e-7·λmax, too coarse for this 1e-5 tolerance: eps 1e-4 there; the
-    square case has full-rank statistics from step 1 and runs at the default (see the
+    null space only to ~1e-7·λmax, too coarse for a tolerance of float32 rounding: eps 1e-4
+    there; the square case has full-rank statistics from step 1 and runs at the default (see the
     rank-deficient test below for the default there)."""
     grads = random_grads({"w": shape}, 5)
     tx = scale_by_shampoo(block_size=NO_BLOCKS, beta2=beta2, epsilon=eps, precondition_every=1, graft="none",
                           exponent_override=p)
     outs, _ = run(tx, grads)
     ref = np_shampoo([g["w"] for g in grads], beta2, eps, p=p)
+    tol = shampoo_rtol([g["w"] for g in grads], beta2, eps, p=p)
     for t, (u, r) in enumerate(zip(outs, ref), 1):
-        assert rel_err(u["w"], r) < 1e-5, f"step {t}: {rel_err(u['w'], r)}"
+        assert rel_err(u["w"], r) < tol[t - 1], f"step {t}: {rel_err(u['w'], r)} >= {tol[t - 1]}"
 
 
 def test_blocking_matches_per_block_references():
@@ -114,9 +158,10 @@ def test_blocking_matches_per_block_references():
     assert states[-1].right_stats["w"].shape == (3, 2, 256, 256)
     for r0, r1 in [(0, 256), (256, 512), (512, 600)]:
         for c0, c1 in [(0, 256), (256, 300)]:
-            ref = np_shampoo([g["w"][r0:r1, c0:c1] for g in grads], 0.9, 1e-4, start=3)[-1]
-            err = rel_err(outs[-1]["w"][r0:r1, c0:c1], ref)
-            assert err < 1e-5, f"block rows {r0}:{r1} cols {c0}:{c1}: {err}"
+            block = [g["w"][r0:r1, c0:c1] for g in grads]
+            ref = np_shampoo(block, 0.9, 1e-4, start=3)[-1]
+            err, tol = rel_err(outs[-1]["w"][r0:r1, c0:c1], ref), shampoo_rtol(block, 0.9, 1e-4, start=3)[-1]
+            assert err < tol, f"block rows {r0}:{r1} cols {c0}:{c1}: {err} >= {tol}"
 
 
 def test_side_longer_than_max_dim_is_one_sided_and_both_is_diagonal():
@@ -130,11 +175,12 @@ def test_side_longer_than_max_dim_is_one_sided_and_both_is_diagonal():
     assert states[-1].right_stats["wide"].shape == (0,)
     assert states[-1].left_stats["big"].shape == (0,) and states[-1].nu["big"].shape == (12, 12)
     for r0, r1 in [(0, 4), (4, 5)]:
-        ref = np_shampoo([g["wide"][r0:r1] for g in grads], 0.9, 1e-4, right=False)
-        for u, r in zip(outs, ref):
-            assert rel_err(u["wide"][r0:r1], r) < 1e-5
-    for u, r in zip(outs, np_adam([g["big"] for g in grads])):
-        np.testing.assert_allclose(u["big"], r, rtol=1e-5, atol=1e-6)
+        block = [g["wide"][r0:r1] for g in grads]
+        ref, tol = np_shampoo(block, 0.9, 1e-4, right=False), shampoo_rtol(block, 0.9, 1e-4, right=False)
+        for u, r, tol_t in zip(outs, ref, tol):
+            assert rel_err(u["wide"][r0:r1], r) < tol_t
+    for u, r in zip(outs, np_adam([g["big"] for g in grads])):  # elementwise: no sums, relative to each entry
+        np.testing.assert_allclose(u["big"], r, rtol=adam_rtol(0.999, len(grads)), atol=0)
 
 
 def test_zero_statistics_give_the_identity_not_infinities():
@@ -146,7 +192,7 @@ def test_zero_statistics_give_the_identity_not_infinities():
     np.testing.assert_array_equal(states[0].left_roots["w"][0, 0], np.eye(6))
     np.testing.assert_array_equal(outs[0]["w"], 0.0)
     for u, g in zip(outs[1:], grads[1:]):  # roots held from step 1: identity, so the raw gradient
-        np.testing.assert_allclose(u["w"], g["w"], rtol=1e-6)
+        np.testing.assert_array_equal(u["w"], g["w"])  # products with exact 1s and 0s: no rounding
 
 
 def test_default_epsilon_is_above_float32_eigh_noise_on_rank_deficient_statistics():
@@ -163,16 +209,22 @@ def test_default_epsilon_is_above_float32_eigh_noise_on_rank_deficient_statistic
     outs, states = run(tx, grads)
     np.testing.assert_array_equal(states[1].right_roots["w"], states[0].right_roots["w"])  # held from step 1
     right = np.asarray(states[0].right_stats["w"][0, 0], np.float64)
-    assert np.linalg.matrix_rank(right, tol=1e-5 * np.abs(right).max()) == 8
+    # float32 sums of 8 products leave the null space's eigenvalues at ~√8·EPS32·λmax: 10x above that.
+    assert np.linalg.matrix_rank(right, tol=10 * np.sqrt(8) * EPS32 * np.abs(right).max()) == 8
     ref = np_shampoo([g["w"] for g in grads], 0.999, eps, every=10)
+    # Step 2: an eigh error of EPS32·λmax (_inverse_root) moves the damped null-space eigenvalues by
+    # EPS32/eps of themselves, their root by a quarter of that: ~3%.
+    tol = [shampoo_rtol([g["w"] for g in grads], 0.999, eps, every=10)[0], EPS32 / (4 * eps)]
     for t, (u, r) in enumerate(zip(outs, ref), 1):
         assert np.all(np.isfinite(u["w"]))
-        assert rel_err(u["w"], r) < 0.03, f"step {t}: {rel_err(u['w'], r)}"
+        assert rel_err(u["w"], r) < tol[t - 1], f"step {t}: {rel_err(u['w'], r)}"
     # Bounded by what epsilon allows: |u| <= |L^-1/4|·|R^-1/4|·|g| in operator norms.
     g1 = np.asarray(grads[0]["w"], np.float64) * np.sqrt(1 - 0.999)
     bound = np.linalg.norm(np_root(g1 @ g1.T, 4, eps), 2) * np.linalg.norm(np_root(g1.T @ g1, 4, eps), 2)
     growth = np.linalg.norm(outs[1]["w"]) / np.linalg.norm(grads[1]["w"])
-    assert growth <= 1.01 * bound
+    # float32 roots are no larger (their eigenvalues are clamped to >= the damping); the products
+    # and norms round by ~√32·EPS32 each: 10x.
+    assert growth <= (1 + 10 * np.sqrt(32) * EPS32) * bound
 
 
 # --- the recompute schedule ----------------------------------------------------------------------
@@ -184,8 +236,9 @@ def test_roots_are_held_between_recomputes():
     tx = scale_by_shampoo(block_size=NO_BLOCKS, beta2=0.9, epsilon=1e-4, precondition_every=3, graft="none")
     outs, states = run(tx, grads)
     ref = np_shampoo([g["w"] for g in grads], 0.9, 1e-4, every=3)
+    tol = shampoo_rtol([g["w"] for g in grads], 0.9, 1e-4, every=3)  # step 1's L has κ ~2000: held, it dominates
     for t, (u, r) in enumerate(zip(outs, ref), 1):
-        assert rel_err(u["w"], r) < 1e-5, f"step {t}"
+        assert rel_err(u["w"], r) < tol[t - 1], f"step {t}: {rel_err(u['w'], r)} >= {tol[t - 1]}"
     roots = [np.asarray(s.left_roots["w"]) for s in states]
     stats = [np.asarray(s.left_stats["w"]) for s in states]
     for t in (2, 3, 5, 6):  # 1-based steps that must not recompute
@@ -229,14 +282,18 @@ def test_before_start_step_the_graft_direction_is_returned(graft):
     outs, _ = run(tx, grads)
     gs = [g["w"] for g in grads]
     graft_dirs = np_adam(gs) if graft == "adam" else gs
+    graft_rtol = adam_rtol(0.999, 2) if graft == "adam" else 0  # "none": the raw gradient, as is
     for t in (1, 2):
-        np.testing.assert_allclose(outs[t - 1]["w"], graft_dirs[t - 1], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(outs[t - 1]["w"], graft_dirs[t - 1], rtol=graft_rtol, atol=0)
     shampoo_dirs = np_shampoo(gs, 0.9, 1e-4)  # statistics accumulate from step 1 all the same
+    tol = shampoo_rtol(gs, 0.9, 1e-4)
+    if graft == "adam":  # the norm grafted on carries Adam's error; two more norms, sums of 24 squares
+        tol = tol + adam_rtol(0.999, 4) + 2 * np.sqrt(24) * EPS32
     for t in (3, 4):
         expected = shampoo_dirs[t - 1]
         if graft == "adam":
             expected = expected * np.linalg.norm(graft_dirs[t - 1]) / np.linalg.norm(expected)
-        assert rel_err(outs[t - 1]["w"], expected) < 1e-5, f"step {t}"
+        assert rel_err(outs[t - 1]["w"], expected) < tol[t - 1], f"step {t}"
 
 
 # --- grafting ------------------------------------------------------------------------------------
@@ -253,11 +310,16 @@ def test_grafting_takes_the_norm_per_block_and_keeps_the_direction(graft):
     raw, _ = run(scale_by_shampoo(graft="none", **kw), grads)
     gs = [g["w"] for g in grads]
     graft_dirs = np_adam(gs) if graft == "adam" else gs
+    # A block's norm in float32 (<= 256 squares) is off by ~√256·EPS32/4; the grafted one takes three
+    # (the graft's, Shampoo's, this test's own), and the graft's own error with Adam: 4x.
+    norm_rtol = (adam_rtol(0.999, 3) if graft == "adam" else 0) + 4 * 3 * np.sqrt(256) * EPS32 / 4
+    # The same Shampoo direction in both runs, only rescaled: the rescale's rounding and two normalisations, 4x.
+    direction_rtol = 4 * (1 + 2 * np.sqrt(256) / 4) * EPS32
     for t in range(3):
         for rows, cols in BLOCKS_40x20:
             u, v = grafted[t]["w"][rows, cols], raw[t]["w"][rows, cols]
-            np.testing.assert_allclose(np.linalg.norm(u), np.linalg.norm(graft_dirs[t][rows, cols]), rtol=1e-5)
-            assert rel_err(u / np.linalg.norm(u), v / np.linalg.norm(v)) < 1e-5
+            np.testing.assert_allclose(np.linalg.norm(u), np.linalg.norm(graft_dirs[t][rows, cols]), rtol=norm_rtol)
+            assert rel_err(u / np.linalg.norm(u), v / np.linalg.norm(v)) < direction_rtol
 
 
 # --- leaves: diagonal path and stacks ------------------------------------------------------------
@@ -274,7 +336,7 @@ def test_vectors_and_scalar_labelled_leaves_take_the_diagonal_path(graft_b2):
     outs, states = run(tx, grads)
     for k in ("bias", "gain"):
         for u, r in zip(outs, np_adam([g[k] for g in grads], graft_b2, 1e-6)):
-            np.testing.assert_allclose(u[k], r, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(u[k], r, rtol=adam_rtol(graft_b2, len(grads)), atol=0)
         assert states[-1].left_stats[k].shape == (0,) and states[-1].nu[k].shape == shapes[k]
     assert states[-1].left_stats["w"].shape == (1, 1, 6, 6)
     assert states[-1].nu["w"].shape == (0,)  # sgd graft: no second moment for Shampoo leaves
@@ -290,14 +352,19 @@ def test_stacked_hidden_leaf_is_preconditioned_per_slice():
     slices = [{str(i): g["w"][i] for i in range(3)} for g in grads]
     separate, _ = run(scale_by_shampoo(labels={str(i): "hidden" for i in range(3)}, **kw), slices)
     assert states[-1].left_stats["w"].shape == (3, 1, 1, 6, 6)
+    # Per slice the same float32 computation, batched or alone; were XLA to order its sums differently,
+    # each side stays within Shampoo's float32 error (the graft's norm is elementwise Adam: the same).
+    tol_TxS = np.stack([2 * shampoo_rtol([g["w"][i] for g in grads], 0.9, 1e-4, every=2) for i in range(3)], 1)
     for t in range(4):
         for i in range(3):
-            np.testing.assert_allclose(stacked[t]["w"][i], separate[t][str(i)], rtol=1e-5, atol=1e-7)
+            want = separate[t][str(i)]
+            np.testing.assert_allclose(stacked[t]["w"][i], want, rtol=0, atol=tol_TxS[t, i] * np.abs(want).max())
     # The same leaf with no labels: stacked_leading_axes as an int or as a function of the leaf.
     for axes in (1, lambda x: x.ndim - 2):
         unlabelled, _ = run(scale_by_shampoo(stacked_leading_axes=axes, **kw), grads)
         for t in range(4):
-            np.testing.assert_allclose(unlabelled[t]["w"], stacked[t]["w"], rtol=1e-6, atol=1e-7)
+            want = stacked[t]["w"]
+            np.testing.assert_allclose(unlabelled[t]["w"], want, rtol=0, atol=tol_TxS[t].max() * np.abs(want).max())
 
 
 def test_masked_leaves_from_other_groups_pass_through():
@@ -387,7 +454,9 @@ def test_per_group_optimizer_matches_one_whole_model_chain():
         return jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params)
 
     for a, b in zip(jax.tree.leaves(first_update(whole)), jax.tree.leaves(first_update(grouped)), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+        # The same float32 ops per leaf, only the tree around them differs: at most a sum ordered
+        # differently, ~√256·EPS32/2 (a 16x16 block's norm, the longest) of the leaf's scale.
+        np.testing.assert_allclose(a, b, rtol=0, atol=np.sqrt(256) / 2 * EPS32 * np.abs(b).max())
 
 
 # --- config --------------------------------------------------------------------------------------
