@@ -120,6 +120,25 @@ def load_script(name: str, folder: str = "scripts"):
     return module
 
 
+def restore_item(path, target=None):
+    """One orbax item of a checkpoint read back as saved (or laid out like `target`), its
+    checkpointer closed at once: one left to the garbage collector tears down orbax's async machinery
+    whenever that runs, inside whichever test."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        args = () if target is None else (target,)
+        return checkpointer.restore(os.fspath(path), *args)
+
+
+def item_metadata(path):
+    """The saved tree's metadata (shapes, dtypes) of one orbax item, the checkpointer closed at once."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.metadata(os.fspath(path)).item_metadata
+
+
 def run_updates(tx, grads_seq):
     """An optax transform's jitted init + updates over a list of gradient trees -> (the updates as
     NumPy, the states after each update): the optimizer tests' way of stepping one on its own."""

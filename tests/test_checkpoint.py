@@ -18,7 +18,7 @@ from typing import ClassVar
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import compose_config
+from helpers import compose_config, restore_item
 
 import train_jax
 from utils.checkpoint.storage import complete_steps, open_checkpoint
@@ -52,7 +52,7 @@ def losses(run_dir: Path, name: str = "train/loss") -> dict[int, float]:
 
 def arrays(ckpt_dir: Path, item: str) -> list[np.ndarray]:
     """Every array of one orbax item, read back as numpy (no target needed)."""
-    tree = ocp.StandardCheckpointer().restore(os.fspath((ckpt_dir / item).resolve()))
+    tree = restore_item((ckpt_dir / item).resolve())
     return [np.asarray(x) for x in __import__("jax").tree.leaves(tree)]
 
 
@@ -116,7 +116,7 @@ def test_keep_best_holds_the_lowest_val_loss(tmp_path):
 def as_legacy_aux_checkpoint(step_dir: Path) -> None:
     """Rewrite a checkpoint the way eqtrain saved it before step metrics kept their states by name:
     the aux hook's state alone, as the item `aux`, and no `metric_states` item."""
-    states = ocp.StandardCheckpointer().restore(os.fspath((step_dir / "metric_states").resolve()))
+    states = restore_item((step_dir / "metric_states").resolve())
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(os.fspath((step_dir / "aux").resolve()), states["aux"])
     shutil.rmtree(step_dir / "metric_states")

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from helpers import compose_config
+from helpers import compose_config, restore_item
 
 import train_jax
 from utils.checkpoint.storage import complete_steps
@@ -85,5 +84,5 @@ def test_a_diverged_state_is_never_saved(tmp_path, monkeypatch):
     assert saved == [1, 2]
     for step in saved:
         for item in ("model", "opt_state"):
-            leaves = jax.tree.leaves(ocp.StandardCheckpointer().restore(str(tmp_path / "ck" / f"iter_{step}" / item)))
+            leaves = jax.tree.leaves(restore_item(tmp_path / "ck" / f"iter_{step}" / item))
             assert all(np.isfinite(np.asarray(x)).all() for x in leaves), f"iter_{step}/{item} holds NaN/inf"

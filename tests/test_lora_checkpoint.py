@@ -14,9 +14,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from helpers import compose_config
+from helpers import compose_config, restore_item
 from safetensors.numpy import load_file, save_file
 from test_checkpoint import assert_same_arrays, losses
 
@@ -142,8 +141,8 @@ def test_a_lora_checkpoint_holds_the_factors_and_a_reference_to_its_base(tmp_pat
     assert {n for n in got if not is_factor_name(n)} == set(named(base))
     for name, x in named(base).items():
         np.testing.assert_array_equal(got[name], x, err_msg=name)
-    x_factors = named(ocp.StandardCheckpointer().restore(str(path / "eval_model")))
-    y_factors = named(ocp.StandardCheckpointer().restore(str(path / "model")))
+    x_factors = named(restore_item(path / "eval_model"))
+    y_factors = named(restore_item(path / "model"))
     assert set(x_factors) == {n for n in got if is_factor_name(n)}
     for name, x in x_factors.items():
         np.testing.assert_array_equal(got[name], x, err_msg=name)

@@ -13,9 +13,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from helpers import compose_config
+from helpers import compose_config, restore_item
 
 import train_jax as T
 from optimizer.nonfinite import advance_schedules
@@ -192,7 +191,7 @@ def test_a_float32_checkpoint_continues_in_float16_from_the_initial_scale(tmp_pa
     assert not (tmp_path / "ck32" / "iter_3" / "loss_scale").exists()
     records = [json.loads(line) for line in (tmp_path / "f16" / "metrics.jsonl").read_text().splitlines()]
     assert {r["step"]: r["train/loss_scale"] for r in records if "train/loss_scale" in r} == {4: 256.0, 5: 256.0}
-    saved = ocp.StandardCheckpointer().restore(str(tmp_path / "ck16" / "iter_5" / "loss_scale"))
+    saved = restore_item(tmp_path / "ck16" / "iter_5" / "loss_scale")
     assert float(saved["scale"]) == 256.0 and int(saved["good_steps"]) == 2
 
 

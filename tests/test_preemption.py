@@ -39,7 +39,7 @@ from typing import Callable
 import background
 import numpy as np
 import pytest
-from helpers import CLI_TINY, FAST_COMPILE, offline_env
+from helpers import CLI_TINY, FAST_COMPILE, item_metadata, offline_env, restore_item
 
 from utils.checkpoint.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from utils.checkpoint.storage import TMP_MARKER, complete_steps, open_checkpoint
@@ -472,14 +472,11 @@ def arrays(ckpt_dir: Path, item: str) -> list[np.ndarray]:
     """Every array of one orbax item as numpy, gathered onto this process's one device (a bare
     StandardCheckpointer().restore(path) refuses arrays saved over 8 devices: "Topology mismatch")."""
     import jax
-    import orbax.checkpoint as ocp
 
-    path = os.fspath(ckpt_dir / item)
-    checkpointer = ocp.StandardCheckpointer()
+    path = ckpt_dir / item
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one_device),
-                          checkpointer.metadata(path).item_metadata)
-    return [np.asarray(x) for x in jax.tree.leaves(checkpointer.restore(path, target))]
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one_device), item_metadata(path))
+    return [np.asarray(x) for x in jax.tree.leaves(restore_item(path, target))]
 
 
 @pytest.mark.slow

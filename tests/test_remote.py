@@ -24,10 +24,9 @@ from pathlib import Path
 
 import background
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 import s3_server
-from helpers import compose_config, offline_env
+from helpers import compose_config, offline_env, restore_item
 
 import train_jax
 from utils.checkpoint import remote
@@ -136,7 +135,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 def arrays(step_dir: Path, item: str) -> list[np.ndarray]:
     import jax
 
-    return [np.asarray(x) for x in jax.tree.leaves(ocp.StandardCheckpointer().restore(str(step_dir / item)))]
+    return [np.asarray(x) for x in jax.tree.leaves(restore_item(step_dir / item))]
 
 
 @pytest.fixture(scope="module")
