@@ -21,7 +21,9 @@ def dataset_config(node: dict, prefix: str = "dataset") -> DatasetConfig:
     built source (here TextFiles(paths=...)) and whose other fields are the batch knobs."""
     name, source = build_registered(SOURCES, node, prefix, common=BATCH_KNOBS)
     batch = build_section(DatasetConfig, {k: node[k] for k in BATCH_KNOBS if k in node}, prefix)
-    return dataclasses.replace(batch, name=name, source=source)
+    config = dataclasses.replace(batch, name=name, source=source)
+    config.check_source(prefix)
+    return config
 
 
 def tokenizer_config(node: dict, prefix: str = "tokenizer"):

@@ -40,6 +40,15 @@ class DatasetConfig:
         if self.context_length is not None and self.context_length <= 0:
             raise ConfigError(f"{prefix}.context_length={self.context_length} must be positive or null")
 
+    def check_source(self, prefix: str) -> None:
+        """What the batch knobs mean for this source (`source` set): a stream is shuffled by its own
+        buffer, so shuffle=false there would silently do nothing."""
+        buffer = getattr(self.source, "shuffle_buffer", 0)
+        if not self.shuffle and getattr(self.source, "streaming", False) and buffer:
+            raise ConfigError(f"{prefix}.shuffle=false does not order a stream ({prefix}.streaming=true): its "
+                              f"{prefix}.shuffle_buffer={buffer} shuffles it; set {prefix}.shuffle_buffer=0 for the "
+                              "stream's own order")
+
     @property
     def accum_steps(self) -> int:
         return (self.total_batch_size or self.batch_size) // self.batch_size

@@ -152,6 +152,17 @@ def test_knobs_are_checked_at_the_boundary(tmp_path):
         build({"name": "jsonl", "paths": []})
 
 
+def test_shuffle_false_on_a_shuffled_stream_is_refused_naming_the_knob_that_orders_it(tiny_run):
+    """A stream is shuffled by its buffer, not by dataset.shuffle: shuffle=false alone would be
+    silently ignored, so it stops before anything is read; with shuffle_buffer=0 it is the stream's order."""
+    stream = ("dataset=hf", "dataset.path=json", "dataset.data_files=data/*.jsonl", "dataset.streaming=true")
+    with pytest.raises(ConfigError, match=r"dataset\.shuffle=false .* set dataset\.shuffle_buffer=0"):
+        tiny_run(*stream, "dataset.shuffle=false")
+    assert tiny_run(*stream, "dataset.shuffle=false", "dataset.shuffle_buffer=0").dataset.source.shuffle_buffer == 0
+    assert not tiny_run("dataset=hf", "dataset.path=json", "dataset.data_files=data/*.jsonl",
+                        "dataset.shuffle=false").dataset.shuffle  # not streaming: shuffle=false orders the windows
+
+
 def test_yamls_compose_into_the_sources(tiny_run):
     run = tiny_run("dataset=hf", "dataset.path=json", "dataset.data_files=data/*.jsonl", "dataset.text_field=body")
     assert isinstance(run.dataset.source, HF) and run.dataset.source.fields == ("body",)
