@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import glob
 import json
 import logging
 import math
@@ -361,11 +362,17 @@ def _check_model_fits(source: Source, abstract_model: Any, model_config: dict) -
     if knobs:
         raise CheckpointError(f"{source.path} holds another model ({'; '.join(knobs)}): "
                               "restore with the checkpoint's model config or start a fresh run")
+    if _data_files_missing(os.path.join(source.path, "model")):
+        raise CheckpointError(f"{os.path.join(source.path, 'model')} has none of its array files (its d/ directories "
+                              "are empty): the checkpoint is incomplete; load another one")
     try:
         saved_leaves = _saved_shapes(os.path.join(source.path, "model"))
     except Exception as e:  # noqa: BLE001 - any orbax failure here means unreadable metadata
         raise CheckpointError(f"{os.path.join(source.path, 'model')} has unreadable array metadata "
                               f"({type(e).__name__}): the checkpoint is corrupt") from None
+    if not saved_leaves:  # orbax reads no array at all: deleted or truncated files, not another model
+        raise CheckpointError(f"{os.path.join(source.path, 'model')} holds no readable array (its files are missing "
+                              "or corrupt): the checkpoint is incomplete; load another one")
     # Shapes only: orbax casts on restore, so a float32 checkpoint loads into a bfloat16 run. A checkpoint
     # holding its frozen base by reference lacks those arrays (frozen.complete checks them), never others.
     needed = _shapes(abstract_model)
@@ -475,6 +482,15 @@ def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str
                 "aux": abstract_state.metric_states.get("aux") if abstract_state.metric_states else None,
                 "loss_scale": loss_scale}
     return {name: _with_empty(restored[name], abstract[name]) for name in items}
+
+
+def _data_files_missing(item_dir: str) -> bool:
+    """An OCDBT item whose data directories (`d/`, `ocdbt.process_N/d/`) hold no file: its arrays were
+    deleted. Checked before orbax reads it: orbax would find no metadata and return, leaving tensorstore
+    reads that call back into its closed event loop and print a traceback after the one-line error."""
+    dirs = [d for d in [os.path.join(item_dir, "d"), *glob.glob(os.path.join(item_dir, "ocdbt.process_*", "d"))]
+            if os.path.isdir(d)]
+    return bool(dirs) and not any(os.listdir(d) for d in dirs)
 
 
 def _saved_shapes(item_dir: str) -> dict[str, tuple[int, ...]]:
