@@ -114,7 +114,7 @@ def build_trainer(run: RunConfig, source: Source | None = None, schedule: optax.
     docs = source_documents(run.dataset.source, run.tokenizer.needs_documents, run.config_dict["tokenizer"]["name"])
     tokenizer = init_tokenizer(run, docs[0] if docs else None)
     run = resolve_vocab(run, tokenizer.vocab_size)
-    data = init_data(run, tokenizer, docs, source.manifest["data"] if source is not None else None)
+    data = init_data(run, tokenizer, docs, source.data_state if source is not None else None)
     schedule, tx, state, train_step = init_training(run, mesh, source, schedule=schedule)
     return Trainer(run, mesh, tokenizer, data, schedule, tx, state, train_step, make_evaluate(run, data.val, mesh),
                    eval_view(run.optimizer.hparams))

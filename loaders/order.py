@@ -79,7 +79,8 @@ class WindowOrder:
         if saved_windows != num_windows:
             raise CheckpointError(
                 f"the data iterator was saved over {saved_windows} windows but the dataset now has {num_windows}: "
-                "resume with the same dataset, tokenizer and model.context_length, or start a fresh run"
+                "resume with the same dataset, tokenizer and model.context_length; to train the loaded weights and "
+                "optimizer state on another dataset, load with checkpoint.overwrite_data=true"
             )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < len(self._order(epoch)):

@@ -81,7 +81,8 @@ def check_state_kind(state: dict, fresh: dict) -> None:
         raise CheckpointError(
             f"the checkpoint's data iterator is a {saved} state but this run's dataset gives {now}: a resumed run "
             "cannot switch the kind of dataset (windows / mixture / stream), even with "
-            "checkpoint.overwrite_config=true; resume with the checkpoint's dataset, or start a fresh run")
+            "checkpoint.overwrite_config=true; resume with the checkpoint's dataset, or load it with "
+            "checkpoint.overwrite_data=true (weights and optimizer state kept, the new dataset from its start)")
 
 
 @dataclass

@@ -340,6 +340,39 @@ def test_overwrite_optimizer_switches_adamw_to_sgdm(tmp_path, base):
 # ----------------------------------------------------------------------------- corruption
 
 
+def test_overwrite_data_trains_the_loaded_run_on_another_dataset_from_its_start(tmp_path, base, capsys):
+    """checkpoint.overwrite_data=true: the weights, optimizer state and step of a load go on, on this
+    command line's dataset (a relative glob, as typed), whose stream starts afresh instead of
+    restoring the checkpoint's position in another dataset's windows (which the window count
+    refuses); the new run's checkpoints hold the new dataset, so its own resumes continue that."""
+    corpus = Path("corpus")
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 40)
+    new_data = ("dataset=text_files", "dataset.paths=[corpus/*.txt]")
+    load = ("checkpoint.load=true", f"checkpoint.load_path={base}", "checkpoint.save=true")
+    with pytest.raises(CheckpointError, match=r"load with checkpoint\.overwrite_data=true"):
+        train(tmp_path, "no_switch", *load, *new_data, "checkpoint.overwrite_config=true",
+              "checkpoint.save_path=ck_no_switch")
+    capsys.readouterr()
+    _, run_dir = train(tmp_path, "switch", *load, *new_data, "checkpoint.overwrite_data=true",
+                       "checkpoint.save_path=ck_switch")
+    out = capsys.readouterr().out
+    assert "iter_6 at step 6, the dataset's stream from its start (checkpoint.overwrite_data)" in out, out
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == list(range(7, 13))  # the saved max_steps
+    assert records[0]["data/fingerprint"] != _stdlib_fingerprint(tmp_path)
+    saved = open_checkpoint("ck_switch", "latest", with_opt_state=True)
+    assert saved.step == 12 and saved.config["dataset"]["name"] == "text_files"
+    assert saved.config["dataset"]["paths"] == ["corpus/*.txt"] and saved.config["optimizer"]["name"] == "adamw"
+
+
+def _stdlib_fingerprint(tmp_path) -> str:
+    """data/fingerprint of a fresh run of the base's dataset (stdlib), 0 steps trained."""
+    _, run_dir = train(tmp_path, "stdlib_fp", "train.max_steps=1")
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["data/fingerprint"]
+
+
 def _load(tmp_path, base: Path, name: str = "load"):
     return train(tmp_path, name, "checkpoint.load=true", f"checkpoint.load_path={base}")
 

@@ -429,9 +429,19 @@ def test_checkpoint_commands_in_order(scratch, capsys):
                          "checkpoint.resume=auto")
     _train(resume, scratch / "out" / "2")
     assert "nothing to train" in capsys.readouterr().out
-    load = _find(page, "python train_jax.py checkpoint.load=true checkpoint.load_path=ckpt/run1")
+    load = _find(page, "python train_jax.py checkpoint.load=true checkpoint.load_path=ckpt/run1 checkpoint.load_file="
+                       "iter_100 checkpoint.save=true")
     _train(load, scratch / "out" / "3")  # the saved config: 100 -> 110
     assert (scratch / "ckpt" / "run1-ft" / "iter_110").is_dir()
+    (scratch / "corpus").mkdir()
+    for i in range(12):
+        (scratch / "corpus" / f"doc{i}.txt").write_text(f"document {i}\n" + "other text to go on with. " * 40)
+    other_data = _find(page, "python train_jax.py checkpoint.load=true checkpoint.load_path=ckpt/run1 "
+                             "checkpoint.load_file=iter_100 checkpoint.overwrite_data=true")
+    _train(other_data, scratch / "out" / "3b")  # 100 -> 110 on corpus/*.txt, its stream from the start
+    saved = json.loads((scratch / "ckpt" / "run1-corpus" / "iter_110" / "manifest" / "manifest.json").read_text())
+    assert saved["step"] == 110 and "corpus" in (scratch / "ckpt" / "run1-corpus" / "iter_110" / "config" /
+                                                  "config.yaml").read_text()
     export = _find(page, "python scripts/export_model.py ckpt/run1")
     assert load_script("export_model").main(list(export.words[2:])) == 0
     assert {"model.safetensors", "config.json"} <= {p.name for p in (scratch / "export" / "run1").iterdir()}

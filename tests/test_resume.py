@@ -79,6 +79,33 @@ def test_overwrite_optimizer_takes_the_optimizer_group_on_a_load_but_not_on_a_re
         assert merged["optimizer"] == new_optimizer and warn == []
 
 
+@pytest.mark.parametrize("resuming", [False, True])
+def test_overwrite_data_takes_the_dataset_group_on_a_load_but_not_on_a_resume(resuming):
+    warn = Warnings()
+    saved = {**SAVED, "dataset": {"name": "stdlib", "batch_size": 8}}
+    new_dataset = {"name": "text_files", "paths": ["corpus/*.txt"], "batch_size": 8}
+    cfg = CheckpointConfig(load=True, load_path="/old/ck", overwrite_data=True)
+    merged = merge_config(source(saved, resuming=resuming), {**saved, "dataset": new_dataset}, cfg, warn)
+    if resuming:  # a requeued segment trains on with the dataset its run settled on
+        assert merged["dataset"] == saved["dataset"] and "dataset.name=text_files" in warn[0]
+    else:
+        assert merged["dataset"] == new_dataset and warn == []
+    assert merged["optimizer"] == SAVED["optimizer"]  # only the dataset group
+
+
+def test_a_source_hands_over_its_data_position_unless_overwrite_data():
+    manifest = {"step": 50, "data": {"epoch": 1, "position": 7}}
+    kept = Source("/old/ck/iter_50", 50, manifest, SAVED, with_opt_state=True)
+    fresh = Source("/old/ck/iter_50", 50, manifest, SAVED, with_opt_state=True, with_data_state=False)
+    assert kept.data_state == manifest["data"] and fresh.data_state is None
+
+
+def test_overwrite_data_without_a_load_is_refused_naming_the_knobs():
+    with pytest.raises(ConfigError, match=r"checkpoint\.overwrite_data=true .* set checkpoint\.load=true"):
+        CheckpointConfig(overwrite_data=True).check("checkpoint")
+    CheckpointConfig(load=True, load_path="/old/ck", overwrite_data=True).check("checkpoint")
+
+
 def test_config_differences_lists_only_real_differences():
     assert config_differences(SAVED, {**SAVED}) == []
     changed = command_line(optimizer={"name": "adamw", "lr_config": {"lr": 3e-4}, "b2": 0.95},

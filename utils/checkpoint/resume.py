@@ -51,7 +51,8 @@ def resume_source(cfg: CheckpointConfig, warn: Callable[[str], None]) -> Source 
             raise ConfigError(f"checkpoint.save_path={cfg.save_path} already exists: pass checkpoint.resume=auto to "
                               "continue that run, or choose a new checkpoint.save_path")
     if cfg.load:
-        return open_checkpoint(cfg.load_path, cfg.load_file, with_opt_state=not cfg.overwrite_optimizer)
+        return open_checkpoint(cfg.load_path, cfg.load_file, with_opt_state=not cfg.overwrite_optimizer,
+                               with_data_state=not cfg.overwrite_data)
     return None
 
 
@@ -81,7 +82,8 @@ def merge_config(source: Source, current: dict, cfg: CheckpointConfig, warn: Cal
 
     - overwrite_config=false (default): the config saved in the checkpoint; this command line
       only supplies the machine-local keys (checkpoint.*, cache_dir, parallel.*) and, when a load
-      sets overwrite_optimizer=true, the optimizer group. Other overrides are reported as ignored.
+      sets overwrite_optimizer=true, the optimizer group (overwrite_data=true: the dataset group).
+      Other overrides are reported as ignored.
     - overwrite_config=true: this command line's config; the differences are reported (a model
       that no longer fits fails at restore).
 
@@ -93,7 +95,9 @@ def merge_config(source: Source, current: dict, cfg: CheckpointConfig, warn: Cal
             warn(f"checkpoint.overwrite_config=true: applying this command line over the config saved in "
                  f"{source.path}: " + "; ".join(f"{k}: {a} -> {b}" for k, a, b in diffs))
         return current
-    kept = set(LOCAL_KEYS) | ({"optimizer"} if cfg.overwrite_optimizer and not source.resuming else set())
+    loaded = not source.resuming  # a load's own switches; a requeued segment trains on with what its run settled on
+    kept = (set(LOCAL_KEYS) | ({"optimizer"} if cfg.overwrite_optimizer and loaded else set())
+            | ({"dataset"} if cfg.overwrite_data and loaded else set()))
     merged = {k: v for k, v in source.config.items() if k not in kept}
     merged.update({k: v for k, v in current.items() if k in kept})
     ignored = config_differences(merged, current)  # only what this command line would really change

@@ -89,6 +89,7 @@ class CheckpointConfig:
     load_file: str = "latest"  # iter_N | iter_N.ckpt | latest
     overwrite_config: bool = False  # false: the checkpoint's config wins over this command line
     overwrite_optimizer: bool = False  # true: keep weights and step, fresh optimizer state (any family)
+    overwrite_data: bool = False  # true (a load): this command line's dataset, its stream from the start
     remote: str | None = None  # s3://bucket/prefix: mirror every checkpoint there (utils/checkpoint/remote.py)
     remote_bandwidth: float | None = None  # MB/s cap on the upload (one connection); null = as fast as it goes
 
@@ -110,6 +111,10 @@ class CheckpointConfig:
             raise ConfigError(f"{prefix}.resume=auto continues {prefix}.save_path: set {prefix}.save=true too")
         if self.load and not self.load_path:
             raise ConfigError(f"{prefix}.load=true needs {prefix}.load_path (the save_path of an earlier run)")
+        if self.overwrite_data and not self.load:
+            raise ConfigError(f"{prefix}.overwrite_data=true starts a loaded checkpoint's run on this command line's "
+                              f"dataset: set {prefix}.load=true and {prefix}.load_path too (a resume always "
+                              "continues its own data stream)")
         for knob in ("num_steps", "max_to_keep"):
             value = getattr(self, knob)
             if value is not None and value <= 0:
@@ -280,6 +285,12 @@ class Source:
     config: dict  # the config.yaml saved with it
     with_opt_state: bool  # false: checkpoint.overwrite_optimizer (a fresh optimizer state)
     resuming: bool = False  # true: found by resume=auto in this run's own save_path
+    with_data_state: bool = True  # false: checkpoint.overwrite_data (the dataset's stream from its start)
+
+    @property
+    def data_state(self) -> dict | None:
+        """Where the data stream goes on from (the manifest's), or None: from the start."""
+        return self.manifest["data"] if self.with_data_state else None
 
 
 def complete_steps(directory: str) -> list[int]:
@@ -304,7 +315,8 @@ def remove_incomplete(directory: str, warn: Callable[[str], None]) -> None:
 
 
 def open_checkpoint(directory: str, load_file: str, with_opt_state: bool, resuming: bool = False,
-                    names: tuple[str, str] = ("checkpoint.load_path=", "checkpoint.load_file=")) -> Source:
+                    names: tuple[str, str] = ("checkpoint.load_path=", "checkpoint.load_file="),
+                    with_data_state: bool = True) -> Source:
     """`directory/load_file` (iter_N, iter_N.ckpt or latest) -> a Source with its manifest and
     config read and checked; CheckpointError naming the file for anything missing or corrupt.
     `names` are how errors spell the two arguments (a script passes its own flags)."""
@@ -337,7 +349,7 @@ def open_checkpoint(directory: str, load_file: str, with_opt_state: bool, resumi
         if not os.path.isdir(os.path.join(path, item)):
             raise CheckpointError(f"{os.path.join(path, item)} is missing: "
                                   "the checkpoint is incomplete; load another one")
-    return Source(path, step, manifest, config, with_opt_state, resuming)
+    return Source(path, step, manifest, config, with_opt_state, resuming, with_data_state)
 
 
 # ----------------------------------------------------------------------------- restore

@@ -55,6 +55,7 @@ CONTROLLED = {
     "checkpoint.load_file": "nothing: branches load their trunk",
     "checkpoint.overwrite_config": "nothing: branches set it",
     "checkpoint.overwrite_optimizer": "nothing: a branch continues its trunk's optimizer state",
+    "checkpoint.overwrite_data": "nothing: a branch continues its trunk's data stream",
     "logging.metrics_file": "nothing: the report reads metrics.jsonl",
 }
 # Knobs of how a comparison runs, not of what it compares: a rerun may change them (not in compare.json).

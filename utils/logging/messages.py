@@ -49,7 +49,8 @@ def announce(run, state, mesh, data, run_dir: str, num_params: int, source=None)
         warn(warning)
     if source is not None:
         say(f"resumed from {source.path} at step {int(state.step)}" + ("" if source.with_opt_state else
-            " with a fresh optimizer state (checkpoint.overwrite_optimizer)"))
+            " with a fresh optimizer state (checkpoint.overwrite_optimizer)") + ("" if source.with_data_state else
+            ", the dataset's stream from its start (checkpoint.overwrite_data)"))
 
 
 def attach_bar(bar) -> None:
