@@ -2,6 +2,7 @@
 metrics; and (in a subprocess with 8 forced host devices) the sharded step against the 1-device
 one. Assembly as in bench/step_speed.py, with synthetic token batches (no corpus needed)."""
 
+import math
 import os
 
 import background
@@ -20,6 +21,20 @@ from utils.train import step_metrics
 from utils.train.step import step_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Tolerances from float32 rounding (EPS32 = 2⁻²³ ≈ 1.19e-7) at the scale of the values compared. The
+# tiny GPT's longest dot product has 128 terms (the MLP's down projection) and a step's batch 8·16 = 128
+# tokens: a sum of n terms rounds to ~√n·EPS32 of its terms' scale. A loss (a mean over the tokens of
+# ~log V each, of logits from those dot products) and a gradient (summed over the tokens, backward
+# through the dot products) are each within ROUNDING of exact, per path.
+EPS32 = float(np.finfo(np.float32).eps)
+ROUNDING = (math.sqrt(128) + math.sqrt(128)) * EPS32
+# Two paths, each within ROUNDING; 2x margin (≈ 1.1e-5).
+RTOL = 4 * ROUNDING
+
+
+def scale(x) -> float:
+    """The largest magnitude in x: the scale a float32 sum's rounding is relative to."""
+    return float(np.abs(np.asarray(x)).max())
 
 
 def assemble(run):
@@ -55,6 +70,7 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_run):
         run = tiny_run(*SGD, f"dataset.batch_size={micro}", "dataset.total_batch_size=8")
         assert run.dataset.accum_steps == 8 // micro
         state, step, _, mesh = assemble(run)
+        init = host_params(state.model)  # the same init for both (same seed)
         losses, norms = [], []
         for batch_GxT1 in batches_SxGxT1:
             state, metrics = step(state, put(batch_GxT1.reshape(8 // micro, micro, 17), mesh))
@@ -63,11 +79,16 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_run):
         results[micro] = losses, norms, host_params(state.model)
 
     (loss_1, norm_1, params_1), (loss_4, norm_4, params_4) = results[8], results[2]
-    np.testing.assert_allclose(loss_4, loss_1, rtol=1e-5)
-    np.testing.assert_allclose(norm_4, norm_1, rtol=1e-5)
+    # Accumulating only regroups the sums over the batch's tokens: the losses, and the gradients whose
+    # norms these are (the norm's own reduction is the same code on both), differ by RTOL at most.
+    np.testing.assert_allclose(loss_4, loss_1, rtol=RTOL)
+    np.testing.assert_allclose(norm_4, norm_1, rtol=RTOL)
     assert loss_1[1] != loss_1[0]  # the second step saw updated weights
-    for a, b in zip(params_4, params_1, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b, p0 in zip(params_4, params_1, init, strict=True):
+        # SGD, lr 1: the parameters moved by the summed gradients (step 1's counted 1.5 times with
+        # momentum 0.5), whose difference is RTOL of the movement's scale; and each of the two steps
+        # rounds p + Δp to EPS32/2 of p on each side: 2·EPS32, 2x margin.
+        np.testing.assert_allclose(a, b, rtol=4 * EPS32, atol=RTOL * scale(b - p0))
 
 
 def test_loss_falls_on_a_fixed_batch_with_fresh_dropout_keys(tiny_run):
@@ -108,12 +129,15 @@ def test_dropout_is_applied_with_its_own_key_per_micro_batch(tiny_run):
 
     state, metrics = step(state, put(np.stack([micro_BxT1, micro_BxT1]), mesh))
     loss_A = np.asarray(metrics["loss_A"])
-    np.testing.assert_allclose(loss_A, [float(loss) for loss, _ in singles], rtol=1e-5)
+    np.testing.assert_allclose(loss_A, [float(loss) for loss, _ in singles], rtol=RTOL)  # same loss, 2 compilations
     # dropout moves the loss (~4, float32 error ~1e-6) by far more, and differently per key
     assert abs(loss_A[0] - loss_A[1]) > 1e-4 and abs(loss_A.mean() - no_dropout) > 1e-4, (loss_A, no_dropout)
     grads = [[np.asarray(g) for g in jax.tree.leaves(grads)] for _, grads in singles]
     for p_new, p, g0, g1 in zip(host_params(state.model), host_params(model), *grads, strict=True):
-        np.testing.assert_allclose(p_new, p - (g0 + g1) / 2, rtol=1e-5, atol=1e-6)
+        # The update, within RTOL of its scale (two compilations of the gradients); p + Δp rounded to
+        # EPS32/2 of p by the step and by NumPy: EPS32, 2x margin.
+        update = (g0 + g1) / 2
+        np.testing.assert_allclose(p_new, p - update, rtol=2 * EPS32, atol=RTOL * scale(update))
 
 
 def test_step_donates_state_and_reports_metrics(tiny_run):
@@ -134,13 +158,19 @@ def test_step_donates_state_and_reports_metrics(tiny_run):
         assert {"train/loss", "train/grad_norm", "train/lr"} <= set(metrics)
         assert all(a.is_deleted() for a in jax.tree.leaves(old)), "the step must donate its input state"
         assert int(state.step) == i + 1
-        np.testing.assert_allclose(float(metrics["train/lr"]), expected_lr, rtol=1e-6)
-        np.testing.assert_allclose(float(metrics["train/lr"]), float(schedule(i)), rtol=1e-6)
-        np.testing.assert_allclose(float(metrics["train/loss"]), float(loss), rtol=1e-5)
+        # The schedule is a few float32 operations, each rounding by EPS32/2: 4 of them, 4x margin.
+        np.testing.assert_allclose(float(metrics["train/lr"]), expected_lr, rtol=8 * EPS32)
+        np.testing.assert_allclose(float(metrics["train/lr"]), float(schedule(i)), rtol=8 * EPS32)
+        np.testing.assert_allclose(float(metrics["train/loss"]), float(loss), rtol=RTOL)  # two compilations
+        # The step's float32 norm against float64 over the same gradients (RTOL apart): plus its sum of
+        # the largest leaf's ≤ 8192 squares (positive terms: ~√8192·EPS32/2 of the sum, halved by the
+        # square root), 2x margin.
+        norm_rtol = RTOL + 2 * math.sqrt(8192) * EPS32 / 4
         np.testing.assert_allclose(float(metrics["train/grad_norm"]),
-                                   np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads)), rtol=1e-5)
+                                   np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads)), rtol=norm_rtol)
         for p_new, p, g in zip(host_params(state.model), before, grads, strict=True):
-            np.testing.assert_allclose(p_new, p - expected_lr * g, rtol=1e-5, atol=1e-7)
+            # The update lr·g within RTOL of its scale; p + Δp rounded on each side: EPS32, 2x margin.
+            np.testing.assert_allclose(p_new, p - expected_lr * g, rtol=2 * EPS32, atol=RTOL * scale(expected_lr * g))
 
 
 # --- 8 forced host devices (subprocess: XLA_FLAGS must be set before jax is imported) ------------
@@ -149,6 +179,12 @@ def test_step_donates_state_and_reports_metrics(tiny_run):
 @background.setup
 def sharded_check(ctx) -> ShardedCheck:
     return ShardedCheck(ctx.tmp_path_factory.mktemp("sharded"), ctx.tmp_path_factory.mktemp("sharded_cache"))
+
+
+# The meshes only reorder float32 sums. A loss is a mean over the step's 2·8·16 = 256 tokens: ~√256·EPS32
+# of its scale (~log V) per mesh, and the parameters it is evaluated at differ by far less (see
+# sharded_step_check.PARAM_ATOL, ~1e-6 of ~30k weights moved by lr 1e-2); two meshes, 2x margin (≈ 7.6e-6).
+SHARDED_RTOL = 4 * math.sqrt(256) * EPS32
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +201,7 @@ def test_sharded_step_matches_single_device(sharded_result):
     assert r["sharded_param_leaves"] >= 8 and r["sharded_opt_leaves"] >= 8
     assert r["batch_shard_rows"] == 1
     assert r["state_shardings_kept"]
-    np.testing.assert_allclose(r["losses_8"], r["losses_1"], rtol=1e-5)
+    np.testing.assert_allclose(r["losses_8"], r["losses_1"], rtol=SHARDED_RTOL)
     assert r["losses_1"][-1] < r["losses_1"][0]
     assert r["params_allclose"], f"max abs param difference {r['max_param_diff']}"
     assert r["params_moved"] > 1e-3  # the comparison is not between two untouched inits
@@ -176,8 +212,8 @@ def test_tensor_parallel_and_zero1_match_one_device_with_the_expected_layouts(sh
     """data 2 x fsdp 2 x tensor 2, and data 8 with the optimizer state split over data (ZeRO-1)."""
     r = sharded_result
     tp, z1 = r["tensor"], r["zero1"]
-    np.testing.assert_allclose(tp["losses"], r["losses_1"], rtol=1e-5)
-    np.testing.assert_allclose(z1["losses"], r["losses_1"], rtol=1e-5)
+    np.testing.assert_allclose(tp["losses"], r["losses_1"], rtol=SHARDED_RTOL)
+    np.testing.assert_allclose(z1["losses"], r["losses_1"], rtol=SHARDED_RTOL)
     assert tp["params_allclose"] and z1["params_allclose"] and tp["kept"] and z1["kept"]
     # Column-parallel qkv and mlp_in, row-parallel attn_out and mlp_out; Adam's moment like its weight.
     assert tp["specs"]["qkv"] == tp["specs"]["mlp_in"] == tp["specs"]["mu_mlp_in"] == ["None", "fsdp", "tensor"]
@@ -194,7 +230,7 @@ def test_a_checkpoint_saved_under_one_layout_restores_under_another(sharded_resu
     r = sharded_result["cross_topology"]
     assert r["restored_equal"] and r["restored_step"] == 2
     assert r["restored_opt_split_over"] == ["fsdp"]
-    np.testing.assert_allclose(r["loss_restoring_mesh"], r["loss_saving_mesh"], rtol=1e-5)
+    np.testing.assert_allclose(r["loss_restoring_mesh"], r["loss_saving_mesh"], rtol=SHARDED_RTOL)
 
 
 @pytest.mark.slow
