@@ -7,8 +7,11 @@ measured a compilation."""
 from __future__ import annotations
 
 import jax
+import pytest
 from helpers import CLI_TINY, load_script
 
+# A benchmark's plumbing, compiling every program of two runs: the full suite only.
+pytestmark = pytest.mark.slow
 compile_cost = load_script("compile_cost", "bench")
 TINY = [*CLI_TINY, "model.vocab_size=null", "train.sample_tokens=1"]
 

@@ -340,6 +340,7 @@ def test_overwrite_optimizer_switches_adamw_to_sgdm(tmp_path, base):
 # ----------------------------------------------------------------------------- corruption
 
 
+@pytest.mark.slow  # three runs; tests/test_resume.py checks the config and data-position rules in the quick set
 def test_overwrite_data_trains_the_loaded_run_on_another_dataset_from_its_start(tmp_path, base, capsys):
     """checkpoint.overwrite_data=true: the weights, optimizer state and step of a load go on, on this
     command line's dataset (a relative glob, as typed), whose stream starts afresh instead of
