@@ -294,6 +294,16 @@ def optuna_sweep(ctx) -> Started:
 
 
 @background.setup
+def local_launcher_sweep(ctx) -> Started:
+    """Two jobs in their own processes (hydra/launcher=local), one diverging (SGD at lr 1e30)."""
+    where = ctx.tmp_path_factory.mktemp("cli_local_sweep")
+    return Started(where, "local_sweep", ["-m", "hydra/launcher=local", f"hydra.sweep.dir={where / 'sweep'}", *TINY,
+                                          *DIVERGED[:-2], "train.max_steps=10", "train.gradient_clip_val=null",
+                                          "optimizer.lr_config.lr=1e30,1e-2"],
+                   cli_env(ctx.cache_dir), run_dir=where / "sweep")
+
+
+@background.setup
 def unknown_group(ctx) -> Started:
     return cli_run(ctx, "unknown_group", "optimizer=nope")
 
@@ -309,6 +319,24 @@ def sweep(sweep_run) -> tuple[subprocess.CompletedProcess, Path]:
 
 
 # ----------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_a_sweep_in_its_own_processes_summarises_its_failed_jobs_without_a_traceback(local_launcher_sweep):
+    """hydra/launcher=local (and slurm) run each job in its own process: a failed job is its one
+    error line and an outcome file in its job dir, not an exit that submitit turns into an
+    UncompletedJobError traceback in the sweep's process; the sweep's end lists it by its overrides
+    and exits 2, and the other job ran to its end."""
+    proc = local_launcher_sweep.result()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, \
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    summary = proc.stderr.strip().splitlines()[-2:]
+    assert summary[0] == "error: 1 of 2 jobs of the multirun failed:", proc.stderr[-3000:]
+    assert summary[1].startswith("  job 0 (optimizer.lr_config.lr=1e+30): train/loss is nan"), summary[1]
+    sweep_dir = local_launcher_sweep.run_dir
+    assert json.loads((sweep_dir / "0" / "job_outcome.json").read_text())["diverged"] is True
+    finished = read_metrics(sweep_dir / "1" / "metrics.jsonl")
+    assert finished[-1]["step"] == 10 and math.isfinite(finished[-1]["train/loss"])
 
 
 @pytest.mark.slow

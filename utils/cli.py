@@ -11,7 +11,10 @@ exit codes, what a job hands back to its launcher or sweeper), and the scripts' 
   is printed first). A preempted job (exit 3 or 130) stops the whole multirun: the signal was for
   the process, not for one job; the same command with the same hydra.sweep.dir and
   checkpoint.resume=auto continues it. Jobs that run in their own processes (hydra/launcher=local
-  or slurm) keep a single run's exit codes: their launcher reports them.
+  or slurm) end the same way: a failed job prints its line in its own log and hands back nothing
+  (exit 0, so submitit does not raise its traceback in the sweep's process), its outcome written
+  to `{job dir}/job_outcome.json`, which `MultirunSummary` reads at the end. A preempted one keeps
+  its exit code (3), which submitit requeues on.
 - Under the Optuna sweeper a failed trial's objective is the worst value (+inf when minimising):
   optuna 2.10 refuses NaN (the plugin then crashes), and +inf keeps the study going and steers
   the sampler away. A study whose only failures are diverged trials (TrainingError) is a
@@ -24,10 +27,13 @@ exit codes, what a job hands back to its launcher or sweeper), and the scripts' 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Callable
@@ -68,6 +74,32 @@ class JobOutcome:
 # The jobs of the multirun this process runs (Hydra's default launcher): run_job appends, the
 # MultirunSummary callback reads them at the end of the sweep.
 JOBS: list[JobOutcome] = []
+# A job run in its own process (hydra/launcher=local|slurm) writes its outcome here, in its job dir.
+OUTCOME_FILE = "job_outcome.json"
+
+
+def record(outcome: JobOutcome, shared: bool, run_dir: str) -> None:
+    """A multirun job's outcome, where the end of the sweep finds it: JOBS in this process, else a
+    file in the job's directory (the sweep's process reads them, utils.cli.job_outcomes)."""
+    if shared:
+        JOBS.append(outcome)
+        return
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, OUTCOME_FILE), "w") as f:
+        json.dump(dataclasses.asdict(outcome), f)
+
+
+def job_outcomes(sweep_dir: str, since: float) -> list[JobOutcome]:
+    """The outcomes the jobs of a multirun wrote in `sweep_dir`'s job directories since `since`
+    (its start: a rerun of a sweep in the same directory ignores the files of jobs it did not run)."""
+    found = []
+    for name in sorted(os.listdir(sweep_dir) if os.path.isdir(sweep_dir) else (), key=lambda n: (len(n), n)):
+        path = os.path.join(sweep_dir, name, OUTCOME_FILE)
+        if os.path.isfile(path) and os.path.getmtime(path) >= since:
+            with open(path) as f:
+                fields = json.load(f)
+            found.append(JobOutcome(**{**fields, "overrides": tuple(fields["overrides"])}))
+    return sorted(found, key=lambda j: j.num)
 
 
 def run_job(cfg, train: Callable[..., dict[str, float]]) -> dict[str, float] | float | None:
@@ -100,23 +132,22 @@ def run_job(cfg, train: Callable[..., dict[str, float]]) -> dict[str, float] | f
             summarise(JOBS, optuna)
         sys.exit(e.exit_code)
     except EqtrainError as e:
-        if not (shared or optuna):
+        if not multirun:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         print(f"error: {job}: {e}", file=sys.stderr)
-        if shared:
-            JOBS.append(JobOutcome(num, overrides, str(e), diverged=isinstance(e, TrainingError)))
+        record(JobOutcome(num, overrides, str(e), diverged=isinstance(e, TrainingError)), shared, run_dir)
         return worst if optuna else None
     except Exception as e:  # a bug (or e.g. out of memory) in one job of a sweep: the others go on
-        if not shared:
+        if not multirun:
             raise
         traceback.print_exc()
         reason = f"{type(e).__name__}: {e}".splitlines()[0]
         print(f"error: {job}: {reason}", file=sys.stderr)
-        JOBS.append(JobOutcome(num, overrides, reason, user_error=False))
+        record(JobOutcome(num, overrides, reason, user_error=False), shared, run_dir)
         return worst if optuna else None
-    if shared:
-        JOBS.append(JobOutcome(num, overrides))
+    if multirun:
+        record(JobOutcome(num, overrides), shared, run_dir)
     if optuna:
         return float(out.get("val/loss", out.get("train/loss", worst)))
     return out
@@ -143,14 +174,17 @@ def summarise(jobs: list[JobOutcome], optuna: bool = False) -> int:
 
 
 class MultirunSummary(Callback):
-    """Hydra callback (conf/config.yaml, hydra.callbacks): at the end of a multirun whose jobs ran
-    in this process, list the failed ones and exit non-zero if one did (see `summarise`)."""
+    """Hydra callback (conf/config.yaml, hydra.callbacks): at the end of a multirun, list the failed
+    jobs and exit non-zero if one did (see `summarise`): the jobs this process ran (JOBS), or those
+    that ran in their own processes and left their outcome in their job directories."""
 
     def on_multirun_start(self, config, **kwargs) -> None:
         JOBS.clear()
+        self.started = time.time() - 1.0  # file times are coarse on some filesystems
 
     def on_multirun_end(self, config, **kwargs) -> None:
         optuna = "optuna" in str(config.hydra.sweeper.get("_target_", "")).lower()
-        code = summarise(JOBS, optuna=optuna)
+        jobs = JOBS or job_outcomes(str(config.hydra.sweep.dir), getattr(self, "started", 0.0))
+        code = summarise(jobs, optuna=optuna)
         if code:
             sys.exit(code)
