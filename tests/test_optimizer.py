@@ -3,6 +3,7 @@ hand-written update, and the knob checks. Pure optax on tiny pytrees: no model r
 schedules are in test_schedules.py."""
 
 import dataclasses
+import math
 
 import equinox as eqx
 import jax
@@ -19,6 +20,16 @@ from optimizer.adamw import AdamW
 from optimizer.sgdm import SGDM
 from utils.config import build_section
 from utils.errors import ConfigError
+
+# Tolerances from float32 rounding (EPS32 = 2⁻²³ ≈ 1.19e-7: one rounding is ≤ EPS32/2 of the value) at
+# the scale of the values compared, never one CPU's output.
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def scale(x) -> float:
+    """The largest magnitude in x: the scale a float32 computation's rounding is relative to."""
+    return float(np.abs(np.asarray(x, np.float64)).max())
+
 
 # --- weight decay masks ------------------------------------------------------------------------
 
@@ -77,9 +88,12 @@ def test_weight_decay_is_decoupled_and_times_the_group_lr_for_every_optimizer(na
         assert np.all(np.isfinite(p_new)), leaf
         if _expected_decay(path, decay_embeddings):
             decayed.append(leaf)
-            np.testing.assert_allclose(p_new, p * (1 - 0.4 * peak[label] * wd), rtol=1e-6, err_msg=leaf)
+            # p ∈ [1, 2): one ulp is EPS32 of it. p − lr·wd·p rounds once (the product, ≤ 0.02·p, adds
+            # 0.02 of an ulp per rounding of lr, wd and their product), Schedule-Free's rebuild ≤ 1.5 ulp
+            # more: ≤ 2.5 EPS32 of p at worst, ~3x margin.
+            np.testing.assert_allclose(p_new, p * (1 - 0.4 * peak[label] * wd), rtol=8 * EPS32, err_msg=leaf)
         else:
-            np.testing.assert_allclose(p_new, p, rtol=2 * 2.0**-23, atol=0, err_msg=leaf)
+            np.testing.assert_allclose(p_new, p, rtol=2 * EPS32, atol=0, err_msg=leaf)
     n_embed = 2 if decay_embeddings else 0
     assert len(decayed) == 4 + 1 + n_embed  # four block matrices, the head, the embeddings if asked
 
@@ -105,7 +119,10 @@ def test_adafactor_without_decay_is_optax_adafactor(momentum):
         return jax.jit(run)(grads_seq, params)
 
     for a, b in zip(jax.tree.leaves(three_updates(ours)), jax.tree.leaves(three_updates(reference)), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
+        # The same float32 operations on the same shapes in two programs, which XLA may fuse (and so
+        # round) differently: 10 roundings of the leaf's scale per update, 3 updates (as
+        # test_optax_backed's _tolerance). A wrong decay rate, clip or factoring moves it by far more.
+        np.testing.assert_allclose(a, b, rtol=0, atol=10 * 3 * EPS32 * scale(b))
 
 
 # --- clipping ----------------------------------------------------------------------------------
@@ -116,6 +133,15 @@ def _random_grads(params, norm: float, seed=2):
     g = jax.tree.map(lambda p: rng.normal(size=p.shape), params)
     scale = norm / np.sqrt(sum(np.sum(x**2) for x in jax.tree.leaves(g)))
     return jax.tree.map(lambda x: jnp.asarray(x * scale, jnp.float32), g)
+
+
+def _clip_rtol(params) -> float:
+    """A clipped update against the same gradients scaled in float32, relative to each element (no
+    decay: every element is its gradient times factors). The clip's factor 2/‖g‖ comes from a float32 sum
+    of n squares (~√n·EPS32/2 of it, halved by the square root); the rest is ≤ 8 roundings of EPS32/2
+    per side (the reference's × 0.2; AdamW's moments, corrections, square root, division): 2x margin."""
+    n = sum(x.size for x in jax.tree.leaves(params))
+    return 2 * (math.sqrt(n) * EPS32 / 4 + 2 * 8 * EPS32 / 2)
 
 
 @pytest.mark.parametrize("opt", [SGDM(momentum=0.9), AdamW(eps=1.0, weight_decay=0.0)], ids=["sgdm", "adamw"])
@@ -132,16 +158,20 @@ def test_clipping_by_global_norm(opt):
     clipped = first_update(big, clip=2.0)
     reference = first_update(jax.tree.map(lambda g: g * 0.2, big), clip=None)  # the same grads at norm 2
     for a, b in zip(jax.tree.leaves(clipped), jax.tree.leaves(reference)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+        np.testing.assert_allclose(a, b, rtol=_clip_rtol(params), atol=0)
     unclipped = first_update(big, clip=None)
     assert not np.allclose(jax.tree.leaves(clipped)[0], jax.tree.leaves(unclipped)[0], rtol=1e-3)
 
+    # Below the clip (and clip 0) the gradients pass through unchanged: both sides are the same per-element
+    # operations, which two programs may fuse (round) differently: AdamW's ≤ 8 roundings of EPS32/2 (the
+    # moments, their bias corrections, the square root, + eps, the division, × lr) on each side.
+    same = 8 * EPS32
     small = _random_grads(params, 1.5)  # below the clip: untouched
     for a, b in zip(jax.tree.leaves(first_update(small, clip=2.0)), jax.tree.leaves(first_update(small, clip=None))):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(a, b, rtol=same, atol=0)
     # clip 0 means off (train.gradient_clip_val: "null or 0 = off").
     for a, b in zip(jax.tree.leaves(first_update(big, clip=0.0)), jax.tree.leaves(unclipped)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(a, b, rtol=same, atol=0)
 
 
 def test_sgdm_clipped_update_by_hand():
@@ -150,7 +180,7 @@ def test_sgdm_clipped_update_by_hand():
     tx = make_optimizer(SGDM(momentum=0.9), optax.constant_schedule(0.1), labels, 2.0)
     updates = _first_update(tx, big, params)
     for u, g in zip(jax.tree.leaves(updates), jax.tree.leaves(big)):
-        np.testing.assert_allclose(u, -0.1 * g * (2.0 / 10.0), rtol=1e-5, atol=1e-9)
+        np.testing.assert_allclose(u, -0.1 * g * (2.0 / 10.0), rtol=_clip_rtol(params), atol=0)
 
 
 # --- SGD with momentum by hand -------------------------------------------------------------------
@@ -166,17 +196,31 @@ def _two_steps(opt, g1, g2, p0, lr=0.1):
     return np.asarray(u1["w"]), np.asarray(u2["w"])
 
 
+def _roundings(k: int, magnitude) -> np.ndarray:
+    """k float32 roundings, each ≤ EPS32/2 of the magnitude of the terms they act on, 2x margin: an
+    atol per element (a cancelling sum's error is relative to its terms, not to the sum)."""
+    return k * EPS32 * np.abs(magnitude)
+
+
+def _assert_within(actual, expected, atol):
+    """|actual − expected| ≤ atol elementwise (atol an array: np.testing.assert_allclose takes a scalar)."""
+    err = np.abs(np.asarray(actual, np.float64) - expected)
+    assert np.all(err <= atol), f"|error| {err} > {atol}: {actual} vs {expected}"
+
+
 def test_sgdm_matches_hand_computed_momentum():
     m, lr = 0.9, 0.1
     g1, g2, p0 = np.array([1.0, -2.0, 0.5]), np.array([0.5, 1.0, -1.0]), np.array([1.0, 1.0, 1.0])
     u1, u2 = _two_steps(SGDM(momentum=m), g1, g2, p0, lr)
-    # heavy ball: t1 = g1, t2 = g2 + m*t1; update = -lr*t
-    np.testing.assert_allclose(u1, -lr * g1, rtol=1e-6)
-    np.testing.assert_allclose(u2, -lr * (g2 + m * g1), rtol=1e-6)
-    # Nesterov: update = -lr*(g_k + m*t_k)
+    # heavy ball: t1 = g1, t2 = g2 + m*t1; update = -lr*t. The g's are exact in float32; m·t + g rounds
+    # m, the product and the sum (3); × -lr rounds lr, the group's factor on it and the product (3).
+    _assert_within(u1, -lr * g1, _roundings(3, lr * g1))
+    _assert_within(u2, -lr * (g2 + m * g1), _roundings(6, lr * (abs(g2) + m * abs(g1))))
+    # Nesterov: update = -lr*(g_k + m*t_k), one more m·t + g (3 roundings) of those magnitudes
     n1, n2 = _two_steps(SGDM(momentum=m, nesterov=True), g1, g2, p0, lr)
-    np.testing.assert_allclose(n1, -lr * (g1 + m * g1), rtol=1e-6)
-    np.testing.assert_allclose(n2, -lr * (g2 + m * (g2 + m * g1)), rtol=1e-6)
+    _assert_within(n1, -lr * (g1 + m * g1), _roundings(6, lr * (1 + m) * g1))
+    _assert_within(n2, -lr * (g2 + m * (g2 + m * g1)),
+                   _roundings(9, lr * (abs(g2) + m * (abs(g2) + m * abs(g1)))))
     assert not np.allclose(n2, u2)
 
 
@@ -186,17 +230,30 @@ def test_sgdm_weight_decay_is_decoupled_from_momentum():
     m, lr, wd = 0.9, 0.1, 0.5
     p0, zeros = np.array([2.0, -4.0]), np.zeros(2)
     u1, u2 = _two_steps(SGDM(momentum=m, weight_decay=wd), zeros, zeros, p0, lr)
-    p1 = p0 + u1
-    np.testing.assert_allclose(u1, -lr * wd * p0, rtol=1e-6)
-    np.testing.assert_allclose(u2, -lr * wd * p1, rtol=1e-6)
+    p1 = p0 + u1  # float64: the optimizer's p1 is this rounded once more (apply_updates)
+    # wd·p (wd's value, the product: 2 roundings), then × -lr (3); p1's rounding: 1 more at step 2.
+    _assert_within(u1, -lr * wd * p0, _roundings(5, lr * wd * p0))
+    _assert_within(u2, -lr * wd * p1, _roundings(6, lr * wd * p1))
+
+
+def _bias_correction_error(b: float) -> float:
+    """Relative error of a first-step bias correction (1 − b)/(1 − b^1) in float32: optax rounds 1 − b
+    (EPS32/2) but divides by 1 − float32(b), off from 1 − b by float32(b)'s rounding."""
+    return abs(float(np.float32(b)) - b) / (1 - b) + EPS32 / 2
 
 
 def test_adamw_first_step_by_hand():
     """Bias-corrected Adam's first step is g/(|g|+eps); decoupled decay adds wd*p; times -lr."""
-    lr, wd, eps = 0.1, 0.5, 1e-8
+    lr, wd, eps, b1, b2 = 0.1, 0.5, 1e-8, 0.9, 0.95
     g, p0 = np.array([0.3, -2.0, 1e-3]), np.array([1.0, 3.0, -3.0])
-    u1, _ = _two_steps(AdamW(b1=0.9, b2=0.95, eps=eps, weight_decay=wd), g, g, p0, lr)
-    np.testing.assert_allclose(u1, -lr * (g / (np.abs(g) + eps) + wd * p0), rtol=1e-5)
+    u1, _ = _two_steps(AdamW(b1=b1, b2=b2, eps=eps, weight_decay=wd), g, g, p0, lr)
+    direction = g / (np.abs(g) + eps)
+    # The direction: m̂'s bias correction, v̂'s halved by the square root, and ≤ 8 roundings (g², the
+    # moments' products, √, + eps, the division): relative to it, 2x margin. Then wd·p (2 roundings), the
+    # sum (1) and × -lr (3), relative to the terms' magnitude |direction| + wd·|p|.
+    direction_err = 2 * (_bias_correction_error(b1) + _bias_correction_error(b2) / 2 + 8 * EPS32 / 2)
+    atol = lr * direction_err * np.abs(direction) + _roundings(6, lr * (np.abs(direction) + wd * np.abs(p0)))
+    _assert_within(u1, -lr * (direction + wd * p0), atol)
 
 
 # --- knob checks -------------------------------------------------------------------------------
