@@ -139,6 +139,19 @@ def item_metadata(path):
         return checkpointer.metadata(os.fspath(path)).item_metadata
 
 
+def adam_sqrt_v_rtol(b2: float, count) -> float:
+    """rtol of Adam's bias-corrected √(ν/(1 − b2^t)) in float32 against float64 on the same ν. The
+    correction 1 − b2^t subtracts from 1 a float32 b2^t off by t times b2's own rounding plus ~1 ulp
+    (EPS32/2 below 1): a large part of 1 − b2^t ≈ t·(1 − b2) (b2 = 0.999: up to 7e-5 of it), halved by
+    the square root. Plus the division and the square root (2 roundings, EPS32 together); 2x margin."""
+    import numpy as np
+
+    eps32 = float(np.finfo(np.float32).eps)
+    t = int(count)
+    b2_rounding = abs(float(np.float32(b2)) - b2)
+    return 2 * ((t * b2_rounding + eps32 / 2) / (1 - b2**t) / 2 + eps32)
+
+
 def run_updates(tx, grads_seq):
     """An optax transform's jitted init + updates over a list of gradient trees -> (the updates as
     NumPy, the states after each update): the optimizer tests' way of stepping one on its own."""

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import adam_sqrt_v_rtol
 from optax.contrib import ScaleByAdemamixState, ScheduleFreeState
 
 from optimizer import eval_params, make_optimizer
@@ -194,16 +195,6 @@ def _sqrt_v(nu: dict, count, b2: float, group: str) -> np.ndarray:
     return np.sqrt(v / (1 - b2 ** int(count)))
 
 
-def _sqrt_v_rtol(b2: float, count) -> float:
-    """√(ν/(1 − b2^t)) in float32 against float64 on the same ν. The correction 1 − b2^t subtracts from 1
-    a float32 b2^t off by t times b2's own rounding plus ~1 ulp (EPS32/2 below 1): a large part of
-    1 − b2^t ≈ t·(1 − b2) (b2 = 0.999: up to 7e-5 of it), halved by the square root. Plus the division
-    and the square root (2 roundings, EPS32 together); 2x margin."""
-    t = int(count)
-    b2_rounding = abs(float(np.float32(b2)) - b2)
-    return 2 * ((t * b2_rounding + EPS32 / 2) / (1 - b2**t) / 2 + EPS32)
-
-
 def _check_sqrt_v(metrics, group, sqrt_v, rtol):
     for stat, fn in (("min", np.min), ("median", np.median), ("max", np.max)):
         np.testing.assert_allclose(float(metrics[f"optim/{group}/sqrt_v_{stat}"]), fn(sqrt_v), rtol=rtol,
@@ -235,7 +226,7 @@ def test_schedule_free_distance_and_second_moment_match_numpy():
         rms = _group_state(state, group).base_optimizer_state[0]
         assert isinstance(rms, rms_state())
         b2 = _knob(name, group, "b2")
-        _check_sqrt_v(metrics, group, _sqrt_v(rms.nu, rms.count, b2, group), _sqrt_v_rtol(b2, rms.count))
+        _check_sqrt_v(metrics, group, _sqrt_v(rms.nu, rms.count, b2, group), adam_sqrt_v_rtol(b2, rms.count))
 
 
 @pytest.mark.parametrize("updates", [2, STEPS])  # during the warmup (t = 2 < 4) and after it
@@ -260,7 +251,7 @@ def test_ademamix_ema_norms_mix_and_second_moment_match_numpy(updates):
         b3 = _paper_b3(updates, b1, _knob(name, group, "b3"), WARMUP)
         np.testing.assert_allclose(float(metrics[f"optim/{group}/b3"]), b3, rtol=0, atol=2 * EPS32)
         b2 = _knob(name, group, "b2")
-        _check_sqrt_v(metrics, group, _sqrt_v(s.nu, s.count, b2, group), _sqrt_v_rtol(b2, s.count))
+        _check_sqrt_v(metrics, group, _sqrt_v(s.nu, s.count, b2, group), adam_sqrt_v_rtol(b2, s.count))
 
 
 # --- knobs that depend on the run ---------------------------------------------------------------
