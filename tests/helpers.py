@@ -34,6 +34,10 @@ FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitter
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
+# float32's machine epsilon (np.finfo(np.float32).eps): one rounding errs by at most EPS32/2 of its result.
+# Every numeric tolerance of the suite is a multiple of it at the compared values' scale.
+EPS32 = 2.0**-23
+
 # The optimizers whose per-optimizer cases the quick set (`pytest -m "not slow"`) runs: one of the
 # Adam family and one matrix method. Every other optimizer's case is marked slow: the whole suite
 # (CI's `.ci/run`) still runs each of them, with the same assertions.
@@ -146,10 +150,9 @@ def adam_sqrt_v_rtol(b2: float, count) -> float:
     the square root. Plus the division and the square root (2 roundings, EPS32 together); 2x margin."""
     import numpy as np
 
-    eps32 = float(np.finfo(np.float32).eps)
     t = int(count)
     b2_rounding = abs(float(np.float32(b2)) - b2)
-    return 2 * ((t * b2_rounding + eps32 / 2) / (1 - b2**t) / 2 + eps32)
+    return 2 * ((t * b2_rounding + EPS32 / 2) / (1 - b2**t) / 2 + EPS32)
 
 
 def run_updates(tx, grads_seq):

@@ -48,7 +48,7 @@ from utils.errors import ConfigError
 from utils.parallel import mesh as meshlib
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from helpers import compose_config
+from helpers import EPS32, compose_config
 from test_golden import GOLDEN
 from test_golden import STEPS as GOLDEN_STEPS
 
@@ -69,7 +69,6 @@ STEPS, ACCUM, BATCH, WINDOW = 3, 2, 8, 17
 # after the clip at global norm 1 is ~1/√(#params) ≈ 6e-3 (~30k params), ~1e-8 even where they cancel
 # to g ≈ 0, and Adam passes that on as <= lr·δg/eps (at g ≈ 0): over STEPS steps ~3.4e-7, 3x (PARAM_ATOL).
 # And each step rounds p + Δp by <= EPS32/2 of p, on each side: STEPS·EPS32 of p, 3x (PARAM_RTOL).
-EPS32 = float(np.finfo(np.float32).eps)
 GRAD_SCALE = 1 / math.sqrt(30_000)
 PARAM_ATOL = 3 * STEPS * LR * math.sqrt(ACCUM * BATCH * (WINDOW - 1)) * EPS32 * GRAD_SCALE / ADAM_EPS
 PARAM_RTOL = 3 * STEPS * EPS32

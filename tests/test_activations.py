@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import compose_config
+from helpers import EPS32, compose_config
 
 import train_jax as T
 from models.gpt import GPT, GPTConfig
@@ -18,7 +18,6 @@ from utils.config import validate
 from utils.parallel import mesh as meshlib
 
 CFG = GPTConfig(vocab_size=64, context_length=16, dim=32, num_heads=2, num_blocks=3)
-EPS32 = float(np.finfo(np.float32).eps)
 
 
 def stream(model: GPT, tokens_BxT) -> list[np.ndarray]:

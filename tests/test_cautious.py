@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import compose_config, per_optimizer
+from helpers import EPS32, compose_config, per_optimizer
 
 import train_jax as T
 from models import losses
@@ -29,7 +29,6 @@ from utils.config import to_dict, validate
 from utils.errors import ConfigError
 from utils.parallel import mesh as meshlib
 
-EPS32 = float(np.finfo(np.float32).eps)
 SHAPES = {"w": ((2, 8, 12), "hidden"), "h": ((12, 10), "head"), "e": ((10, 8), "embed"), "b": ((8,), "scalar")}
 LABELS = {k: label for k, (_, label) in SHAPES.items()}
 BASE_LR = 1e-2

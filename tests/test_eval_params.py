@@ -14,7 +14,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
-from helpers import compose_config, load_script
+from helpers import EPS32, compose_config, load_script
 from optax.contrib import ScheduleFreeState
 from safetensors.numpy import load_file
 
@@ -25,7 +25,6 @@ from utils.logging.metrics_file import read_metrics
 from utils.train import hooks as H
 
 ROOT = Path(__file__).resolve().parent.parent
-EPS32 = 2.0**-23
 STEPS = 6
 # A high lr so y and x are far apart after 6 steps; no remat and an unrolled loop compile faster.
 RUN = ("model.vocab_size=null", "train.sample_tokens=0", f"train.max_steps={STEPS}", "train.val_freq=3",

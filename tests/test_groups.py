@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import compose_config, per_optimizer
+from helpers import EPS32, compose_config, per_optimizer
 
 import train_jax as T
 from models.gpt import GPT, GPTConfig, param_labels
@@ -25,7 +25,6 @@ from utils.errors import ConfigError
 from utils.parallel import mesh as meshlib
 
 CFG = GPTConfig(dim=32, num_heads=2, num_blocks=3, context_length=16, vocab_size=64, tie_embeddings=False)
-EPS32 = float(np.finfo(np.float32).eps)  # 2⁻²³: a float32 rounding errs by at most EPS32/2 of its result
 
 
 def _params_labels_grads(seed: int = 0):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import EPS32
 
 from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import make_optimizer
@@ -23,7 +24,6 @@ from optimizer.diagnostics import optimizer_metrics
 from optimizer.kron import Kron, KronState, balance, norm_lower_bound, probes, scale_by_kron
 from utils.errors import ConfigError
 
-EPS32 = float(np.finfo(np.float32).eps)
 DAMPING = np.sqrt(EPS32)
 B1, PRECOND_LR = 0.9, 0.1
 

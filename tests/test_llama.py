@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ShardedCheck, compose_config
+from helpers import EPS32, ShardedCheck, compose_config
 from test_golden import RTOL
 
 import models
@@ -42,7 +42,6 @@ CFG = llama.LlamaConfig(dim=32, num_heads=4, num_kv_heads=2, num_blocks=2, conte
 FULL_CFG = dataclasses.replace(CFG, num_kv_heads=1, qkv_bias=True, qk_norm=True, tie_embeddings=False,
                                rope_theta=500.0)
 T_ = CFG.context_length
-EPS32 = float(np.finfo(np.float32).eps)
 ROUNDING = math.sqrt(96) * EPS32  # see the module docstring
 GRAD_ROUNDING = (math.sqrt(64) + math.sqrt(96)) * EPS32  # backward: also summed over a batch's 64 tokens
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import EPS32
 
 from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import make_optimizer
@@ -19,7 +20,6 @@ from optimizer.diagnostics import optimizer_metrics
 from optimizer.mars import MARS, MARSState, scale_by_mars
 from utils.errors import ConfigError
 
-EPS32 = float(np.finfo(np.float32).eps)
 B1, B2, GAMMA, EPS = 0.95, 0.99, 0.025, 1e-8
 # Gradient scales per update: the corrected gradient's norm crosses 1 both ways (clipped on some
 # updates, not on others), so both branches of the clip are checked.

@@ -25,7 +25,6 @@ from models.objectives import AR, MDLM
 from utils.config import compose_overrides, resolve_vocab, to_dict, validate
 from utils.errors import ConfigError
 
-EPS32 = 2.0**-23
 V = 64  # the tiny run's vocabulary: the mask id is 63, so test tokens stay below it
 MASK = V - 1
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import EPS32
 
 from models.gpt import GPT, GPTConfig, flops_per_token, param_labels
 from models.layers import REMAT_POLICIES, causal_attention
@@ -28,7 +29,6 @@ NO_REMAT, REMATS = "none", [name for name in REMAT_POLICIES if name != "none"]  
 # Tolerances from float32 rounding (EPS32 = 2⁻²³ ≈ 1.19e-7), at the scale of the values compared: the
 # tiny model's dot products have <= 128 terms (the MLP's down projection), each rounding to ~√128·EPS32
 # ≈ 11 EPS32 of its terms' scale; backward, the gradients sum that over the batch's 64 tokens too.
-EPS32 = float(np.finfo(np.float32).eps)
 ROUNDING = math.sqrt(128) * EPS32
 GRAD_ROUNDING = (math.sqrt(64) + math.sqrt(128)) * EPS32
 

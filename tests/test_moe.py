@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ShardedCheck, compose_config
+from helpers import EPS32, ShardedCheck, compose_config
 
 import models
 import train_jax as T
@@ -38,7 +38,6 @@ from utils.errors import ConfigError
 from utils.parallel import mesh as meshlib
 from utils.train import step_metrics
 
-EPS32 = float(np.finfo(np.float32).eps)
 RTOL = 4 * (math.sqrt(128) + math.sqrt(64)) * EPS32  # see the module docstring
 # The sharded steps' losses: means over 2·8·16 = 256 tokens, two meshes (tests/test_train_step.py's SHARDED_RTOL).
 SHARDED_RTOL = 4 * math.sqrt(256) * EPS32

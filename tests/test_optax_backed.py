@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import adam_sqrt_v_rtol
+from helpers import EPS32, adam_sqrt_v_rtol
 from optax.contrib import ScaleByAdemamixState, ScheduleFreeState
 
 from optimizer import eval_params, make_optimizer
@@ -25,7 +25,6 @@ from optimizer.nadamw import NAdamW
 from optimizer.schedule_free import ScheduleFreeAdamW, rms_state
 from utils.errors import ConfigError
 
-EPS32 = 2.0**-23
 SHAPES = {"w": ((2, 6, 10), "hidden"), "e": ((12, 6), "embed"), "h": ((6, 12), "head"), "b": ((6,), "scalar")}
 BASE_LR, CLIP, STEPS, WARMUP = 1e-2, 1.0, 6, 4
 GRAD_NORMS = (0.5, 3.0, 0.8, 5.0, 1.5, 0.2)  # the global norm of each step's gradient: clipped or not

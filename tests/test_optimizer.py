@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import per_optimizer
+from helpers import EPS32, per_optimizer
 
 from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import OPTIMIZERS, make_optimizer
@@ -23,7 +23,6 @@ from utils.errors import ConfigError
 
 # Tolerances from float32 rounding (EPS32 = 2⁻²³ ≈ 1.19e-7: one rounding is ≤ EPS32/2 of the value) at
 # the scale of the values compared, never one CPU's output.
-EPS32 = float(np.finfo(np.float32).eps)
 
 
 def scale(x) -> float:

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import EPS32
 
 from optimizer import make_optimizer
 from optimizer.adafactor import Adafactor
@@ -40,7 +41,6 @@ pytorch_optimizer = pytest.importorskip("pytorch_optimizer", reason=REASON)
 
 from transformers.optimization import Adafactor as HFAdafactor  # noqa: E402  (imports torch: after the skip)
 
-EPS32 = float(np.finfo(np.float32).eps)
 STEPS = 6
 BASE_LR = 1e-2
 # Each group's peak lr, written out (not read from our group plumbing): embed and head overridden.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import EPS32
 
 torch = pytest.importorskip("torch", reason="parity tier: pip install -e '.[dev,parity]' (torch==2.13.0 CPU)")
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer",
@@ -41,7 +42,6 @@ from test_soap import basis_error, conditioning, np_soap, our_bases, random_grad
 from optimizer.kron import Kron, probes  # noqa: E402
 from optimizer.mars import MARS  # noqa: E402
 
-EPS32 = float(np.finfo(np.float32).eps)
 LR, STEPS = 0.01, 7
 # Steps are read off the parameters (p_t - p_{t-1}): parameters of the steps' size (~lr) keep
 # that difference exact to ~EPS32 of the step (parameters ~1 would cost ~EPS32/lr = 1e-5 of it).

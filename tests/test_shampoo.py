@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 import scipy.linalg
-from helpers import random_grads
+from helpers import EPS32, random_grads
 from helpers import run_updates as run
 
 from models.gpt import GPT, GPTConfig, param_labels
@@ -24,7 +24,7 @@ from optimizer.shampoo import Shampoo, scale_by_shampoo
 from utils.errors import ConfigError
 
 NO_BLOCKS = 10_000  # a block_size larger than every test matrix
-EPS32, EPS64 = float(np.finfo(np.float32).eps), float(np.finfo(np.float64).eps)
+EPS64 = float(np.finfo(np.float64).eps)
 
 
 # --- references ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import random_grads
+from helpers import EPS32, random_grads
 from helpers import run_updates as run
 
 from models.gpt import GPT, GPTConfig, param_labels
@@ -23,7 +23,6 @@ from optimizer.diagnostics import optimizer_metrics
 from optimizer.soap import SOAP, SOAPState, initial_basis, refresh_basis, scale_by_soap
 from utils.errors import ConfigError
 
-EPS32 = float(np.finfo(np.float32).eps)
 B1, B2, SHAMPOO_BETA, EPS = 0.9, 0.95, 0.9, 1e-8
 
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ShardedCheck
+from helpers import EPS32, ShardedCheck
 
 import train_jax as T
 from models import losses
@@ -26,7 +26,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tokens: a sum of n terms rounds to ~√n·EPS32 of its terms' scale. A loss (a mean over the tokens of
 # ~log V each, of logits from those dot products) and a gradient (summed over the tokens, backward
 # through the dot products) are each within ROUNDING of exact, per path.
-EPS32 = float(np.finfo(np.float32).eps)
 ROUNDING = (math.sqrt(128) + math.sqrt(128)) * EPS32
 # Two paths, each within ROUNDING; 2x margin (≈ 1.1e-5).
 RTOL = 4 * ROUNDING
