@@ -44,6 +44,7 @@ from utils import compile_cache
 from utils.checkpoint.signals import Preempted
 from utils.config import to_dict
 from utils.errors import EqtrainError, TrainingError
+from utils.files import atomic_write
 
 
 def quiet_jax_probe() -> None:
@@ -84,16 +85,16 @@ def record(outcome: JobOutcome, shared: bool, run_dir: str) -> None:
     if shared:
         JOBS.append(outcome)
         return
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, OUTCOME_FILE), "w") as f:
-        json.dump(dataclasses.asdict(outcome), f)
+    with atomic_write(os.path.join(run_dir, OUTCOME_FILE)) as tmp:  # a job killed mid-write leaves none
+        with open(tmp, "w") as f:
+            json.dump(dataclasses.asdict(outcome), f)
 
 
 def job_outcomes(sweep_dir: str, since: float) -> list[JobOutcome]:
     """The outcomes the jobs of a multirun wrote in `sweep_dir`'s job directories since `since`
     (its start: a rerun of a sweep in the same directory ignores the files of jobs it did not run)."""
     found = []
-    for name in sorted(os.listdir(sweep_dir) if os.path.isdir(sweep_dir) else (), key=lambda n: (len(n), n)):
+    for name in os.listdir(sweep_dir) if os.path.isdir(sweep_dir) else ():
         path = os.path.join(sweep_dir, name, OUTCOME_FILE)
         if os.path.isfile(path) and os.path.getmtime(path) >= since:
             with open(path) as f:
@@ -178,13 +179,15 @@ class MultirunSummary(Callback):
     jobs and exit non-zero if one did (see `summarise`): the jobs this process ran (JOBS), or those
     that ran in their own processes and left their outcome in their job directories."""
 
+    started = 0.0  # when this multirun began (time.time())
+
     def on_multirun_start(self, config, **kwargs) -> None:
         JOBS.clear()
         self.started = time.time() - 1.0  # file times are coarse on some filesystems
 
     def on_multirun_end(self, config, **kwargs) -> None:
         optuna = "optuna" in str(config.hydra.sweeper.get("_target_", "")).lower()
-        jobs = JOBS or job_outcomes(str(config.hydra.sweep.dir), getattr(self, "started", 0.0))
+        jobs = JOBS or job_outcomes(str(config.hydra.sweep.dir), self.started)
         code = summarise(jobs, optuna=optuna)
         if code:
             sys.exit(code)
