@@ -36,7 +36,8 @@ def test_every_program_of_the_start_up_has_a_row(capsys):
                     "train step, plain variant", "train step, logging variant"]
         assert [n for n in names if n in expected] == expected, names
         assert all(table[n] > 0 for n in expected), table
-        assert table["all programs"] >= sum(table[n] for n in expected) - 1e-6
+        # Each printed figure is rounded to 0.01 s: the rows' sum and the total may each be off by 0.005 a figure.
+        assert table["all programs"] >= sum(table[n] for n in expected) - 0.005 * (len(expected) + 1)
 
 
 def test_a_step_without_logging_only_metrics_is_one_program(capsys):
