@@ -133,8 +133,10 @@ def portable(cfg):
 def attend(cfg, q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.Array,
            segment_ids_BxT: jax.Array | None = None, causal: bool = True) -> jax.Array:
     """The attention of `cfg.attention` (resolved; `auto` left unresolved, e.g. a model built in a
-    test, runs XLA's, or blocked with attn_block_size). Heads-major in and out: B x H x T x K."""
-    if cfg.attention != "cudnn":
+    test, runs XLA's, or blocked with attn_block_size). Heads-major in and out: B x H x T x K.
+    A `cudnn` model called in float32 (sampling and export checks run the forward at full
+    precision) runs XLA's attention there: cuDNN's kernel takes half-precision inputs only."""
+    if cfg.attention != "cudnn" or q_BxHxTxK.dtype.name not in CUDNN_DTYPES:
         block_size = cfg.attn_block_size if cfg.attention in ("blocked", "auto") else None
         return causal_attention(q_BxHxTxK, k_BxHxTxK, v_BxHxTxK, block_size=block_size,
                                 segment_ids_BxT=segment_ids_BxT, causal=causal)

@@ -29,8 +29,10 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # exactly, in 17 s of CPU instead of 45 s; and a gradient compiled in another program still equals
 # the train step's bit for bit, which tests that recompute a step's values outside it rely on
 # (with the split left on, both drift by an ulp). Benchmarks (bench/) and real runs keep the defaults.
+# EQTRAIN_FAST_COMPILE=0 leaves XLA's defaults: a GPU session (bench/gpu_session.sh) runs another
+# jaxlib, whose XLA may no longer know these CPU flags (an unknown flag aborts the process).
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-                " --xla_cpu_parallel_codegen_split_count=1")
+                " --xla_cpu_parallel_codegen_split_count=1") if os.environ.get("EQTRAIN_FAST_COMPILE") != "0" else ""
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 

@@ -25,6 +25,8 @@ from utils.errors import ConfigError
 from utils.logging import messages
 from utils.parallel import mesh as meshlib
 
+# A string condition: evaluated when the test runs, not at collection (JAX's backend starts later).
+ON_CPU = pytest.mark.skipif('jax.default_backend() != "cpu"', reason="checks what a CPU run picks and refuses")
 GPU_BF16 = dict(backend="gpu", compute_dtype="bfloat16", head_dim=64, context_length=1024, document_mask=False,
                 compute_capability="9.0")
 
@@ -81,6 +83,7 @@ def test_knob_errors_at_the_config_boundary(tiny_run):
         tiny_run("model=llama_tiny", "model.attention=flash")
 
 
+@ON_CPU
 def test_the_backend_decides_once_jax_is_up_and_the_header_says_why(tiny_run, capsys):
     """On this CPU: auto -> xla with its reason; an explicit cudnn that passed validation (bf16,
     head dim 16) is refused in one line before anything compiles; the header prints the choice."""
@@ -124,27 +127,35 @@ def test_xla_and_blocked_are_the_attention_of_before():
 
 
 def test_the_cudnn_call_passes_layouts_and_masks_right(monkeypatch):
-    """jax.nn.dot_product_attention's cuDNN kernel needs a GPU; with XLA's implementation standing in,
-    the cudnn path (B x T x N x H layout, is_causal, the document mask) must equal causal_attention.
-    Two float32 softmax implementations of values of order 1: 1e-5."""
+    """jax.nn.dot_product_attention's cuDNN kernel needs a GPU; with XLA's implementation standing in
+    (in float32, on the bfloat16 inputs the kernel takes), the cudnn path (B x T x N x H layout,
+    is_causal, the document mask) must equal causal_attention on the same inputs. Two float32
+    softmax implementations of values of order 1: 1e-5. Float32 inputs (sampling's forward) never
+    reach the kernel, which refuses them: they run causal_attention itself."""
     real = jax.nn.dot_product_attention
     calls = []
 
     def stand_in(*args, implementation=None, **kwargs):
         calls.append(implementation)
-        return real(*args, implementation="xla", **kwargs)
+        return real(*(a.astype(jnp.float32) for a in args), implementation="xla", **kwargs)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", stand_in)
-    q, k, v = _qkv(seed=1)
+    q, k, v = (a.astype(jnp.bfloat16) for a in _qkv(seed=1))
     seg = jnp.array([[0] * 7 + [1] * 9, [0] * 3 + [1] * 3 + [2] * 10])
     for causal in (True, False):
         for seg_ids in (None, seg):
             got = attention.attend(_cfg("cudnn"), q, k, v, seg_ids, causal)
-            np.testing.assert_allclose(got, causal_attention(q, k, v, segment_ids_BxT=seg_ids, causal=causal),
-                                       atol=1e-5)
+            want = causal_attention(*(a.astype(jnp.float32) for a in (q, k, v)), segment_ids_BxT=seg_ids,
+                                    causal=causal)
+            np.testing.assert_allclose(got, want, atol=1e-5)
+    assert calls == ["cudnn"] * 4
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    np.testing.assert_array_equal(attention.attend(_cfg("cudnn"), *f32, seg, True),
+                                  causal_attention(*f32, segment_ids_BxT=seg))
     assert calls == ["cudnn"] * 4
 
 
+@ON_CPU
 def test_a_gpu_choice_runs_on_a_cpu_for_inference(tiny_run):
     """A checkpoint trained with cudnn records it; sampling or exporting it on a CPU runs XLA's."""
     cfg = resolve_vocab(tiny_run(), 60).model
