@@ -21,7 +21,7 @@ import pytest
 from helpers import compose_config, restore_item
 
 import train_jax
-from utils.checkpoint import storage
+from utils.checkpoint import integrity, storage
 from utils.checkpoint.storage import complete_steps, open_checkpoint
 from utils.errors import CheckpointError, ConfigError
 from utils.logging import sinks
@@ -114,13 +114,24 @@ def test_keep_best_holds_the_lowest_val_loss(tmp_path):
 # ----------------------------------------------------------------------------- exact resume
 
 
+def as_unhashed(step_dir: Path, **manifest_changes) -> None:
+    """The manifest as eqtrain wrote it before it hashed every file (no `files`, no digest beside it),
+    with `manifest_changes` applied: what an older eqtrain's checkpoint holds."""
+    path = step_dir / "manifest" / "manifest.json"
+    manifest = {k: v for k, v in json.loads(path.read_text()).items() if k != "files"}
+    path.write_text(json.dumps({**manifest, **manifest_changes}))
+    (step_dir / "manifest" / "manifest.json.sha256").unlink()
+
+
 def as_legacy_aux_checkpoint(step_dir: Path) -> None:
     """Rewrite a checkpoint the way eqtrain saved it before step metrics kept their states by name:
-    the aux hook's state alone, as the item `aux`, and no `metric_states` item."""
+    the aux hook's state alone, as the item `aux`, and no `metric_states` item (and no file hashes,
+    which came later)."""
     states = restore_item((step_dir / "metric_states").resolve())
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(os.fspath((step_dir / "aux").resolve()), states["aux"])
     shutil.rmtree(step_dir / "metric_states")
+    as_unhashed(step_dir)
 
 
 @pytest.mark.slow
@@ -275,6 +286,7 @@ def test_a_checkpoint_from_more_devices_loads_on_this_machine(tmp_path, base):
     config = base / "iter_6" / "config" / "config.yaml"
     config.write_text(config.read_text().replace("parallel:\n  data: -1", "parallel:\n  data: 8"))
     assert "data: 8" in config.read_text()
+    integrity.seal(str(base / "iter_6"))  # hashed as that run's save hashed it
     _, run_dir = train(tmp_path, "load", "checkpoint.load=true", f"checkpoint.load_path={base}")
     assert min(losses(run_dir)) == 7 and max(losses(run_dir)) == 12
 
@@ -310,6 +322,7 @@ def test_overwrite_config_with_another_kind_of_dataset_fails_clearly_before_comp
     saved = json.loads(manifest.read_text())
     saved["data"] = {"batches": 6, "components": {"code": saved["data"]}}
     manifest.write_text(json.dumps(saved))
+    integrity.seal(str(base / "iter_6"))  # hashed as a mixture run's save hashes it
     with pytest.raises(CheckpointError, match=r"data iterator is a mixture state but this run's dataset gives windows"):
         train(tmp_path, "from_mixture", *load)
 
@@ -382,19 +395,27 @@ def _snapshot(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def test_deleted_array_files_are_a_checkpoint_error_naming_them_before_orbax_reads(tmp_path, base, monkeypatch):
+@pytest.mark.parametrize("hashed, message", [
+    (True, r"iter_6/model/\S*d/\w+ is missing \(the manifest lists it, \d+ bytes\); \d+ more listed files are "
+           r"missing too: the checkpoint is incomplete"),
+    (False, r"iter_6/model has none of its array files .* incomplete")], ids=["hashed", "before-hashes"])
+def test_deleted_array_files_are_a_checkpoint_error_naming_them_before_orbax_reads(tmp_path, base, monkeypatch,
+                                                                                    hashed, message):
     """Checked before orbax opens the item: orbax would read no metadata and return while tensorstore
-    reads still call back into its closed event loop, a traceback printed after the one-line error."""
+    reads still call back into its closed event loop, a traceback printed after the one-line error.
+    The manifest's file list names the first missing file; a checkpoint from before it, the item."""
     data_files = sorted((base / "iter_6" / "model").rglob("d/*"))
     assert data_files
     for f in data_files:
         f.unlink()
+    if not hashed:
+        as_unhashed(base / "iter_6")
     before = _snapshot(base)
 
     def orbax_read(item_dir):
         raise AssertionError(f"orbax read {item_dir}")
     monkeypatch.setattr(storage, "_saved_shapes", orbax_read)
-    with pytest.raises(CheckpointError, match=r"iter_6/model has none of its array files .* incomplete"):
+    with pytest.raises(CheckpointError, match=message):
         _load(tmp_path, base)
     assert _snapshot(base) == before  # nothing was written into the checkpoint
 
@@ -418,6 +439,7 @@ def test_another_models_checkpoint_is_a_checkpoint_error(tmp_path, base):
     # Put the other model's arrays under this checkpoint's manifest and config: the shapes betray it.
     shutil.rmtree(base / "iter_6" / "model")
     shutil.copytree(other / "iter_2" / "model", base / "iter_6" / "model")
+    integrity.seal(str(base / "iter_6"))  # consistent files: the shape check, not the hashes, must catch it
     with pytest.raises(CheckpointError, match=r"another model's checkpoint"):
         _load(tmp_path, base)
 
@@ -425,10 +447,7 @@ def test_another_models_checkpoint_is_a_checkpoint_error(tmp_path, base):
 def test_a_checkpoint_of_an_older_format_is_refused_not_misread(tmp_path, base):
     """Format 1 stored the attention projection's columns in another order: its weights would load
     and compute something else, so it is refused before anything is restored."""
-    manifest_path = base / "iter_6" / "manifest" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    manifest["format"] = 1
-    manifest_path.write_text(json.dumps(manifest))
+    as_unhashed(base / "iter_6", format=1)  # format 1 predates the file hashes too
     with pytest.raises(CheckpointError, match=r"checkpoint format 1, this eqtrain reads format 2"):
         _load(tmp_path, base)
 

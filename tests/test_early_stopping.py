@@ -90,3 +90,26 @@ def test_a_run_stops_early_saves_and_stays_stopped(tmp_path, monkeypatch, capsys
     assert "stopped early at step 4 before this resume; nothing to train" in capsys.readouterr().out
     resumed = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [4] and "train/loss" not in resumed[0]  # the start record only
+
+
+def test_a_checkpoint_saved_before_the_first_evaluation_resumes(tmp_path, monkeypatch, capsys):
+    """No baseline evaluation (val_at_start=false) and a save at step 2, before the first at step 4: the
+    checkpoint's early-stopping state has no best yet (null). The resume counts on from it: the
+    evaluations at 4 and 6 set the best and the count as in a run never interrupted."""
+    monkeypatch.chdir(tmp_path)
+    run = ("model.vocab_size=null", "train.max_steps=6", "train.val_freq=4", "train.max_val_steps=2",
+           "train.val_at_start=false", "logging.log_every=2", "checkpoint.save=true", "checkpoint.save_path=ck",
+           "checkpoint.resume=auto", "checkpoint.save_steps=2", "train.early_stopping.patience=2")
+    (tmp_path / "a").mkdir()
+    train_jax.train(compose_config(*run, "checkpoint.num_steps=2"), str(tmp_path / "a"))
+    manifest = json.loads((tmp_path / "ck" / "iter_2" / "manifest" / "manifest.json").read_text())
+    assert manifest["early_stopping"] == {"best": None, "bad": 0, "stopped_at": None}
+    (tmp_path / "b").mkdir()
+    train_jax.train(compose_config(*run), str(tmp_path / "b"))
+    assert "resumed from" in capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    vals = {r["step"]: r["val/loss"] for r in records if "val/loss" in r}
+    assert sorted(vals) == [4, 6]
+    manifest = json.loads((tmp_path / "ck" / "iter_6" / "manifest" / "manifest.json").read_text())
+    assert manifest["early_stopping"] == {"best": min(vals.values()), "bad": int(vals[6] >= vals[4]),
+                                          "stopped_at": None}

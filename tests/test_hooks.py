@@ -225,3 +225,54 @@ def test_the_runs_hooks_are_in_a_valid_order(tiny_run, tmp_path):
         finally:
             hooks.close()
             trainer.data.train.close()
+
+
+# ----------------------------------------------------------------------------- saved state
+
+
+def stateful_hooks() -> set[type]:
+    """Every Hook subclass in the project's modules with a `state_dict` (what checkpoints keep of it),
+    found by importing utils/ and train_jax.py: a new stateful hook is covered without being listed."""
+    import importlib
+    import pkgutil
+
+    import utils
+
+    for module in pkgutil.walk_packages(utils.__path__, "utils."):
+        importlib.import_module(module.name)
+    found, todo = set(), [H.Hook]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if hasattr(cls, "state_dict") and cls.__module__.split(".")[0] in ("utils", "train_jax"):
+            found.add(cls)
+    return found
+
+
+def _early_stopping(saved):
+    from utils.train.early_stopping import EarlyStopping, EarlyStoppingConfig
+
+    return EarlyStopping(EarlyStoppingConfig(patience=2, min_delta=0.01), saved)
+
+
+# Each stateful hook as make_hooks builds it, from its saved state (None: a fresh run).
+STATEFUL_HOOKS = {"EarlyStopping": _early_stopping}
+
+
+def test_every_hooks_saved_state_round_trips_from_its_initial_value():
+    """A checkpoint saved before a hook's state changed (early stopping before the first finite val/loss:
+    best is null) must resume: state_dict() is strict JSON (the manifest), and a hook built from it
+    saves the same state again."""
+    import inspect
+
+    found = {cls.__name__: cls for cls in stateful_hooks()}
+    assert found, "no Hook subclass has a state_dict: the discovery is broken"
+    assert set(found) == set(STATEFUL_HOOKS), (
+        f"stateful hooks {sorted(set(found) - set(STATEFUL_HOOKS))} have no entry in STATEFUL_HOOKS: add how "
+        "make_hooks builds each from its saved state")
+    for name, make in STATEFUL_HOOKS.items():
+        assert "saved" in inspect.signature(found[name]).parameters, f"{name} must take its state back as `saved`"
+        initial = make(None).state_dict()
+        saved = json.loads(json.dumps(initial, allow_nan=False))  # as the manifest stores it: no NaN/Infinity
+        assert make(saved).state_dict() == initial, name
+        assert make(json.loads(json.dumps(make(saved).state_dict(), allow_nan=False))).state_dict() == initial, name

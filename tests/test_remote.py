@@ -331,6 +331,30 @@ def test_a_remote_checkpoint_missing_a_file_is_a_checkpoint_error_and_leaves_no_
     assert complete_steps(str(tmp_path / "b")) == []
 
 
+def test_a_remote_object_changed_at_the_same_size_is_a_checkpoint_error_and_leaves_no_iter_dir(
+        s3_env, reference, tmp_path):
+    """The marker's sizes cannot see a byte that rotted or an object overwritten at the same size: the
+    pull checks the download against the checkpoint's own hashes (utils/checkpoint/integrity.py)."""
+    import shutil
+
+    from utils.errors import CheckpointError
+
+    shutil.copytree(reference["ck"] / "iter_12", tmp_path / "a" / "iter_12")
+    mirror = remote.Mirror(url("tampered"), str(tmp_path / "a"), remote.keep_policy(3, None), saving=lambda: False)
+    mirror.close()
+    assert mirror.uploaded == [12]
+    client, u = s3_env.client(), url("tampered")
+    rel = max(remote.listing(client, u)[12].items(), key=lambda kv: kv[1] if kv[0].startswith("model/") else -1)[0]
+    body = bytearray(client.get_object(Bucket=BUCKET, Key=u.key("iter_12", rel))["Body"].read())
+    body[len(body) // 2] ^= 0x01
+    client.put_object(Bucket=BUCKET, Key=u.key("iter_12", rel), Body=bytes(body))
+    with pytest.raises(CheckpointError, match=rf"s3://eqtrain/tests/tampered/iter_12/{rel} does not match its "
+                                              "sha256 in the manifest") as e:
+        remote.pull(client, u, 12, str(tmp_path / "b"))
+    assert "\n" not in str(e.value)
+    assert complete_steps(str(tmp_path / "b")) == []
+
+
 def test_a_save_that_never_completes_is_reported_not_waited_for(s3_env, tmp_path, capsys):
     mirror = remote.Mirror(url("failed"), str(tmp_path), remote.keep_policy(3, None), saving=lambda: False)
     mirror.submit(7)  # no iter_7 appears and orbax says nothing is being written

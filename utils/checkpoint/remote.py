@@ -15,7 +15,9 @@ objects without one, which are never pulled and are cleared by the next upload o
 - `prepare` (from resume_source, before anything is built): the URL's credentials, endpoint and
   bucket are checked (one-line ConfigError each); a new run refuses a prefix that already holds
   checkpoints; resume=auto pulls the newest complete remote checkpoint when it is newer than
-  save_path's newest (on a fresh machine: an empty save_path), then resumes from it as usual.
+  save_path's newest (on a fresh machine: an empty save_path), checks each file's size against the
+  marker and the whole checkpoint against its manifest's hashes (utils/checkpoint/integrity.py),
+  then resumes from it as usual.
 - `Mirror` (the Checkpointer's, on process 0): a watcher thread waits until each submitted save
   is complete (orbax has renamed it to iter_N) and hard-links its files into
   save_path/.remote-staging/iter_N, so a local max_to_keep deletion cannot cut an upload short;
@@ -43,6 +45,7 @@ from typing import Any, Callable
 
 import jax
 
+from utils.checkpoint import integrity
 from utils.checkpoint.storage import STEP_PREFIX, TMP_MARKER, CheckpointConfig, complete_steps, step_path
 from utils.errors import CheckpointError, ConfigError
 from utils.logging.messages import say, warn
@@ -111,7 +114,7 @@ def connect(url: RemoteURL):
                           "(or AWS_PROFILE)")
     # Checksums only where the API requires them: botocore's default CRC32 on every upload costs
     # CPU the training steps share, and some S3-compatible servers refuse its trailing headers;
-    # SigV4 (over http) or TLS already guards the bytes, and pull() checks every file's size.
+    # SigV4 (over http) or TLS already guards the bytes, and pull() checks every file's size and sha256.
     config = botocore.config.Config(connect_timeout=10, read_timeout=120,
                                     retries={"max_attempts": 4, "mode": "standard"},
                                     request_checksum_calculation="when_required",
@@ -199,7 +202,8 @@ def prepare(cfg: CheckpointConfig) -> None:
 def pull(client, url: RemoteURL, step: int, directory: str) -> str:
     """Download the complete remote iter_{step} into directory/iter_{step}: into a tmp directory
     (a killed download is removed like a killed save), each file checked against the marker's
-    size, renamed once whole. Returns the local path."""
+    size, then the whole checkpoint against its manifest's hashes (integrity.verify), renamed once
+    whole. Returns the local path."""
     name = f"{STEP_PREFIX}_{step}"
     began = time.perf_counter()
     marker = json.loads(client.get_object(Bucket=url.bucket, Key=url.key(name, MARKER))["Body"].read())
@@ -223,6 +227,10 @@ def pull(client, url: RemoteURL, step: int, directory: str) -> str:
         if os.path.getsize(path) != size:
             raise CheckpointError(f"{url}/{name}/{rel} has {os.path.getsize(path)} bytes, its marker says {size}: "
                                   "the remote checkpoint is corrupt; delete it to resume from the one before")
+    # The sizes match the marker's; the bytes must match the checkpoint's own hashes (a remote object can
+    # rot or be overwritten with the same size): checked before the pull is renamed to iter_N.
+    integrity.verify(tmp, where=lambda rel: f"{url}/{name}/{rel}",
+                     fix=f"delete {url}/{name} to resume from the one before")
     os.makedirs(directory, exist_ok=True)
     os.rename(tmp, final)
     say(f"checkpoint.remote: pulled {url}/{name} in {time.perf_counter() - began:.1f} s")

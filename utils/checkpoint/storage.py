@@ -9,7 +9,9 @@ Layout of `checkpoint.save_path`:
                            point (Schedule-Free: the average x; `model` holds the y it trains)
     iter_{N}/loss_scale/   orbax arrays of a float16 run's loss scale and its count of finite steps
     iter_{N}/manifest/manifest.json   step, time, metrics, data-iterator position, resolved model
-                                      config, library versions (JSON: no pickle anywhere)
+                                      config, library versions, and `files`: the size and sha256 of
+                                      every other file of iter_N (JSON: no pickle anywhere)
+    iter_{N}/manifest/manifest.json.sha256   the manifest's own sha256 (`sha256sum -c` format)
     iter_{N}/config/config.yaml       the run's resolved config
     best/iter_{N}/...                 checkpoint.keep_best: the lowest val/loss so far
 
@@ -18,9 +20,11 @@ reference (the manifest's `frozen` entry: its source and a fingerprint), `utils/
 
 orbax writes `iter_N.orbax-checkpoint-tmp` and renames it to `iter_N` only once every item is
 on disk, so a directory named `iter_N` is complete: a `kill -9` mid-save leaves a tmp directory,
-which the next run that saves there removes with a warning. Saves are asynchronous: `save`
-returns once the arrays are copied off the device, and the files are written while training
-goes on.
+which the next run that saves there removes with a warning. Before that rename, once orbax's files
+are final, every file is hashed into the manifest (`utils/checkpoint/integrity.py`), and
+`open_checkpoint` checks them all before any array is read. Saves are asynchronous: `save`
+returns once the arrays are copied off the device, and the files are written (and hashed) while
+training goes on.
 
 This module is storage only: which checkpoint a run starts from and which config it then trains
 with is `utils/checkpoint/resume.py`; stopping on a signal (and the exit codes) is `utils/checkpoint/signals.py`;
@@ -52,8 +56,10 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 from utils.checkpoint import frozen as frozen_ref
+from utils.checkpoint import integrity
 from utils.errors import CheckpointError, ConfigError
 from utils.files import user_path
+from utils.logging.messages import say
 
 STEP_PREFIX = "iter"
 TMP_MARKER = ".orbax-checkpoint-tmp"
@@ -61,6 +67,7 @@ ARRAY_ITEMS = ("model", "opt_state", "progress")  # every checkpoint has these
 # The stateful step metrics' states ({name: state}: the aux-state hook's buffers, ...) when the
 # run has any; "aux" is where checkpoints written before metric_states kept the aux hook's alone.
 OPTIONAL_ITEMS = ("metric_states", "aux", "eval_model", "loss_scale")
+UNREAD_WITHOUT_OPT_STATE = ("opt_state", "metric_states", "aux")  # items a load with a fresh optimizer skips
 EVAL_MODEL = "eval_model"  # what export and sampling read when it is there (optimizer.eval_params)
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.yaml"
@@ -219,6 +226,8 @@ def _manager(directory: str, cfg: CheckpointConfig, best: bool = False) -> ocp.C
         step_prefix=STEP_PREFIX,
         preservation_policy=preserve,
         enable_async_checkpointing=cfg.async_save,
+        # Each step's files hashed into its manifest before orbax's rename makes it iter_N (integrity.py).
+        temporary_path_class=integrity.SealingRename,
     )
     return ocp.CheckpointManager(
         os.path.abspath(directory),
@@ -345,6 +354,10 @@ def open_checkpoint(directory: str, load_file: str, with_opt_state: bool, resumi
         raise CheckpointError(f"{os.path.join(path, 'manifest', MANIFEST_FILE)} says step {manifest['step']} "
                               f"but the directory is {STEP_PREFIX}_{step}: the checkpoint is corrupt")
     config = read_yaml(os.path.join(path, "config", CONFIG_FILE))
+    # Every file against the size and sha256 it was saved with, before any array is read; the items
+    # this load never reads (a fresh optimizer state) are checked for presence and size only.
+    if not integrity.verify(path, skip=() if with_opt_state else UNREAD_WITHOUT_OPT_STATE):
+        say(f"note: {path} was written without file hashes (before eqtrain recorded them): it loads unverified")
     for item in ARRAY_ITEMS if with_opt_state else ("model", "progress"):
         if not os.path.isdir(os.path.join(path, item)):
             raise CheckpointError(f"{os.path.join(path, item)} is missing: "

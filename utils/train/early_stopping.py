@@ -44,7 +44,9 @@ class EarlyStopping(Hook):
     def __init__(self, cfg: EarlyStoppingConfig, saved: dict | None = None, saver: Any = None):
         saved = saved or {}
         self.patience, self.min_delta = cfg.patience, cfg.min_delta
-        self.best = float(saved.get("best", math.inf))
+        # None: saved before the first finite val/loss (state_dict writes inf as null: the manifest is strict JSON)
+        best = saved.get("best")
+        self.best = math.inf if best is None else float(best)
         self.bad = int(saved.get("bad", 0))  # evaluations in a row without an improvement
         self.stopped_at: int | None = saved.get("stopped_at")
         if saver is not None:

@@ -118,6 +118,11 @@ class LoopContext:
 
 
 class Hook:
+    """A periodic job of the loop. One whose state a resume needs defines `state_dict() -> dict` (strict
+    JSON: it goes into every checkpoint's manifest, so inf or NaN as null) and takes that dict back as
+    its constructor's `saved` argument (None in a fresh run, and whatever its initial state saved);
+    tests/test_hooks.py round-trips every such hook from its initial state."""
+
     every: int | None = None
     at_start: bool = False
     at_end: bool = False
