@@ -23,6 +23,8 @@ def tokenize_documents(
     docs: list[str], tok: Tokenizer, cache_path: str | None = None, docs_per_batch: int = 512
 ) -> np.ndarray:
     """Encode and concatenate `docs`, each followed by `tok.eot_id`; reuse `cache_path` if it exists.
+    Each document is marked as the tokenizer marks a text (`encode_documents`: a Llama tokenizer's
+    BOS at its start), so a fine-tuned model sees its documents as it saw them in pretraining.
 
     The cache is trusted as is: the caller's path must encode corpus, split and tokenizer (see
     `corpus.corpus_fingerprint`). A hit is memory-mapped, so a large corpus costs no RAM up front.
@@ -37,7 +39,7 @@ def tokenize_documents(
     eot_1 = np.array([tok.eot_id], dtype=np.int32)
     chunks = []
     for start in range(0, len(docs), docs_per_batch):
-        ids_list = tok.encode_batch(list(docs[start : start + docs_per_batch]))  # parallel in Rust for BPE/HF
+        ids_list = tok.encode_documents(list(docs[start : start + docs_per_batch]))  # parallel in Rust for BPE/HF
         chunk = np.concatenate([part for ids in ids_list for part in (np.asarray(ids, np.int32), eot_1)])
         if chunk.size and (chunk.min() < 0 or chunk.max() >= tok.vocab_size):
             raise DataError(

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import attention
+from models import attention, hf_keys
 from models.layers import (
     LayerNorm,
     Linear,
@@ -349,30 +349,58 @@ def hf_config(cfg: GPTConfig) -> dict:
     }
 
 
-def config_from_hf(hf: dict, base: GPTConfig) -> GPTConfig:
-    """The GPTConfig of a gpt2 config.json: its shape knobs, `base`'s execution knobs (scan, remat,
-    dropout, attention blocks). One line naming the config.json key we cannot represent."""
-    def refuse(key: str, fix: str) -> ConfigError:
-        return ConfigError(f"config.json {key}={hf.get(key)!r} has no eqtrain gpt equivalent: {fix}")
+# config.json keys config_from_hf reads (models/hf_keys.py checks each before anything is built)
+INT, NUMBER, BOOL, STR = "a positive integer", "a positive number", "a boolean", "a string"
+HF_KEYS = {
+    "n_embd": hf_keys.Key(INT, "the model width", required=True),
+    "n_head": hf_keys.Key(INT, "attention heads per block", required=True),
+    "n_layer": hf_keys.Key(INT, "the number of blocks", required=True),
+    "n_positions": hf_keys.Key(INT, "the context length: rows of the position table", required=True),
+    "vocab_size": hf_keys.Key(INT, "the embedding rows", required=True),
+    "n_inner": hf_keys.Key(INT, "the MLP width; null = 4 * n_embd"),
+    "activation_function": hf_keys.Key(STR, "the MLP's GELU", default="gelu_new"),
+    "layer_norm_epsilon": hf_keys.Key(NUMBER, "the LayerNorm epsilon", default=1e-5),
+    "scale_attn_weights": hf_keys.Key(BOOL, "attention scores scaled by 1/sqrt(head size)", default=True),
+    "scale_attn_by_inverse_layer_idx": hf_keys.Key(BOOL, "scores also scaled by 1/layer", default=False),
+    "reorder_and_upcast_attn": hf_keys.Key(BOOL, "a float32 attention variant", default=False),
+    "add_cross_attention": hf_keys.Key(BOOL, "encoder-decoder cross-attention", default=False),
+    "tie_word_embeddings": hf_keys.Key(BOOL, "whether the head is the embedding", default=True),
+}
 
-    if hf.get("activation_function", "gelu_new") not in _HF_GELU:
+
+def config_from_hf(hf: dict, base: GPTConfig, where: str = "config.json") -> GPTConfig:
+    """The GPTConfig of a gpt2 config.json: its shape knobs, `base`'s execution knobs (scan, remat,
+    dropout, attention blocks). Every fault is one ConfigError naming `where` (the file) and the key."""
+    if hf.get("model_type") not in HF_MODEL_TYPES:
+        raise ConfigError(f"{where} model_type={hf_keys.json_text(hf.get('model_type'))} is not a gpt2 model: "
+                          "use a gpt2 checkpoint")
+    v = hf_keys.read(hf, HF_KEYS, where)
+
+    def refuse(key: str, fix: str) -> ConfigError:
+        return ConfigError(f"{where} {key}={hf_keys.json_text(v[key])} has no eqtrain gpt equivalent: {fix}")
+
+    if v["activation_function"] not in _HF_GELU:
         raise refuse("activation_function", f"eqtrain's GPT uses the tanh GELU ({' / '.join(_HF_GELU)})")
-    if abs(float(hf.get("layer_norm_epsilon", 1e-5)) - 1e-5) > 1e-12:
+    if abs(float(v["layer_norm_epsilon"]) - 1e-5) > 1e-12:
         raise refuse("layer_norm_epsilon", "eqtrain's LayerNorm uses 1e-5")
     for key, ours in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                       ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
-        if hf.get(key, ours) != ours:
-            raise refuse(key, f"eqtrain's GPT attention is the plain {key}={ours} form")
-    for key in ("n_embd", "n_head", "n_layer", "n_positions", "vocab_size"):
-        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf[key] <= 0:
-            raise refuse(key, "it must be a positive integer")
-    dim, inner = hf["n_embd"], hf.get("n_inner") or 4 * hf["n_embd"]
+        if v[key] != ours:
+            raise refuse(key, f"eqtrain's GPT attention is the plain {key}={str(ours).lower()} form")
+    dim, heads, inner = v["n_embd"], v["n_head"], v["n_inner"] or 4 * v["n_embd"]
+    if dim % heads:
+        raise ConfigError(f"{where} n_embd={dim} is not divisible by n_head={heads}: each head takes an equal "
+                          "share of the width; correct config.json")
     if inner % dim:
         raise refuse("n_inner", f"the MLP width must be a multiple of n_embd={dim} (model.mlp_ratio)")
-    return dataclasses.replace(
-        base, name="gpt", dim=dim, num_heads=hf["n_head"], num_blocks=hf["n_layer"],
-        context_length=hf["n_positions"], vocab_size=hf["vocab_size"], mlp_ratio=inner // dim,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), bias=True)
+    cfg = dataclasses.replace(
+        base, name="gpt", dim=dim, num_heads=heads, num_blocks=v["n_layer"], context_length=v["n_positions"],
+        vocab_size=v["vocab_size"], mlp_ratio=inner // dim, tie_embeddings=v["tie_word_embeddings"], bias=True)
+    try:
+        cfg.check("model")
+    except ConfigError as e:
+        raise ConfigError(f"{where} describes a model this family rejects: {e}") from None
+    return cfg
 
 
 def _qkv_perm(cfg: GPTConfig) -> np.ndarray:

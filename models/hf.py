@@ -7,8 +7,11 @@ module's `HF_MODEL_TYPES`; the family converts config and tensors both ways:
 
     HF_MODEL_TYPES                     e.g. ("gpt2",)
     hf_config(cfg) -> dict             config.json's model fields (model_type, architectures, ...)
-    config_from_hf(hf, base) -> Config shape knobs from config.json, execution knobs from `base`;
-                                       ConfigError naming a config.json key it cannot represent
+    HF_KEYS                            the config.json keys it reads: kind, required or default
+                                       (models/hf_keys.py checks them before a Config is built)
+    config_from_hf(hf, base, where)    -> Config shape knobs from config.json, execution knobs from
+                                       `base`; one-line ConfigError naming `where` (the file) and the
+                                       key that is missing, mistyped or that it cannot represent
     hf_tensors(model) -> {name: array} Hugging Face key names and layouts
     from_hf_tensors(cfg, tensors)      -> Model; CheckpointError naming a missing/misshapen tensor
 
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
+from models.hf_keys import json_text
 from utils import files
 from utils.errors import CheckpointError, ConfigError
 
@@ -60,14 +64,20 @@ def read_hf_config(path: str) -> dict:
         raise ConfigError(f"{path} is not a directory: point it at a local Hugging Face model directory "
                           "(one holding config.json and model.safetensors)")
     where = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(where):
+    if not os.path.lexists(where):
         raise ConfigError(f"{where} is missing: a Hugging Face model directory holds config.json "
                           "(save one with save_pretrained or scripts/export_model.py --format hf)")
+    if not os.path.isfile(where):
+        raise ConfigError(f"{where} is not a file (a directory, or a link to nothing): a Hugging Face model "
+                          "directory holds config.json as a JSON file; copy the directory again")
     try:
-        with open(where) as f:
+        with open(where, encoding="utf-8") as f:
             hf = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where} is not valid JSON ({e}): save the model again") from None
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read ({e.strerror or type(e).__name__}): make it readable") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{where} is not valid JSON ({reason}): save the model again") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{where} holds {type(hf).__name__}, not a JSON object: save the model again")
     return hf
@@ -77,8 +87,12 @@ def family_of(path: str, hf: dict) -> ModuleType:
     """The family module of a directory's config.json, or one line naming the supported types."""
     supported = hf_families()
     model_type = hf.get("model_type")
-    if model_type not in supported:
-        raise ConfigError(f"{os.path.join(path, CONFIG_FILE)} has model_type={model_type!r}, which eqtrain cannot "
+    where = os.path.join(path, CONFIG_FILE)
+    if "model_type" not in hf:
+        raise ConfigError(f"{where} model_type is missing: it names the architecture; eqtrain loads "
+                          f"{', '.join(sorted(supported))}; save the directory again with save_pretrained")
+    if not isinstance(model_type, str) or model_type not in supported:
+        raise ConfigError(f"{where} has model_type={json_text(model_type)}, which eqtrain cannot "
                           f"load: supported model types are {', '.join(sorted(supported))}")
     return supported[model_type]
 
@@ -88,10 +102,9 @@ def config_from_dir(path: str, base) -> tuple[Any, dict]:
     hf = read_hf_config(path)
     try:
         refuse_moe(base, "a Hugging Face directory cannot be loaded into MoE blocks")
-        cfg = family_of(path, hf).config_from_hf(hf, base)
-        cfg.check("model")
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+    cfg = family_of(path, hf).config_from_hf(hf, base, os.path.join(path, CONFIG_FILE))  # its errors name the file
     return cfg, hf
 
 
@@ -139,7 +152,7 @@ def resolve_init_from(cfg, prefix: str = "model") -> tuple[Any, tuple[str, ...],
                           f"a {cfg.name} config: use model={' or model='.join(right)}")
     try:
         refuse_moe(cfg, "a run cannot start its MoE blocks from a Hugging Face directory")
-        new = fam.config_from_hf(hf, dataclasses.replace(cfg, init_from=path))
+        new = fam.config_from_hf(hf, dataclasses.replace(cfg, init_from=path), os.path.join(path, CONFIG_FILE))
         new.check(prefix)
     except ConfigError as e:
         raise ConfigError(f"{knob}: {e}") from None

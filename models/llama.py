@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import attention
+from models import attention, hf_keys
 from models.layers import (
     Linear,
     RMSNorm,
@@ -407,48 +407,87 @@ def hf_config(cfg: LlamaConfig) -> dict:
     return out
 
 
-def _unsupported(key: str, value, why: str) -> ConfigError:
-    return ConfigError(f"config.json {key}={value!r}: {why}; the llama family cannot represent it "
+# config.json keys config_from_hf reads (models/hf_keys.py checks each before anything is built)
+INT, NUMBER, BOOL, STR, OBJECT = "a positive integer", "a positive number", "a boolean", "a string", "an object"
+HF_KEYS = {
+    "hidden_size": hf_keys.Key(INT, "the model width", required=True),
+    "num_attention_heads": hf_keys.Key(INT, "query heads per block", required=True),
+    "num_hidden_layers": hf_keys.Key(INT, "the number of blocks", required=True),
+    "intermediate_size": hf_keys.Key(INT, "the SwiGLU MLP width", required=True),
+    "vocab_size": hf_keys.Key(INT, "the embedding rows", required=True),
+    "num_key_value_heads": hf_keys.Key(INT, "key/value heads; null = one per query head"),
+    "head_dim": hf_keys.Key(INT, "each head's size; null = hidden_size/num_attention_heads"),
+    "max_position_embeddings": hf_keys.Key(INT, "the context length; missing = the run's model.context_length"),
+    "rms_norm_eps": hf_keys.Key(NUMBER, "the RMSNorm epsilon", default=1e-6),
+    "rope_theta": hf_keys.Key(NUMBER, "the rotary base, transformers < 5", default=10000.0),
+    "rope_parameters": hf_keys.Key(OBJECT, "the rotary settings, transformers >= 5"),
+    "rope_scaling": hf_keys.Key(OBJECT, "rotary scaling; eqtrain supports only null"),
+    "hidden_act": hf_keys.Key(STR, "the SwiGLU activation", default="silu"),
+    "tie_word_embeddings": hf_keys.Key(BOOL, "whether the head is the embedding", default=False),
+    "attention_bias": hf_keys.Key(BOOL, "biases on the attention projections", default=False),
+    "mlp_bias": hf_keys.Key(BOOL, "biases on the MLP matrices", default=False),
+    "use_sliding_window": hf_keys.Key(BOOL, "sliding-window attention", default=False),
+}
+HF_ROPE_KEYS = {  # inside rope_parameters
+    "rope_type": hf_keys.Key(STR, "the rotary variant; eqtrain supports only default"),
+    "type": hf_keys.Key(STR, "the rotary variant, older spelling"),
+    "rope_theta": hf_keys.Key(NUMBER, "the rotary base"),
+}
+
+
+def _unsupported(where: str, key: str, value, why: str) -> ConfigError:
+    return ConfigError(f"{where} {key}={hf_keys.json_text(value)}: {why}; the llama family cannot represent it "
                        "(pick a checkpoint without it)")
 
 
-def config_from_hf(hf: dict, base: LlamaConfig) -> LlamaConfig:
+def config_from_hf(hf: dict, base: LlamaConfig, where: str = "config.json") -> LlamaConfig:
     """A Config of the model a transformers config.json describes: its shape knobs from `hf`, the
     execution knobs (scan_blocks, remat, dropout, attn_block_size, scan_unroll, ...) from `base`.
-    `context_length` is max_position_embeddings (rotary has no position table: a limit, not a shape)."""
+    `context_length` is max_position_embeddings (rotary has no position table: a limit, not a shape).
+    Every fault is one ConfigError naming `where` (the file) and the key."""
     model_type = hf.get("model_type")
     if model_type not in HF_MODEL_TYPES:
-        raise ConfigError(f"config.json model_type={model_type!r} is not a llama-family model "
+        raise ConfigError(f"{where} model_type={hf_keys.json_text(model_type)} is not a llama-family model "
                           f"({', '.join(HF_MODEL_TYPES)}): use a checkpoint of one of those")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise _unsupported("hidden_act", hf["hidden_act"], "SwiGLU here uses silu")
-    rope = hf.get("rope_parameters") or {}
-    if hf.get("rope_scaling"):
-        raise _unsupported("rope_scaling", hf["rope_scaling"], "only plain rotary positions are implemented")
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise _unsupported("rope_parameters.rope_type", rope.get("rope_type", rope.get("type")),
+    v = hf_keys.read(hf, HF_KEYS, where)
+    rope = hf_keys.read(v["rope_parameters"] or {}, HF_ROPE_KEYS, where, prefix="rope_parameters.")
+    if v["hidden_act"] != "silu":
+        raise _unsupported(where, "hidden_act", v["hidden_act"], "SwiGLU here uses silu")
+    if v["rope_scaling"]:
+        raise _unsupported(where, "rope_scaling", v["rope_scaling"], "only plain rotary positions are implemented")
+    if (rope["rope_type"] or rope["type"] or "default") != "default":
+        raise _unsupported(where, "rope_parameters.rope_type", rope["rope_type"] or rope["type"],
                            "only plain rotary positions are implemented")
-    if model_type == "llama" and hf.get("attention_bias"):
-        raise _unsupported("attention_bias", True, "llama's attention_bias also puts a bias on o_proj")
-    if hf.get("mlp_bias"):
-        raise _unsupported("mlp_bias", True, "the SwiGLU matrices have no biases")
-    if hf.get("use_sliding_window"):
-        raise _unsupported("use_sliding_window", True, "attention here is always full")
-    heads, dim = hf["num_attention_heads"], hf["hidden_size"]
-    if hf.get("head_dim") not in (None, dim // heads) or dim % heads:
-        raise _unsupported("head_dim", hf.get("head_dim"), f"the head size must be hidden_size/num_attention_heads "
-                           f"= {dim / heads:g}")
+    if model_type == "llama" and v["attention_bias"]:
+        raise _unsupported(where, "attention_bias", True, "llama's attention_bias also puts a bias on o_proj")
+    if v["mlp_bias"]:
+        raise _unsupported(where, "mlp_bias", True, "the SwiGLU matrices have no biases")
+    if v["use_sliding_window"]:
+        raise _unsupported(where, "use_sliding_window", True, "attention here is always full")
+    heads, dim = v["num_attention_heads"], v["hidden_size"]
+    if dim % heads:
+        raise ConfigError(f"{where} hidden_size={dim} is not divisible by num_attention_heads={heads}: each head "
+                          "takes an equal share of the width; correct config.json")
+    if v["head_dim"] not in (None, dim // heads):
+        raise _unsupported(where, "head_dim", v["head_dim"], f"the head size must be hidden_size/num_attention_heads "
+                           f"= {dim // heads}")
+    if (dim // heads) % 2:
+        raise _unsupported(where, "hidden_size", dim, f"hidden_size/num_attention_heads={dim // heads} is odd, and "
+                           "rotary positions rotate pairs of a head's dimensions")
+    kv_heads = v["num_key_value_heads"] or heads
+    if heads % kv_heads:
+        raise ConfigError(f"{where} num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}: "
+                          "each key/value head serves a group of query heads; correct config.json")
     cfg = dataclasses.replace(
-        base, name="llama", dim=dim, num_heads=heads, num_blocks=hf["num_hidden_layers"],
-        num_kv_heads=hf.get("num_key_value_heads") or heads, mlp_hidden=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"], context_length=hf.get("max_position_embeddings", base.context_length),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2", qk_norm=False)
+        base, name="llama", dim=dim, num_heads=heads, num_blocks=v["num_hidden_layers"], num_kv_heads=kv_heads,
+        mlp_hidden=v["intermediate_size"], vocab_size=v["vocab_size"],
+        context_length=v["max_position_embeddings"] or base.context_length,
+        rope_theta=float(rope["rope_theta"] or v["rope_theta"]), norm_eps=float(v["rms_norm_eps"]),
+        tie_embeddings=v["tie_word_embeddings"], qkv_bias=model_type == "qwen2", qk_norm=False)
     try:
         cfg.check("model")
     except ConfigError as e:
-        raise ConfigError(f"config.json describes a model this family rejects: {e}") from None
+        raise ConfigError(f"{where} describes a model this family rejects: {e}") from None
     return cfg
 
 

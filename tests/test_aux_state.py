@@ -330,7 +330,7 @@ def test_a_skipped_step_keeps_x_n_minus_1_so_the_next_delta_is_the_last_update(t
      "logging.compute_last_loss=false", "logging.compute_last_grads=false"),
     ("logging.log_callback_data=false",),
 ], ids=["wandb", "all-flags-off", "no-diagnostics"])
-def test_the_seeds_logging_commands_compose_and_validate(tiny_run, overrides):
+def test_trainits_logging_commands_compose_and_validate(tiny_run, overrides):
     """trainit's README commands, as written (its `python train_jax.py ...` lines' overrides)."""
     run = tiny_run("logging.log_callback_data=true", *overrides)
     if "logging.wandb_project=PROJECT_NAME" in overrides:

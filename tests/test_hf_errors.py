@@ -72,7 +72,7 @@ def test_unsupported_model_type(gpt_dir):
     edit_config(gpt_dir, model_type="bert")
     with pytest.raises(ConfigError) as e:
         run_with("model.init_from=pretrained")
-    assert "model.init_from=pretrained" in one_line(e) and "model_type='bert'" in str(e.value)
+    assert "model.init_from=pretrained" in one_line(e) and 'model_type="bert"' in str(e.value)
     assert "supported model types are gpt2" in str(e.value)
 
 
@@ -98,7 +98,7 @@ def test_a_config_json_key_we_cannot_represent(gpt_dir):
     edit_config(gpt_dir, activation_function="relu")
     with pytest.raises(ConfigError) as e:
         run_with("model.init_from=pretrained")
-    assert "activation_function='relu'" in one_line(e)
+    assert 'activation_function="relu"' in one_line(e)
 
 
 def test_family_mismatch_names_the_right_model_configs(gpt_dir):
@@ -170,3 +170,224 @@ def test_a_resumed_run_restores_its_checkpoint_not_init_from(tmp_path, monkeypat
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert float(jnp.abs(trainer.state.model.wte_VxD).max()) > 0  # not the zeros now in the directory
     trainer.data.close()
+
+
+# ----------------------------------------------------------------------------- malformed config.json, every family
+# A random tiny model of every model type the importer reads, and the run's model yaml of its family. The
+# keys the tests walk are each family's own table (HF_KEYS, models/hf_keys.py): a key added there is covered.
+
+TINY_LLAMA = {"name": "llama", "dim": 32, "num_heads": 4, "num_kv_heads": 2, "num_blocks": 2, "context_length": 32,
+              "vocab_size": 64, "mlp_hidden": 64}
+TINY = {  # model_type -> (its family's model yaml, a tiny model's config)
+    "gpt2": ("gpt_tiny", GPT),
+    "llama": ("llama_tiny", TINY_LLAMA),
+    "qwen2": ("llama_tiny", {**TINY_LLAMA, "qkv_bias": True}),
+}
+FAMILIES = sorted(hf.hf_families())
+REQUIRED = [(t, k) for t in FAMILIES for k, key in hf.hf_families()[t].HF_KEYS.items() if key.required]
+DECLARED = [(t, k) for t in FAMILIES for k in hf.hf_families()[t].HF_KEYS]
+# A JSON value of each kind's wrong type or range (a string where a number goes, a number where a string goes, ...)
+WRONG = {
+    "a positive integer": ["4", 0, -2, 2.5, True, [4]],
+    "a positive number": ["1e-5", 0, -1.0, True],
+    "a boolean": ["true", 1],
+    "a string": [5, ["silu"]],
+    "an object": ["default", [1]],
+}
+
+
+def test_every_model_type_has_a_tiny_directory_here():
+    assert sorted(TINY) == FAMILIES, "a new Hugging Face model type: add its tiny model to TINY"
+    assert REQUIRED and {t for t, _ in REQUIRED} == set(FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    """model_type -> a directory save_hf wrote of a random tiny model of that type (copied per test)."""
+    root = tmp_path_factory.mktemp("hf_families")
+    out = {}
+    for model_type, (_, raw) in TINY.items():
+        model = models.build(models.config_from_dict(raw), jax.random.PRNGKey(0))
+        hf.save_hf(str(root / model_type), model)
+        assert json.loads((root / model_type / hf.CONFIG_FILE).read_text())["model_type"] == model_type
+        out[model_type] = root / model_type
+    return out
+
+
+@pytest.fixture
+def family_dir(saved, tmp_path, monkeypatch):
+    """(model_type) -> tmp/pretrained, a copy of that type's directory; cwd = tmp."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+
+    def make(model_type: str) -> Path:
+        shutil.copytree(saved[model_type], tmp_path / "pretrained")
+        return tmp_path / "pretrained"
+
+    return make
+
+
+def load_edited(path: Path, model_type: str, drop: tuple[str, ...] = (), **changes) -> pytest.ExceptionInfo:
+    """The ConfigError of a run started from `path` after config.json lost `drop` and took `changes`."""
+    config = {k: v for k, v in json.loads((path / hf.CONFIG_FILE).read_text()).items() if k not in drop}
+    (path / hf.CONFIG_FILE).write_text(json.dumps({**config, **changes}))
+    with pytest.raises(ConfigError) as e:
+        run_with(f"model={TINY[model_type][0]}", "model.init_from=pretrained")
+    return e
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_each_tiny_directory_loads_as_written(family_dir, model_type):
+    """The premise of the faults below: the unedited directory is a good one."""
+    path = family_dir(model_type)
+    m = run_with(f"model={TINY[model_type][0]}", "model.init_from=pretrained").model
+    raw = TINY[model_type][1]
+    assert (m.dim, m.num_heads, m.num_blocks, m.vocab_size) == (raw["dim"], raw["num_heads"], 2, 64)
+    assert m.init_from == str(path)
+
+
+@pytest.mark.parametrize("how", ["missing", "null"])
+@pytest.mark.parametrize(("model_type", "key"), REQUIRED)
+def test_a_required_key_missing_or_null(family_dir, model_type, key, how):
+    path = family_dir(model_type)
+    e = load_edited(path, model_type, drop=(key,)) if how == "missing" else load_edited(path, model_type, **{key: None})
+    kind = hf.hf_families()[model_type].HF_KEYS[key].kind
+    message = one_line(e)
+    assert message.startswith("model.init_from=pretrained: ")
+    assert f"{path / hf.CONFIG_FILE} {key} is {how}: eqtrain needs it" in message and f"as {kind}" in message
+
+
+@pytest.mark.parametrize(("model_type", "key"), DECLARED)
+def test_a_value_of_the_wrong_kind(family_dir, model_type, key):
+    """Every declared key, required or not, refused with one line for each wrong value of its kind."""
+    path = family_dir(model_type)
+    kind = hf.hf_families()[model_type].HF_KEYS[key].kind
+    for value in WRONG[kind]:
+        message = one_line(load_edited(path, model_type, **{key: value}))
+        assert f"{path / hf.CONFIG_FILE} {key}={json.dumps(value)}: expected {kind}" in message, message
+
+
+@pytest.mark.parametrize(("model_type", "key"), [(t, k) for t, k in DECLARED if (t, k) not in REQUIRED])
+def test_an_optional_key_missing_or_null_takes_its_default(saved, model_type, key):
+    """transformers' reading: an optional key absent or null is its default, never an error (a default
+    that changes a shape, num_key_value_heads, is then the weights' CheckpointError, not this one)."""
+    config = json.loads((saved[model_type] / hf.CONFIG_FILE).read_text())
+    family = hf.hf_families()[model_type]
+    base = models.config_from_dict(TINY[model_type][1])
+    for edited in ({k: v for k, v in config.items() if k != key}, {**config, key: None}):
+        family.config_from_hf(edited, base).check("model")
+
+
+INVALID = [  # (model_types, changes, what the line must say)
+    (("gpt2",), {"n_embd": 34}, "n_embd=34 is not divisible by n_head=4"),
+    (("gpt2",), {"n_inner": 40}, "n_inner=40 has no eqtrain gpt equivalent: the MLP width must be a multiple"),
+    (("gpt2",), {"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon=1e-06 has no eqtrain gpt equivalent"),
+    (("llama", "qwen2"), {"hidden_size": 34}, "hidden_size=34 is not divisible by num_attention_heads=4"),
+    (("llama", "qwen2"), {"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),
+    (("llama", "qwen2"), {"hidden_size": 36, "head_dim": None},
+     "hidden_size=36: hidden_size/num_attention_heads=9 is odd"),
+    (("llama", "qwen2"), {"head_dim": 16}, "head_dim=16: the head size must be hidden_size/num_attention_heads = 8"),
+    (("llama", "qwen2"), {"rope_parameters": {"rope_type": 5}}, "rope_parameters.rope_type=5: expected a string"),
+    (("llama", "qwen2"), {"rope_parameters": {"rope_theta": "1e4"}},
+     'rope_parameters.rope_theta="1e4": expected a positive number'),
+    (("llama", "qwen2"), {"rope_theta": None, "rope_parameters": {"rope_theta": -1}},
+     "rope_parameters.rope_theta=-1: expected a positive number"),
+]
+
+
+@pytest.mark.parametrize(("model_type", "changes", "says"),
+                         [(t, changes, says) for types, changes, says in INVALID for t in types])
+def test_a_value_the_family_cannot_build(family_dir, model_type, changes, says):
+    path = family_dir(model_type)
+    assert f"{path / hf.CONFIG_FILE} {says}" in one_line(load_edited(path, model_type, **changes))
+
+
+def write_config_json(path: Path, how: str) -> None:
+    where = path / hf.CONFIG_FILE
+    where.unlink()
+    if how == "truncated":
+        where.write_text('{"model_type": "llama", "hidden_size": 3')
+    elif how == "not utf-8":
+        where.write_bytes(b'{"model_type": "\xff"}')
+    elif how == "nested too deep":
+        where.write_text("[" * 100_000)
+    elif how == "a list":
+        where.write_text("[1, 2]")
+    elif how == "a directory":
+        where.mkdir()
+    elif how == "a dangling link":
+        where.symlink_to(path / "nowhere.json")
+    elif how == "no model_type":
+        where.write_text(json.dumps({"hidden_size": 32}))
+    elif how == "model_type null":
+        where.write_text(json.dumps({"model_type": None}))
+    elif how == "model_type a list":
+        where.write_text(json.dumps({"model_type": ["llama"]}))
+
+
+FILE_FAULTS = {
+    "missing": "is missing: a Hugging Face model directory holds config.json",
+    "truncated": "is not valid JSON (",
+    "not utf-8": "is not valid JSON (",
+    "nested too deep": "is not valid JSON (",
+    "a list": "holds list, not a JSON object",
+    "a directory": "is not a file",
+    "a dangling link": "is not a file",
+    "no model_type": "model_type is missing: it names the architecture",
+    "model_type null": "has model_type=null, which eqtrain cannot load",
+    "model_type a list": 'has model_type=["llama"], which eqtrain cannot load',
+}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("how", FILE_FAULTS)
+def test_a_config_json_that_cannot_be_read(family_dir, model_type, how):
+    path = family_dir(model_type)
+    write_config_json(path, how)
+    with pytest.raises(ConfigError) as e:
+        run_with(f"model={TINY[model_type][0]}", "model.init_from=pretrained")
+    assert f"model.init_from=pretrained: {path / hf.CONFIG_FILE} {FILE_FAULTS[how]}" in one_line(e)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_load_hf_names_the_file_too(saved, tmp_path, model_type):
+    """scripts reach a directory through load_hf (no init_from knob): the line names the file and key."""
+    import shutil
+
+    path = tmp_path / model_type
+    shutil.copytree(saved[model_type], path)
+    key = next(k for t, k in REQUIRED if t == model_type)
+    config = json.loads((path / hf.CONFIG_FILE).read_text())
+    (path / hf.CONFIG_FILE).write_text(json.dumps({k: v for k, v in config.items() if k != key}))
+    base = models.config_from_dict(TINY[model_type][1])
+    with pytest.raises(ConfigError) as e:
+        hf.load_hf(str(path), base)
+    assert one_line(e).startswith(f"{path / hf.CONFIG_FILE} {key} is missing: ")
+
+
+@pytest.mark.slow
+def test_the_command_line_prints_one_line_and_compiles_nothing(saved, tmp_path):
+    """issue 33's report: `train_jax.py model.init_from=DIR` with no num_attention_heads ended in a
+    KeyError traceback. Now: exit 2, one `error:` line on stderr, and no compilation started."""
+    import shutil
+    import subprocess
+    import sys
+
+    from helpers import REPO, offline_env
+
+    path = tmp_path / "pretrained"
+    shutil.copytree(saved["llama"], path)
+    config = json.loads((path / hf.CONFIG_FILE).read_text())
+    (path / hf.CONFIG_FILE).write_text(json.dumps({k: v for k, v in config.items() if k != "num_attention_heads"}))
+    proc = subprocess.run([sys.executable, str(Path(REPO) / "train_jax.py"), "model=llama_tiny",
+                           f"model.init_from={path}", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=offline_env(tmp_path / "cache"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: model.init_from={path}: {path / hf.CONFIG_FILE} num_attention_heads is missing: "
+                     "eqtrain needs it (query heads per block) as a positive integer, e.g. num_attention_heads: 32; "
+                     "save the directory again with transformers' save_pretrained, or add the key"], proc.stderr
+    assert "compil" not in (proc.stdout + proc.stderr).lower()

@@ -387,7 +387,7 @@ def test_hf_config_round_trip_and_refusals():
         with pytest.raises(ConfigError, match=f"config.json {key}") as info:
             llama.config_from_hf({**hf, key: value}, base)
         assert "\n" not in str(info.value)
-    with pytest.raises(ConfigError, match="model.num_kv_heads=3"):
+    with pytest.raises(ConfigError, match="config.json num_key_value_heads=3 does not divide num_attention_heads"):
         llama.config_from_hf({**hf, "num_key_value_heads": 3}, base)
 
 

@@ -217,7 +217,7 @@ def test_tokenize_documents_batches_across_calls_and_widens_dtype():
     class BigVocab:
         name, vocab_size, eot_id = "big", 70_000, 69_999
 
-        def encode_batch(self, texts):
+        def encode_documents(self, texts):
             return [np.array([len(t), 66_000], np.int32) for t in texts]
 
     tokens = tokenize_documents(["a", "bb", "ccc"], BigVocab(), docs_per_batch=2)

@@ -45,6 +45,11 @@ class Tokenizer(Protocol):
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
 
+    # Whole documents (the training stream, loaders/tokens.py), marked as the tokenizer's own encoding
+    # marks a text: a Llama tokenizer's BOS first; the byte and BPE tokenizers add nothing. Never the
+    # eot that the stream puts after every document. `encode_batch` is for pieces of text (chat turns).
+    def encode_documents(self, texts: list[str]) -> list[np.ndarray]: ...
+
     def decode(self, ids) -> str: ...
 
 

@@ -48,6 +48,9 @@ class BPETokenizer:
         encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
 
+    def encode_documents(self, texts: list[str]) -> list[np.ndarray]:
+        return self.encode_batch(texts)  # GPT-2's convention: no marks, the eot between documents is the only one
+
     def decode(self, ids) -> str:
         ids_N = np.asarray(ids).reshape(-1)
         ids_N = ids_N[(ids_N >= 0) & (ids_N < self.vocab_size)]

@@ -25,6 +25,9 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
 
+    def encode_documents(self, texts: list[str]) -> list[np.ndarray]:
+        return self.encode_batch(texts)  # no marks: the eot between documents is the only one
+
     def decode(self, ids) -> str:
         ids_N = np.asarray(ids).reshape(-1)
         # A model can sample eot or (early in training) anything; keep only real bytes.

@@ -25,7 +25,8 @@ class TransformersTokenizer:
         self.name = name
         self.vocab_size = len(tok)  # len() counts added tokens; .vocab_size does not
         self.eot_id = int(tok.eos_token_id)
-        self.fingerprint = _hf_fingerprint(tok)
+        self.doc_prefix, self.doc_suffix = document_marks(tok, self.eot_id)
+        self.fingerprint = _hf_fingerprint(tok, self.doc_prefix, self.doc_suffix)
 
     def encode(self, text: str) -> np.ndarray:
         return self.encode_batch([text])[0]
@@ -35,21 +36,58 @@ class TransformersTokenizer:
         ids = self._tok(list(texts), add_special_tokens=False, verbose=False, return_attention_mask=False)["input_ids"]
         return [np.asarray(x, dtype=np.int32) for x in ids]
 
+    def encode_documents(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text between the marks the tokenizer's own encoding puts around one (`document_marks`)."""
+        if not (len(self.doc_prefix) or len(self.doc_suffix)):
+            return self.encode_batch(texts)
+        return [np.concatenate([self.doc_prefix, ids, self.doc_suffix]) for ids in self.encode_batch(texts)]
+
     def decode(self, ids) -> str:
         ids_N = np.asarray(ids).reshape(-1)
         ids_N = ids_N[(ids_N >= 0) & (ids_N < self.vocab_size)]
         return self._tok.decode(ids_N.tolist(), skip_special_tokens=True)
 
 
-def _hf_fingerprint(tok) -> str:
+_PROBE = "Hello world. 1 2 3"
+
+
+def document_marks(tok, eot_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids before, ids after) a text that the tokenizer's own encoding adds, as transformers encodes
+    one (`tok(text)` against `tok(text, add_special_tokens=False)`): a Llama tokenizer's BOS
+    (add_bos_token, or a post-processor template "<s> $A"), nothing for GPT-2's.
+
+    The eot that the token stream puts after every document is not doubled: a trailing eot
+    (add_eos_token) is left to that separator, and so is a leading one (a BOS that is the eot, as in
+    GPT-2-style vocabularies: the eot before each document already starts it, and document masks
+    then keep a document's first token with it). A tokenizer whose marked encoding does not
+    contain the plain one (a post-processor that rewrites the text's ids) gets no marks."""
+    plain = list(tok(_PROBE, add_special_tokens=False, return_attention_mask=False)["input_ids"])
+    full = list(tok(_PROBE, add_special_tokens=True, return_attention_mask=False)["input_ids"])
+    empty = np.zeros(0, np.int32)
+    at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None)
+    if not plain or at is None:
+        return empty, empty
+    prefix, suffix = full[:at], full[at + len(plain) :]
+    if prefix[:1] == [eot_id]:
+        prefix = prefix[1:]
+    if suffix[-1:] == [eot_id]:
+        suffix = suffix[:-1]
+    return np.asarray(prefix, np.int32).reshape(-1), np.asarray(suffix, np.int32).reshape(-1)
+
+
+def _hf_fingerprint(tok, doc_prefix: np.ndarray, doc_suffix: np.ndarray) -> str:
     """Class + full serialised pipeline for fast tokenizers; class + vocab + added/special tokens
-    otherwise. A hub name alone is not enough: a model repo's tokenizer can change under it."""
+    otherwise. A hub name alone is not enough: a model repo's tokenizer can change under it.
+    The document marks (`document_marks`) join it when there are any: token streams cached before
+    documents were marked (they have no BOS) are not reused, those of unmarked tokenizers are."""
     if getattr(tok, "is_fast", False):
         body = tok.backend_tokenizer.to_str()
     else:
         body = json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False)
     added = sorted((int(i), str(t)) for i, t in getattr(tok, "added_tokens_decoder", {}).items())
-    return _digest("hf", type(tok).__name__, body, added, tok.eos_token_id, sorted(tok.all_special_tokens))
+    marks = (("document marks", doc_prefix.tolist(), doc_suffix.tolist()),) if len(doc_prefix) or len(doc_suffix) \
+        else ()
+    return _digest("hf", type(tok).__name__, body, added, tok.eos_token_id, sorted(tok.all_special_tokens), *marks)
 
 
 def _short_reason(e: Exception) -> str:

@@ -1,6 +1,6 @@
 """logging.activation_norms: per block, the RMS of the attention output, the MLP output and the
-residual stream after the block (`act/<i>/{attn,mlp,resid}_rms`), as the seed trainer `000_*`
-logs activation norms: a growing residual stream or an exploding branch shows there first.
+residual stream after the block (`act/<i>/{attn,mlp,resid}_rms`): a growing residual stream or an
+exploding branch shows there first.
 
 A logging-only step metric: on logging steps the step runs the model once more, forward only, on
 its first micro-batch, with the weights the step started from and without dropout (the values

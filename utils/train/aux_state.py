@@ -43,7 +43,7 @@ F32 = jnp.float32
 
 @dataclass(frozen=True)
 class AuxConfig:
-    """The `logging.*` flags of the aux-state hook (the names of seed 003's pipeline)."""
+    """The `logging.*` flags of the aux-state hook (trainit's names for them)."""
 
     log_callback_data: bool = True  # false: no diagnostics, no buffers
     store_last_params: bool = True  # keep x(n-1): 1 parameter copy
@@ -224,7 +224,7 @@ def update(cfg: AuxConfig, aux: AuxState, params, grads, updates, loss: jax.Arra
         log_norms("grads", "g")
     if cfg.store_last_params:
         add_sum("update/<gn, xn-x(n-1)>", r["<g, d>"])
-        add_sum("update/<gn, Delta(n)>", r["<g, d>"])  # Δ(n) is x(n) - x(n-1): the same product, the seed's two names
+        add_sum("update/<gn, Delta(n)>", r["<g, d>"])  # Δ(n) is x(n) - x(n-1): the same product, trainit's two names
         if logging:
             log_norms("update", "d")  # Δ(n), as trainit's full_log; Δ(n+1) is train/update_norm
             out["params/cos(xn, x(n-1))"] = cosine(r["<x, x1>"], norm("x"), norm("x1"))
