@@ -183,6 +183,15 @@ def orthogonality_atol(n: int, cond=1.0, margin: float = 2):
     return margin * n * EPS32 * cond
 
 
+def eigvalsh_atol(n: int, norm, margin: float = 2):
+    """atol of the eigenvalues from a float32 symmetric eigensolver of an n×n matrix of 2-norm `norm`
+    (its largest |λ|), against float64 on the same float32 matrix: the solver is backward stable (the
+    exact eigenvalues of S + E, ‖E‖ <= p(n)·EPS32·‖S‖: LAPACK Users' Guide §4.7.1), so by Weyl's
+    inequality each eigenvalue moves by at most ‖E‖, however close they are; p(n) = n as in
+    orthogonality_atol. Times `margin`."""
+    return margin * n * EPS32 * norm
+
+
 def run_updates(tx, grads_seq):
     """An optax transform's jitted init + updates over a list of gradient trees -> (the updates as
     NumPy, the states after each update): the optimizer tests' way of stepping one on its own."""
