@@ -157,6 +157,50 @@ def adam_sqrt_v_rtol(b2: float, count) -> float:
     return 2 * ((t * b2_rounding + EPS32 / 2) / (1 - b2**t) / 2 + EPS32)
 
 
+def rounding_rtol(roundings: int, margin: float = 2) -> float:
+    """rtol of a float32 result `roundings` elementwise operations deep (a product, a quotient, an
+    exp, a conversion from float64: each a correctly rounded or ~1-ulp operation) against float64:
+    each rounding errs by at most EPS32/2 relative and first-order errors add; times `margin`."""
+    return margin * roundings * EPS32 / 2
+
+
+def sum_atol(n: int, scale, margin: float = 2, lam: float | None = None):
+    """atol of a float32 sum (or dot product) of `n` terms against float64, `scale` the sum of the
+    terms' magnitudes (Σ|xᵢ·yᵢ|; n·max|term| bounds it): recursive summation in any order errs by at
+    most γ_(n-1) ≈ (n − 1)·u·Σ|terms| (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed.,
+    eq. 3.5; u = EPS32/2 the unit roundoff), a dot product's products add one rounding each, and the
+    float32 inputs' own rounding (if made from float64) another: (n + 1)·u·scale; times `margin`.
+    Any summation order (pairwise, blocked, another CPU's vector width) stays inside it.
+
+    `lam`: the probabilistic bound instead, for long sums where the worst case says nothing: with
+    rounding errors independent and mean-zero, |error| <= λ·√n·u·Σ|terms| (to first order) with
+    probability at least 1 − 2n·exp(−λ²(1 − u)²/2) (Higham & Mary, SIAM J. Sci. Comput. 41(5), 2019,
+    Theorem 2.4); λ = 10: a failure chance below 1e-15 for n up to 1e6."""
+    if lam is not None:
+        return margin * lam * (n + 1) ** 0.5 * EPS32 / 2 * scale
+    return margin * (n + 1) * EPS32 / 2 * scale
+
+
+def orthogonality_atol(n: int, cond=1.0, margin: float = 2):
+    """atol of the entries of QᵀQ − I for a float32 Q with n rows from Householder QR or a symmetric
+    eigensolver: both return columns orthonormal to working precision, ~p(n)·EPS32 with p(n) a
+    modest function of n (Golub & Van Loan, Matrix Computations, 4th ed., §5.2.2; LAPACK Users'
+    Guide §4.7.1); p(n) = n here (the inner products and the reflector applications sum n terms).
+    Columns computed from others through a matrix of condition number `cond` (a QR or solve against
+    it, a projection onto its span) lose orthogonality to the rest by that factor: first-order
+    perturbation theory, an error δ in the matrix moves its Q by ~δ·cond. Times `margin`."""
+    return margin * n * EPS32 * cond
+
+
+def eigvalsh_atol(n: int, norm, margin: float = 2):
+    """atol of the eigenvalues from a float32 symmetric eigensolver of an n×n matrix of 2-norm `norm`
+    (its largest |λ|), against float64 on the same float32 matrix: the solver is backward stable (the
+    exact eigenvalues of S + E, ‖E‖ <= p(n)·EPS32·‖S‖: LAPACK Users' Guide §4.7.1), so by Weyl's
+    inequality each eigenvalue moves by at most ‖E‖, however close they are; p(n) = n as in
+    orthogonality_atol. Times `margin`."""
+    return margin * n * EPS32 * norm
+
+
 def run_updates(tx, grads_seq):
     """An optax transform's jitted init + updates over a list of gradient trees -> (the updates as
     NumPy, the states after each update): the optimizer tests' way of stepping one on its own."""

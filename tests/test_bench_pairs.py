@@ -104,6 +104,7 @@ def test_torch_reference_trains_its_shape_and_counts_flops_like_eqtrain():
     config = GPTConfig(dim=d, num_heads=shape.heads, num_blocks=shape.blocks, context_length=shape.context,
                        vocab_size=shape.vocab, mlp_ratio=shape.mlp)
     tokens = shape.batch * shape.context
+    # float64 products and sums of integers below 2^53 on both sides: exact but for the order; 1e-12 is room
     assert ref.flops_per_step(shape) == pytest.approx(flops_per_token(config, shape.context) * tokens, rel=1e-12)
 
 

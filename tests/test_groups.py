@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import EPS32, compose_config, per_optimizer
+from helpers import EPS32, compose_config, per_optimizer, rounding_rtol
 
 import train_jax as T
 from models.gpt import GPT, GPTConfig, param_labels
@@ -159,7 +159,10 @@ def test_muon_adam_rms_shape_scale_gives_adamw_sized_updates():
     _, adam_rms = _muon_case(Muon(shape_scale="adam_rms"), lr)
     for k, (_, d_in, d_out) in MUON_SHAPES.items():
         ratio = 0.2 * math.sqrt(max(d_in, d_out)) / math.sqrt(max(1.0, d_out / d_in))
-        np.testing.assert_allclose(adam_rms[k], reference[k] * ratio, rtol=1e-5, atol=1e-9, err_msg=k)
+        # two runs, each within newton_schulz_atol of the exact orthogonalisation (scaled by its factor),
+        # the factors themselves 3 roundings apart
+        atol = 2 * ratio * newton_schulz_atol(5, max(d_in, d_out), reference[k])
+        np.testing.assert_allclose(adam_rms[k], reference[k] * ratio, rtol=rounding_rtol(3), atol=atol, err_msg=k)
         for block in adam_rms[k]:
             rms = np.sqrt(np.mean(block**2))
             assert 0.15 * lr < rms < 0.22 * lr, (k, rms / lr)

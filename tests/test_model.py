@@ -149,6 +149,7 @@ def test_scan_and_unrolled_blocks_give_the_same_logits():
     dropped_BxTxV = forward(scanned_d, tokens_BxT, key)
     np.testing.assert_allclose(forward(unrolled_d, tokens_BxT, key), dropped_BxTxV, rtol=0,
                                atol=8 * ROUNDING * scale(dropped_BxTxV))
+    # "differs": dropout moves logits by O(scale), rounding by ~ROUNDING·scale (1e-6): 1e-4 sits between
     assert not np.allclose(dropped_BxTxV, logits_BxTxV, atol=1e-4)
 
 
@@ -282,8 +283,9 @@ def test_dropout_needs_a_key_and_changes_outputs():
     np.testing.assert_allclose(forward(no_dropout, tokens_BxT), evaluation, rtol=0, atol=same)  # ... no dropout
     dropped_1 = np.asarray(forward(model, tokens_BxT, k1))
     np.testing.assert_array_equal(forward(model, tokens_BxT, k1), dropped_1)  # same key, same mask
+    # "differs": another mask moves logits by O(scale), rounding by ~ROUNDING·scale (1e-6): 1e-4 sits between
     assert not np.allclose(dropped_1, evaluation, atol=1e-4)
-    assert not np.allclose(dropped_1, forward(model, tokens_BxT, k2), atol=1e-4)
+    assert not np.allclose(dropped_1, forward(model, tokens_BxT, k2), atol=1e-4)  # the same
     # dropout=0 ignores the key altogether.
     np.testing.assert_allclose(forward(no_dropout, tokens_BxT, k1), evaluation, rtol=0, atol=same)
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import per_optimizer
+from helpers import per_optimizer, rounding_rtol
 
 import train_jax as T
 from models import losses
@@ -32,12 +32,25 @@ from utils.parallel import mesh as meshlib
 LR, MIN_LR, WARMUP, N = 1.0, 0.1, 4, 20
 
 
-def _values(schedule, steps) -> np.ndarray:
-    """The schedule eagerly and jitted on an int32 step (what optax's count is): both must agree."""
+def schedule_atol(lr: float = LR) -> float:
+    """How far a float32 schedule value may be from the float64 one the tests write out, for a
+    schedule of peak `lr` (every value and every intermediate term is at most lr in size): the
+    step's fraction x (1 rounding); the shape: cosine's π·x (π's own float32 rounding and the
+    product's: 3u relative on x, up to 3π·u ≈ 9.4u absolute in cos's argument, passed on by its
+    slope <= 1) and cos's ulp, or 1 − √x (2u), or interp's (2u); 1 + cos; lr − min_lr, the product
+    and + min_lr (1 each); lr's and min_lr's float32 rounding (2): <= 17 roundings of u·lr
+    (u = EPS32/2), with rounding_rtol's 2x margin. One absolute bound (not rtol): near min_lr the
+    value is ~10x smaller than the terms it was computed from."""
+    return rounding_rtol(17) * lr
+
+
+def _values(schedule, steps, lr: float = LR) -> np.ndarray:
+    """The schedule eagerly and jitted on an int32 step (what optax's count is): both must agree
+    (each within schedule_atol of the exact value, whatever XLA fuses or contracts)."""
     steps = list(steps)
     eager = np.array([float(schedule(jnp.asarray(s, jnp.int32))) for s in steps])
     jitted = np.asarray(jax.jit(jax.vmap(schedule))(jnp.asarray(steps, jnp.int32)))
-    np.testing.assert_allclose(jitted, eager, rtol=1e-6)
+    np.testing.assert_allclose(jitted, eager, rtol=0, atol=2 * schedule_atol(lr))
     assert np.all(np.isfinite(eager)), eager
     return eager
 
@@ -66,15 +79,17 @@ DECAYING = {
 def test_decaying_schedule_endpoints(name):
     schedule, decay_start, points = DECAYING[name]
     s = schedule.build(N)
-    np.testing.assert_allclose(_values(s, [0, WARMUP - 1, N - 1]), [LR / WARMUP, LR, MIN_LR], rtol=1e-6)
-    np.testing.assert_allclose(_values(s, points), list(points.values()), rtol=1e-6)
-    np.testing.assert_allclose(_values(s, [N, N + 1, 10 * N]), [MIN_LR] * 3, rtol=1e-6)  # held after the end
+    np.testing.assert_allclose(_values(s, [0, WARMUP - 1, N - 1]), [LR / WARMUP, LR, MIN_LR], rtol=0,
+                               atol=schedule_atol())
+    np.testing.assert_allclose(_values(s, points), list(points.values()), rtol=0, atol=schedule_atol())
+    # held after the end
+    np.testing.assert_allclose(_values(s, [N, N + 1, 10 * N]), [MIN_LR] * 3, rtol=0, atol=schedule_atol())
 
     warmup = _values(s, range(WARMUP))
-    np.testing.assert_allclose(warmup, LR * np.arange(1, WARMUP + 1) / WARMUP, rtol=1e-6)
+    np.testing.assert_allclose(warmup, LR * np.arange(1, WARMUP + 1) / WARMUP, rtol=0, atol=schedule_atol())
     after = _values(s, range(WARMUP - 1, N))
     flat, decay = after[: decay_start - (WARMUP - 1)], after[decay_start - (WARMUP - 1):]
-    np.testing.assert_allclose(flat, LR, rtol=1e-6)  # the last warmup step and any flat phase
+    np.testing.assert_allclose(flat, LR, rtol=0, atol=schedule_atol())  # the last warmup step and any flat phase
     assert np.all(np.diff(decay) < 0) and decay[0] < LR, decay  # strictly falling, from the first decay step
     assert len(decay) == N - decay_start
 
@@ -82,20 +97,21 @@ def test_decaying_schedule_endpoints(name):
 def test_constant_endpoints():
     s = Constant(lr=LR, warmup=WARMUP).build(N)
     np.testing.assert_allclose(_values(s, [0, 1, WARMUP - 1, WARMUP, N - 1, 10 * N]),
-                               [0.25, 0.5, LR, LR, LR, LR], rtol=1e-6)
-    np.testing.assert_allclose(_values(Constant(lr=LR).build(N), [0, 1, N - 1]), [LR] * 3, rtol=1e-6)
+                               [0.25, 0.5, LR, LR, LR, LR], rtol=0, atol=schedule_atol())
+    np.testing.assert_allclose(_values(Constant(lr=LR).build(N), [0, 1, N - 1]), [LR] * 3, rtol=0, atol=schedule_atol())
 
 
 @pytest.mark.parametrize("schedule", [Linear(lr=LR, min_lr=MIN_LR), Cosine(lr=LR, min_lr=MIN_LR),
                                       Trapezoid(lr=LR, decay=N, min_lr=MIN_LR)], ids=["linear", "cosine", "trapezoid"])
 def test_without_warmup_the_first_update_uses_lr_and_the_last_min_lr(schedule):
     values = _values(schedule.build(N), range(N))
-    np.testing.assert_allclose(values[[0, -1]], [LR, MIN_LR], rtol=1e-6)
+    np.testing.assert_allclose(values[[0, -1]], [LR, MIN_LR], rtol=0, atol=schedule_atol())
     assert np.all(np.diff(values) < 0)
 
 
 def test_cosine_min_lr_null_is_a_tenth_of_lr():
-    np.testing.assert_allclose(_values(Cosine(lr=2.0, warmup=2).build(10), [1, 9]), [2.0, 0.2], rtol=1e-6)
+    np.testing.assert_allclose(_values(Cosine(lr=2.0, warmup=2).build(10), [1, 9], lr=2.0), [2.0, 0.2], rtol=0,
+                               atol=schedule_atol(2.0))
 
 
 # --- edge cases: every value finite (checked in _values), the endpoints still as documented ------
@@ -103,12 +119,12 @@ def test_cosine_min_lr_null_is_a_tenth_of_lr():
 
 def test_decay_of_one_step_is_the_last_update_at_min_lr():
     values = _values(Trapezoid(lr=LR, warmup=WARMUP, decay=1, min_lr=MIN_LR).build(N), range(N))
-    np.testing.assert_allclose(values[WARMUP - 1:-1], LR, rtol=1e-6)
-    np.testing.assert_allclose(values[-1], MIN_LR, rtol=1e-6)
+    np.testing.assert_allclose(values[WARMUP - 1:-1], LR, rtol=0, atol=schedule_atol())
+    np.testing.assert_allclose(values[-1], MIN_LR, rtol=0, atol=schedule_atol())
     # Decay k steps = k steps below lr: 2 differs from 1 (with the decay anchored on its own first
     # step, both would give one step below lr).
     two = _values(Trapezoid(lr=LR, warmup=WARMUP, decay=2, min_lr=MIN_LR).build(N), [N - 3, N - 2, N - 1])
-    np.testing.assert_allclose(two, [LR, (LR + MIN_LR) / 2, MIN_LR], rtol=1e-6)
+    np.testing.assert_allclose(two, [LR, (LR + MIN_LR) / 2, MIN_LR], rtol=0, atol=schedule_atol())
 
 
 def test_one_minus_sqrt_decay_values():
@@ -119,7 +135,7 @@ def test_one_minus_sqrt_decay_values():
     schedule = Trapezoid(lr=LR, warmup=WARMUP, decay=decay, min_lr=MIN_LR, decay_shape="1-sqrt")
     values = _values(schedule.build(N), range(N))
     expected = [MIN_LR + (LR - MIN_LR) * (1 - math.sqrt(k / decay)) for k in range(1, decay + 1)]
-    np.testing.assert_allclose(values[N - decay:], expected, rtol=1e-6)
+    np.testing.assert_allclose(values[N - decay:], expected, rtol=0, atol=schedule_atol())
     assert values[-1] == np.float32(MIN_LR)
     linear = _values(Trapezoid(lr=LR, warmup=WARMUP, decay=decay, min_lr=MIN_LR).build(N), range(N))
     assert np.array_equal(values[:N - decay], linear[:N - decay])
@@ -131,7 +147,7 @@ def test_one_minus_sqrt_decay_values():
 
 def test_decay_of_zero_steps_never_decays():
     values = _values(Trapezoid(lr=LR, warmup=WARMUP, decay=0, min_lr=MIN_LR).build(N), range(N))
-    np.testing.assert_allclose(values[WARMUP - 1:], LR, rtol=1e-6)
+    np.testing.assert_allclose(values[WARMUP - 1:], LR, rtol=0, atol=schedule_atol())
 
 
 @pytest.mark.parametrize("schedule", [Linear(lr=LR, warmup=N - 1, min_lr=MIN_LR),
@@ -139,7 +155,7 @@ def test_decay_of_zero_steps_never_decays():
                                       Trapezoid(lr=LR, warmup=N - 1, decay=1, min_lr=MIN_LR)],
                          ids=["linear", "cosine", "trapezoid"])
 def test_one_step_left_after_warmup_is_min_lr(schedule):
-    np.testing.assert_allclose(_values(schedule.build(N), [N - 2, N - 1]), [LR, MIN_LR], rtol=1e-6)
+    np.testing.assert_allclose(_values(schedule.build(N), [N - 2, N - 1]), [LR, MIN_LR], rtol=0, atol=schedule_atol())
 
 
 @pytest.mark.parametrize("schedule", [Linear(lr=LR, warmup=N, min_lr=MIN_LR),
@@ -150,7 +166,7 @@ def test_one_step_left_after_warmup_is_min_lr(schedule):
 def test_warmup_and_flat_phase_filling_the_run_hold_lr_to_the_end(schedule):
     """No room to decay: the last update uses lr (not a NaN, not a constant from a zero-length
     optax schedule); min_lr follows after the run."""
-    np.testing.assert_allclose(_values(schedule.build(N), [N - 1, N]), [LR, MIN_LR], rtol=1e-6)
+    np.testing.assert_allclose(_values(schedule.build(N), [N - 1, N]), [LR, MIN_LR], rtol=0, atol=schedule_atol())
 
 
 @pytest.mark.parametrize("schedule", [Linear(lr=LR, min_lr=MIN_LR), Cosine(lr=LR, min_lr=MIN_LR),
@@ -159,12 +175,12 @@ def test_warmup_and_flat_phase_filling_the_run_hold_lr_to_the_end(schedule):
 def test_one_step_runs_are_finite(schedule):
     values = _values(schedule.build(1), [0, 1, 2])
     assert values[0] in (pytest.approx(LR), pytest.approx(MIN_LR))
-    np.testing.assert_allclose(values[1:], values[2], rtol=1e-6)
+    np.testing.assert_allclose(values[1:], values[2], rtol=0, atol=schedule_atol())
 
 
 def test_warmup_longer_than_the_run_keeps_ramping():
     values = _values(Cosine(lr=LR, warmup=2 * N, min_lr=MIN_LR).build(N), [0, N - 1])
-    np.testing.assert_allclose(values, [LR / (2 * N), LR / 2], rtol=1e-6)
+    np.testing.assert_allclose(values, [LR / (2 * N), LR / 2], rtol=0, atol=schedule_atol())
 
 
 # --- piecewise_linear ----------------------------------------------------------------------------
@@ -173,10 +189,10 @@ def test_warmup_longer_than_the_run_keeps_ramping():
 def test_piecewise_linear_interpolates_on_update_indices_and_is_flat_outside():
     s = PiecewiseLinear(lr=2.0, steps=(10, 20, 40), scales=(0.0, 1.0, 0.5)).build(100)
     steps = [0, 10, 15, 20, 30, 40, 100]
-    np.testing.assert_allclose(_values(s, steps), [0, 0, 1, 2, 1.5, 1, 1], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(_values(s, steps, lr=2.0), [0, 0, 1, 2, 1.5, 1, 1], rtol=0, atol=schedule_atol(2.0))
     # Its points are update indices: ending a 20-step run at 0.1·lr takes the point (19, 0.1).
     end = PiecewiseLinear(lr=2.0, steps=(0, 19), scales=(1.0, 0.1)).build(20)
-    np.testing.assert_allclose(_values(end, [0, 19]), [2.0, 0.2], rtol=1e-6)
+    np.testing.assert_allclose(_values(end, [0, 19], lr=2.0), [2.0, 0.2], rtol=0, atol=schedule_atol(2.0))
 
 
 # --- through the optimizer: the run's last update uses min_lr ------------------------------------
@@ -194,7 +210,7 @@ def test_the_last_update_of_a_run_uses_min_lr():
     for _ in range(n):
         u, state = update(grads, state, params)
         lrs.append(-float(u["w"]))
-    np.testing.assert_allclose(lrs, [0.5, 1.0, 0.775, 0.55, 0.325, MIN_LR], rtol=1e-6)
+    np.testing.assert_allclose(lrs, [0.5, 1.0, 0.775, 0.55, 0.325, MIN_LR], rtol=0, atol=schedule_atol())
 
 
 # --- with train.skip_nonfinite: a skipped step still moves the schedule -------------------------------
@@ -237,13 +253,13 @@ def test_after_a_skipped_step_the_applied_lr_is_the_logged_one_and_the_last_is_m
         logged.append({label: float(metrics[f"train/lr/{label}"]) for label in by_group} | {
             "run": float(metrics["train/lr"])})
     expected = [float(schedule(n)) for n in (0, 2, 3)]
-    np.testing.assert_allclose(expected[-1], 0.01, rtol=1e-6)  # the last update's lr is min_lr
+    np.testing.assert_allclose(expected[-1], 0.01, rtol=0, atol=schedule_atol(0.1))  # the last update's lr: min_lr
     for n, got, log, want in zip((1, 3, 4), applied, logged, expected, strict=True):
-        np.testing.assert_allclose(log["run"], want, rtol=1e-6, err_msg=f"step {n}: train/lr")
+        np.testing.assert_allclose(log["run"], want, rtol=0, atol=2 * schedule_atol(0.1), err_msg=f"step {n}: train/lr")
         for label, lr in got.items():
             # float32 weights: x - x_new carries ~1e-7·|x| per element, ~1e-4 of lr·g here
             np.testing.assert_allclose(lr, log[label], rtol=1e-3, err_msg=f"step {n}: the lr {label} applied")
-            np.testing.assert_allclose(lr, want, rtol=1e-3, err_msg=f"step {n}: the lr {label} applied")
+            np.testing.assert_allclose(lr, want, rtol=1e-3, err_msg=f"step {n}: the lr {label} applied")  # the same
 
 
 @pytest.mark.parametrize("name", per_optimizer(sorted(OPTIMIZERS)))
@@ -278,7 +294,7 @@ def test_schedule_max_steps_defaults_to_train_max_steps(tiny_run):
                    "optimizer.lr_config.min_lr=0.0", "train.max_steps=41")
     assert run.optimizer.schedule_steps == 41
     s = run.optimizer.schedule.build(run.optimizer.schedule_steps)
-    np.testing.assert_allclose(_values(s, [0, 20, 40]), [1, 0.5, 0], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(_values(s, [0, 20, 40]), [1, 0.5, 0], rtol=0, atol=schedule_atol(1.0))
     run = tiny_run("optimizer/lr_config=cosine", "optimizer.lr_config.max_steps=25", "train.max_steps=40")
     assert run.optimizer.schedule_steps == 25
 
