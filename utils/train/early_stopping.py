@@ -1,5 +1,5 @@
 """Early stopping (train.early_stopping.*): end the run when val/loss has not improved by at least
-`min_delta` for `patience` evaluations in a row, as the seed `001_*` trainer does.
+`min_delta` for `patience` evaluations in a row: it stops when validation stops improving.
 
 The decision is one hook after the evaluation: it sets `ctx.finished`, which makes that step the
 segment's last (hooks.LoopContext.ending): the checkpointer saves it ("early stop"), the end-of-run
