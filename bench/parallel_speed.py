@@ -42,6 +42,7 @@ from hydra import compose, initialize_config_dir
 
 import train_jax as T
 from models import count_params
+from utils import versions
 from utils.config import resolve_vocab, validate
 from utils.parallel import mesh as meshlib
 from utils.parallel.layout import device_bytes
@@ -66,13 +67,7 @@ def total_bytes(tree) -> int:
 
 
 def machine() -> str:
-    cores = os.cpu_count()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    except OSError:
-        model = "?"
-    return f"{cores} cores ({model}), load average {loadavg()}"
+    return f"{os.cpu_count()} cores ({versions.cpu_model()}), load average {loadavg()}"
 
 
 def loadavg() -> str:

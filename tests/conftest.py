@@ -7,6 +7,12 @@ import pytest
 from helpers import compose_config  # before utils: importing helpers sets XLA_FLAGS and OPENBLAS_NUM_THREADS
 
 from utils.config import RunConfig, validate
+from utils.versions import describe
+
+
+def pytest_report_header(config):
+    """The versions a run of the suite tested (pyproject.toml's ranges; README "Tested versions")."""
+    return f"eqtrain core: {describe()}"
 
 
 @pytest.fixture(scope="session")
