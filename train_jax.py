@@ -2,7 +2,7 @@
 
 Reads as the recipe it runs: validate the config; build tokenizer, data, model, schedule and
 optimizer; compile one sharded, buffer-donating train step; run the host loop, whose periodic
-jobs (logging, evaluation, checkpoints, sampling) are hooks (utils/train/hooks.py).
+jobs (logging, evaluation, checkpoints, sampling) are hooks (trainer/hooks.py).
 """
 
 from __future__ import annotations
@@ -33,21 +33,22 @@ from models.sample import sampler
 from optimizer import diagnostics, eval_view, group_schedules, make_optimizer
 from optimizer.nonfinite import skip_nonfinite
 from optimizer.restart import fresh_state
+from trainer import aux_state, early_stopping, loss_scale, precompile, step_metrics
+from trainer import hooks as H
+from trainer.activations import ActivationNorms
+from trainer.flops import peak_flops
+from trainer.header import announce
+from trainer.resume import frozen_base, merge_config, restore_state, resume_source
+from trainer.step import TrainState, build_train_step, initial_keys
+from trainer.trainer import Trainer
 from utils import cli
-from utils.checkpoint.resume import frozen_base, merge_config, restore_state, resume_source
 from utils.checkpoint.signals import Preempted, StopSignals
 from utils.checkpoint.storage import Checkpointer, Source, step_path
 from utils.config import RunConfig, resolve_vocab, to_dict, validate
-from utils.logging.messages import announce, say, warn
+from utils.logging.messages import say, warn
 from utils.logging.sinks import open_sinks
 from utils.parallel import layout
 from utils.parallel import mesh as meshlib
-from utils.train import aux_state, early_stopping, loss_scale, precompile, step_metrics
-from utils.train import hooks as H
-from utils.train.activations import ActivationNorms
-from utils.train.flops import peak_flops
-from utils.train.step import TrainState, build_train_step, initial_keys
-from utils.train.trainer import Trainer
 
 
 def init_tokenizer(run: RunConfig, train_docs: Sequence[str] | None) -> Tokenizer:
@@ -145,7 +146,7 @@ def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[st
     if aux.on and aux.per_layer:
         metrics += [aux_state.per_layer(models.blocks, run.model.num_blocks), step_metrics.expert_loads()]
     if aux.on and aux.optim_diagnostics:
-        metrics.append(diagnostics.step_metric(o.hparams, o.group_overrides))
+        metrics.append(step_metrics.optimizer_diagnostics(o.hparams, o.group_overrides))
     if run.logging.activation_norms:
         metrics.append(ActivationNorms(run.model.num_blocks, run.train.compute_dtype, run.objective.causal))
     return metrics

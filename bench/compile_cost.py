@@ -12,7 +12,7 @@ when some metric is computed on logging steps only). The persistent compilation 
 (`compile_cache=false`), so every program compiles.
 
 Each is compiled with nothing else running: the figures are the CPU time a first run spends on
-them, which a real run overlaps with its evaluation and samples (utils/train/precompile.py). On a
+them, which a real run overlaps with its evaluation and samples (trainer/precompile.py). On a
 small CPU that overlap cannot hide them: XLA:CPU compiles the kernels of every program in one
 process-wide pool with a thread per core, and the evaluation and the steps want the same cores
 (docs/performance.md, "The default run"). Times per program (jax.monitoring's compile events):
@@ -37,8 +37,8 @@ from jax import monitoring
 
 import train_jax as T
 from models.sample import sampler
+from trainer import precompile
 from utils.config import validate
-from utils.train import precompile
 
 EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",

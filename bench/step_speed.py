@@ -49,9 +49,9 @@ from hydra import compose, initialize_config_dir
 
 import train_jax as T
 from models import count_params, flops_per_token
+from trainer.flops import peak_flops
 from utils.config import validate
 from utils.parallel import mesh as meshlib
-from utils.train.flops import peak_flops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pairs as pairlib  # bench/pairs.py (bench/ holds scripts, not a package)

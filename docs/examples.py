@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from loaders import corpus
+from trainer import hooks as H
+from trainer import step_metrics
 from utils.errors import ConfigError
-from utils.train import hooks as H
-from utils.train import step_metrics
 
 # --- a data source: register with SOURCES["lines"] = Lines -------------------------------------
 

@@ -1,6 +1,6 @@
 """The export format: a model written as `model.safetensors` + `config.json` for tools that do not
 speak orbax, and read back (`load_export`). Opening a run's checkpoint for export or sampling (the
-scripts' command line, the saved run config) is `utils.checkpoint.inference`'s.
+scripts' command line, the saved run config) is `trainer.inference`'s.
 
 Export layout of an OUT_DIR:
 

@@ -4,8 +4,8 @@ causal, how the model is evaluated and sampled.
 Each objective is a frozen config dataclass (its yaml's knobs, `check(prefix)`) that hands the run
 its functions, all with the signatures the rest of the pipeline already uses:
 
-    loss_fn(model, batch, key, compute_dtype) -> (loss, aux)      the train step's (utils/train/step.py)
-    eval_sums(model, batch, weights_B, compute_dtype) -> 3 sums   the evaluation's (utils/train/hooks.py)
+    loss_fn(model, batch, key, compute_dtype) -> (loss, aux)      the train step's (trainer/step.py)
+    eval_sums(model, batch, weights_B, compute_dtype) -> 3 sums   the evaluation's (trainer/hooks.py)
     generate(model, prompt_ids, num_tokens, key, temperature, stop_id, context_length) -> ids
 
 plus `causal` (the attention mask the model runs with: a static flag, so any model takes it),

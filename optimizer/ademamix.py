@@ -76,7 +76,7 @@ class AdEMAMix:
 
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "b3", "alpha", "eps")
     # The knob whose null means "the run's length": a comparison's trunk and branches have
-    # different lengths, so it sets it to the largest budget for all of them (utils/compare/plan.py).
+    # different lengths, so it sets it to the largest budget for all of them (compare/plan.py).
     RUN_LENGTH_KNOB = "alpha_b3_warmup"
 
     def check(self, prefix: str) -> None:

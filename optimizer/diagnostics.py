@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +31,6 @@ import optax
 
 from optimizer.cautious import CautiousState
 from optimizer.groups import group_hparams
-from utils.train.step_metrics import FnMetric
 
 PREFIX = "optim"
 
@@ -139,15 +137,6 @@ def adam_sqrt_v(group_state: Any, b2: float) -> dict[str, jax.Array]:
     if not adam:
         return {}
     return sqrt_v_stats(array_leaves(adam[0].nu), adam[0].count, b2)
-
-
-def step_metric(hparams: Any, overrides: dict[str, dict[str, float]] | None = None):
-    """`optimizer_metrics` as a step metric of the train step's logging variant, read from the
-    state the step produced: the optimizer state this update was computed with and left."""
-
-    return FnMetric(lambda state, grads, updates, aux: optimizer_metrics(
-        hparams, state.opt_state, eqx.filter(state.model, eqx.is_array), overrides), logging_only=True,
-        after_update=True)
 
 
 def optimizer_metrics(hparams: Any, opt_state: Any, params: Any,

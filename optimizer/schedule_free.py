@@ -78,7 +78,7 @@ class ScheduleFreeAdamW:
 
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "eps")
     # The averaging stands in for an lr decay: a comparison's branches keep the constant lr
-    # (utils/compare/plan.py) instead of cooling down, which this optimizer refuses.
+    # (compare/plan.py) instead of cooling down, which this optimizer refuses.
     COOLDOWN = False
     # optimizer.cautious masks -lr·direction and adds -lr·wd·p on the weights it updates; this
     # optimizer decays z, not the y it hands back, so the mask's decay split would be wrong.

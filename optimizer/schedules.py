@@ -160,7 +160,7 @@ class Trapezoid:
     """Warmup-stable-decay: warmup, flat at `lr`, then the last `decay` steps fall to `min_lr`,
     reached on the last step (decay 0: no decay), linearly or as lr·(1 - sqrt(progress))
     (`decay_shape`). Before the decay it equals `Constant(lr, warmup)` bit for bit, so a
-    constant-lr trunk's checkpoint is an exact branch point for a cooldown (utils/compare)."""
+    constant-lr trunk's checkpoint is an exact branch point for a cooldown (compare/)."""
 
     lr: float
     warmup: int = 0

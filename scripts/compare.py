@@ -3,18 +3,18 @@
     python scripts/compare.py optimizers=[adamw,muon] budgets=[100,200,400] lr.points=4 seeds=2
     python scripts/compare.py optimizers=[adamw,sgdm] budgets=[20,40] lr.points=2 warmup=4 \\
         model.dim=32 dataset.batch_size=8          # any other override goes to every run
-    python scripts/compare.py ... dir=compare/2026-12-01_10-00-00   # continue an interrupted comparison
-    python scripts/compare.py --report compare/2026-12-01_10-00-00  # rebuild the report from the runs
+    python scripts/compare.py ... dir=comparisons/2026-12-01_10-00-00   # continue an interrupted comparison
+    python scripts/compare.py --report comparisons/2026-12-01_10-00-00  # rebuild the report from the runs
 
 The comparison's knobs are the top-level keys of conf/compare.yaml (optimizers, budgets, lr.points,
 lr.factor, lr.grid.<optimizer>, seeds, data_seed, warmup, cooldown.fraction, cooldown.shape, dir),
 documented there; every other argument is a Hydra override passed to every run, as to
 `train_jax.py`. Per (optimizer, lr, seed) a trunk trains warmup + constant lr and saves at
 0.8·S for each budget S; each budget's branch resumes from that save and decays over the last 0.2·S
-(utils/compare/plan.py). The runs train in this process, one after another, into
-{dir}/runs/<run_id>/ (utils/compare/launch.py); the same command with the same dir= skips the
+(compare/plan.py). The runs train in this process, one after another, into
+{dir}/runs/<run_id>/ (compare/launch.py); the same command with the same dir= skips the
 finished runs and resumes interrupted ones from their checkpoints. Then the report is built
-from the directory alone (utils/compare/report.py).
+from the directory alone (compare/report.py).
 
 Exit codes: 0 when every run finished or diverged (a diverged run is a result: loss inf in the
 report), 2 for a bad knob (one line, before anything trains) or a run that failed on another
@@ -44,7 +44,7 @@ OPEN_MAPPINGS = ("lr.grid.", "sweep.", "workloads.")
 def split_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
     """(the comparison's overrides, the runs' overrides, the launcher's: hydra/launcher=... and
     hydra.launcher.*)."""
-    from utils.compare.plan import override_key
+    from compare.plan import override_key
 
     ours, theirs, launcher = [], [], []
     for arg in argv:
@@ -83,17 +83,17 @@ def compose_knobs(overrides: list[str]) -> dict:
 
 
 def build_report(compare_dir: str) -> None:
-    """utils.compare.report.build_report, where it exists (built beside this engine)."""
+    """compare.report.build_report, where it exists (built beside this engine)."""
     try:
-        from utils.compare.report import build_report as build
+        from compare.report import build_report as build
     except ImportError:
-        print(f"compare: no report builder (utils/compare/report.py) yet; the runs are in {compare_dir}")
+        print(f"compare: no report builder (compare/report.py) yet; the runs are in {compare_dir}")
         return
     build(compare_dir)
 
 
 def compare(argv: list[str]) -> int:
-    from utils.compare.plan import compare_config, make_plan, workload_lrs
+    from compare.plan import compare_config, make_plan, workload_lrs
     from utils.files import user_path
 
     ours, theirs, launcher = split_argv(argv)
@@ -101,7 +101,7 @@ def compare(argv: list[str]) -> int:
     knobs = compare_config(node)
     plan = make_plan(knobs, theirs, workload_lrs(knobs, tuple(theirs)))
     compare_dir = user_path(node.get("dir") or os.path.join(
-        "compare", datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")))
+        "comparisons", datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")))
     save_every = _positive(node.get("save_every"), "save_every")
     execute = executor(launcher, compare_dir, save_every, _positive(node.get("parallel"), "parallel"))
     check_runs(plan)
@@ -124,11 +124,11 @@ def _positive(value, knob: str) -> int | None:
 def executor(launcher: list[str], compare_dir: str, save_every: int | None, parallel: int | None):
     """execute(plan, runs): in this process, or a job per run with hydra/launcher=local|slurm."""
     import train_jax
-    from utils.compare.launch import run_jobs, run_plan
+    from compare.launch import run_jobs, run_plan
 
     if not launcher:
         return lambda plan, runs: run_plan(plan, compare_dir, train=train_jax.train, runs=runs, save_every=save_every)
-    from utils.compare.executor import make_submit
+    from compare.executor import make_submit
 
     names = [a.split("=", 1)[1] for a in launcher if a.split("=", 1)[0].lstrip("+") == "hydra/launcher"]
     if not names:
@@ -143,8 +143,8 @@ def executor(launcher: list[str], compare_dir: str, save_every: int | None, para
 def extension(plan, compare_dir: str):
     """lr.extend: the runs of one more lr for each (workload, optimizer) whose best lr sits at the
     edge of the lrs run so far (at most lr.extend_max added per side); () when none."""
-    from utils.compare.plan import base_grid, extension_lr, extension_runs
-    from utils.compare.report import load_workloads
+    from compare.plan import base_grid, extension_lr, extension_runs
+    from compare.report import load_workloads
 
     new = {}
     for w in load_workloads(compare_dir):
@@ -158,8 +158,8 @@ def extension(plan, compare_dir: str):
 def run_one(compare_dir: str, run_id: str, rest: list[str]) -> int:
     """What a launcher's job runs (`--run DIR ID [save_every=N]`): one run of the comparison."""
     import train_jax
-    from utils.compare.launch import load_run
-    from utils.compare.launch import run_one as train_one
+    from compare.launch import load_run
+    from compare.launch import run_one as train_one
 
     save_every = None
     for arg in rest:
@@ -174,7 +174,7 @@ def run_one(compare_dir: str, run_id: str, rest: list[str]) -> int:
 def check_runs(plan) -> None:
     """Every knob of the runs checked before anything trains: one trunk and one branch per workload,
     optimizer and sweep combination composed and validated (the others differ in lr, seed and budget only)."""
-    from utils.compare.launch import run_overrides
+    from compare.launch import run_overrides
     from utils.config import compose_overrides, validate
 
     seen = set()

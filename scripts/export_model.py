@@ -35,7 +35,7 @@ import argparse
 
 import models
 from models import export, objectives
-from utils.checkpoint import inference
+from trainer import inference
 from utils.cli import quiet_jax_probe
 from utils.errors import EqtrainError
 from utils.files import user_path

@@ -153,11 +153,11 @@ def _classes(where: str) -> list[type]:
     from models import MODELS
     from optimizer import OPTIMIZERS
     from optimizer.schedules import SCHEDULES
+    from trainer.aux_state import AuxConfig
     from utils.checkpoint.storage import CheckpointConfig
     from utils.config import TrainConfig
     from utils.logging.sinks import SINKS, LoggingConfig
     from utils.parallel.mesh import ParallelConfig
-    from utils.train.aux_state import AuxConfig
 
     group, _, option = where.rpartition("/")
     fixed = {"train": [TrainConfig], "logging": [LoggingConfig, AuxConfig, *SINKS.values()],

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse
 import dataclasses
 
-from utils.checkpoint import inference
+from trainer import inference
 from utils.cli import quiet_jax_probe
 from utils.errors import CheckpointError, EqtrainError
 from utils.script_errors import script_error

@@ -1,7 +1,7 @@
 # Sourced by scripts/train_lm.sh and scripts/slurm/train.sbatch: adds XLA's recommended GPU flags
 # (docs/performance.md, "XLA flags on GPUs") to XLA_FLAGS when the run is on an NVIDIA GPU, never on
 # a CPU: there they change nothing but XLA_FLAGS, which keys the compilation cache and the cached CPU
-# peak (utils/train/flops.py), so a CPU run would miss the entries of runs started without them.
+# peak (trainer/flops.py), so a CPU run would miss the entries of runs started without them.
 #   EQTRAIN_GPU_FLAGS=auto (default: when `nvidia-smi -L` lists a GPU) | 1 (always: a GPU that
 #   nvidia-smi cannot see, e.g. in some containers) | 0 (never)
 # A flag already in the user's XLA_FLAGS keeps the user's value; their other flags stay as they are.

@@ -187,7 +187,7 @@ def zero1_and_cross_topology(devices, batches_SxAxBxT1, directory: str):
     arrays equal the saved ones and its step 3 has the loss ZeRO-1's step 3 had."""
     import dataclasses
 
-    from utils.checkpoint.resume import resume_source
+    from trainer.resume import resume_source
     from utils.checkpoint.storage import Checkpointer
 
     ck = ["checkpoint.save=true", f"checkpoint.save_path={directory}", "checkpoint.resume=auto",

@@ -1,4 +1,4 @@
-"""logging.activation_norms (utils/train/activations.py): the model's per-block RMS values against
+"""logging.activation_norms (trainer/activations.py): the model's per-block RMS values against
 the residual stream computed block by block, and the step metric on logging steps only."""
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from helpers import compose_config
 import models
 from models import attention
 from models.layers import causal_attention, split_heads
+from trainer import header
 from utils.config import resolve_vocab, validate
 from utils.errors import ConfigError
-from utils.logging import messages
 from utils.parallel import mesh as meshlib
 
 # A string condition: evaluated when the test runs, not at collection (JAX's backend starts later).
@@ -98,7 +98,7 @@ def test_the_backend_decides_once_jax_is_up_and_the_header_says_why(tiny_run, ca
 
     mesh = meshlib.make_mesh(1, 1, 8, devices=jax.devices()[:1])
     data = types.SimpleNamespace(tokens_per_step=128, fingerprint="f")
-    messages.announce(run, None, mesh, data, "dir", 1000)
+    header.announce(run, None, mesh, data, "dir", 1000)
     assert "attention: xla (auto: cuDNN flash attention not used" in capsys.readouterr().out
 
 

@@ -16,13 +16,13 @@ from models import losses
 from models.gpt import param_axes
 from optimizer.diagnostics import find_states
 from optimizer.restart import schedules_at
+from trainer import aux_state
+from trainer.aux_state import AuxConfig
+from trainer.step import build_train_step, step_keys
 from utils.errors import ConfigError
 from utils.logging.sinks import logging_config
 from utils.parallel import layout
 from utils.parallel import mesh as meshlib
-from utils.train import aux_state
-from utils.train.aux_state import AuxConfig
-from utils.train.step import build_train_step, step_keys
 
 FLAGS = ("store_last_params", "store_last_grads", "store_past_grads", "compute_last_loss", "compute_last_grads")
 ALL_ON = AuxConfig(**{f: True for f in FLAGS})
@@ -256,7 +256,7 @@ def test_a_nonfinite_gradient_is_counted_and_skipped(tiny_run):
 
     abstract = jax.eval_shape(lambda: state)
     shardings = layout.state_shardings(mesh, abstract, abstract.model, param_axes(abstract.model))
-    from utils.train import step_metrics
+    from trainer import step_metrics
     metrics = step_metrics.defaults(optax.constant_schedule(1e-3), {}, [], skip_nonfinite=True)
     metrics.append(aux_state.AuxHook(run.logging.aux))
     step = build_train_step(poisoned_loss, tx, metrics, shardings, mesh, "float32", False)

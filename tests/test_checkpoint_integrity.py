@@ -21,7 +21,7 @@ import pytest
 from helpers import compose_config, load_script
 
 import train_jax
-from utils.checkpoint import resume as resume_lib
+from trainer import resume as resume_lib
 from utils.checkpoint import storage
 from utils.errors import CheckpointError
 

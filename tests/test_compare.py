@@ -1,4 +1,4 @@
-"""The comparison engine (scripts/compare.py, utils/compare/plan.py and launch.py) on a tiny case:
+"""The comparison engine (scripts/compare.py, compare/plan.py and launch.py) on a tiny case:
 one optimizer, one lr, one seed, budgets [10, 20] with warmup 2: a 16-step constant-lr trunk
 saving at 8 and 16, and two cooldown branches (2 and 4 steps).
 
@@ -20,8 +20,8 @@ import pytest
 from helpers import REPO, TINY_OVERRIDES, BackgroundProcess, load_script
 
 import train_jax as T
-from utils.compare import launch
-from utils.compare.plan import base_lrs, compare_config, make_plan
+from compare import launch
+from compare.plan import base_lrs, compare_config, make_plan
 from utils.config import compose_overrides
 from utils.errors import ConfigError
 
@@ -248,7 +248,7 @@ def test_bad_sweep_workload_and_extend_knobs(change, knob):
     ([1.0, 2.0], None, (1.0, 2.0), 2, None),                # every lr failed
 ])
 def test_extension_lr(grid, best, base, most, want):
-    from utils.compare.plan import extension_lr
+    from compare.plan import extension_lr
 
     assert extension_lr(grid, best, base, most) == want
 
@@ -293,7 +293,7 @@ def test_lr_extend_runs_lrs_past_the_edge_until_the_best_is_inside(tmp_path, mon
     assert script.main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("compare: lr.extend: 4 more runs beyond the edge of a grid") == 2
-    from utils.compare.report import load_workloads
+    from compare.report import load_workloads
 
     (w,) = load_workloads(str(tmp_path))
     assert w.grid["adamw"] == pytest.approx([1e-4, 3e-4, 9e-4, 2.7e-3]) and w.best["adamw"] == pytest.approx(2.7e-3)
@@ -304,7 +304,7 @@ def test_lr_extend_runs_lrs_past_the_edge_until_the_best_is_inside(tmp_path, mon
     assert "lr.extend" not in out and out.count("skipped (done before)") == 8 and "0 done, 8 skipped" in out
     assert reports == [str(tmp_path)] * 2
     # the report at each optimizer's best setting, and the Sweep table: every setting's best lr and loss
-    from utils.compare.report import build_report
+    from compare.report import build_report
 
     md = open(build_report(str(tmp_path))).read()
     expect = lambda lr, wd: 3 + (math.log10(lr) + 2.5) ** 2 + 0.1 * wd + 1 / 10
@@ -433,7 +433,7 @@ def test_branches_of_length_aware_optimizers_equal_from_scratch_runs(optimizer, 
     scratch, cooled = losses(tmp_path / "scratch"), losses(tmp_path / "c" / "runs" / run_id)
     trunk = losses(tmp_path / "c" / "runs" / run_id.replace("__S20", "__trunk"))
     assert {**{s: v for s, v in trunk.items() if s <= 16}, **{s: v for s, v in cooled.items() if s > 16}} == scratch
-    from utils.compare.report import build_report
+    from compare.report import build_report
 
     md = open(build_report(str(tmp_path / "c"))).read()
     assert {"schedule_free_adamw": "- schedule_free_adamw needs no cooldown",

@@ -1,4 +1,4 @@
-"""The comparison's report (utils/compare/report.py, stats.py) on synthetic comparison directories:
+"""The comparison's report (compare/report.py, stats.py) on synthetic comparison directories:
 run.json + metrics.jsonl written here with known curves, no training. Every number in report.md's
 tables is recomputed from the metrics.jsonl files by code in this file (not the report's), and the
 statistics are checked against scipy and hand formulas."""
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from utils.compare import stats
-from utils.compare.report import build_report
+from compare import stats
+from compare.report import build_report
 from utils.errors import DataError
 
 TOK = 256  # tokens per step

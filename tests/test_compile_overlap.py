@@ -1,4 +1,4 @@
-"""The train step's variants compiled ahead of time in a background thread (utils/train/precompile.py,
+"""The train step's variants compiled ahead of time in a background thread (trainer/precompile.py,
 TrainStep.precompile; issue 25): the first calls use those programs (no second trace), they compute
 exactly what the lazily compiled step computes, and a dispatch that waited for one counts the wait
 as compilation time. And the diagnostics' reductions, the logging variant's extra compile time, stay
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import train_jax as T
+from trainer import aux_state, precompile
+from trainer import hooks as H
 from utils.parallel import mesh as meshlib
-from utils.train import aux_state, precompile
-from utils.train import hooks as H
 
 # The aux-state hook on: the step has a plain and a logging variant (two programs).
 TWO_VARIANTS = ("logging.log_callback_data=true", "logging.optim_diagnostics=false")
@@ -148,7 +148,7 @@ def test_the_cpu_peak_is_measured_before_the_background_compilations_start(tiny_
     """MFU's denominator, measured once per cache_dir and cached: measured while the variants compile
     on the other core it reads low (209 GFLOP/s instead of 507 on 2 cores), and every later run from
     that cache_dir logs an MFU twice too high. compile_ahead takes it first, into the cache."""
-    from utils.train import flops
+    from trainer import flops
 
     run = tiny_run(*TWO_VARIANTS, "model.vocab_size=null", f"cache_dir={tmp_path / 'cache'}")
     trainer = T.build_trainer(run)

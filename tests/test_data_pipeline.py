@@ -18,8 +18,8 @@ from loaders.sources.mixture import ConcatWindows, MixtureTrain
 from loaders.windows import WindowDataset, segment_ids
 from models.gpt import GPT, GPTConfig
 from models.losses import cross_entropy
+from trainer.step import over_micro_batches, with_loss_norm
 from utils.errors import CheckpointError, ConfigError
-from utils.train.step import over_micro_batches, with_loss_norm
 
 EOT = 0
 TINY = GPTConfig(vocab_size=32, context_length=16, dim=32, num_heads=2, num_blocks=2)

@@ -322,11 +322,11 @@ def _lr_find_args(argv):
 
 def _compare_args(argv):
     """scripts/compare.py: `--report DIR`, or the comparison's knobs (conf/compare.yaml, checked by
-    utils.compare.plan.compare_config) and the run overrides (validated as a run's)."""
+    compare.plan.compare_config) and the run overrides (validated as a run's)."""
     if argv[:1] == ["--report"]:
         return len(argv) == 2
-    from utils.compare.executor import launcher_config
-    from utils.compare.plan import compare_config
+    from compare.executor import launcher_config
+    from compare.plan import compare_config
     from utils.config import validate
 
     module = load_script("compare")

@@ -85,7 +85,7 @@ def test_csv_sink_registered_writes_through_open_sinks(tmp_path, monkeypatch):
 
 def test_weight_norms_hook_adds_per_block_norms():
     from models.gpt import GPT, GPTConfig
-    from utils.train import hooks as H
+    from trainer import hooks as H
 
     model = GPT(GPTConfig(dim=32, num_heads=2, num_blocks=3, context_length=16, vocab_size=64), jax.random.PRNGKey(0))
     state = SimpleNamespace(model=model)
@@ -103,8 +103,8 @@ def test_weight_norms_hook_adds_per_block_norms():
 
 def test_max_update_metric_in_a_compiled_step(tiny_run):
     import train_jax as T
+    from trainer import step_metrics
     from utils.parallel import mesh as meshlib
-    from utils.train import step_metrics
 
     run = tiny_run("optimizer=sgdm", "optimizer.momentum=0.0", "optimizer.weight_decay=0.0",
                    "train.gradient_clip_val=null")
@@ -134,8 +134,8 @@ def test_stateful_loss_ema_metric_keeps_its_state_in_the_train_state(tiny_run):
     """LossEMA's state is carried by the step in metric_states["loss_ema"], and the value it logs is
     the bias-corrected EMA of the losses the step reported (the NumPy recurrence)."""
     import train_jax as T
+    from trainer import step_metrics
     from utils.parallel import mesh as meshlib
-    from utils.train import step_metrics
 
     run = tiny_run()
     mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])

@@ -1,4 +1,4 @@
-"""Early stopping (train.early_stopping.*, utils/train/early_stopping.py): the count against a
+"""Early stopping (train.early_stopping.*, trainer/early_stopping.py): the count against a
 hand-worked sequence, the state across a resume, and a tiny run that stops, saves its last
 checkpoint, logs train/stopped_early and stays stopped when resumed."""
 
@@ -11,10 +11,10 @@ import pytest
 from helpers import compose_config
 
 import train_jax
+from trainer.early_stopping import EarlyStopping, EarlyStoppingConfig
+from trainer.hooks import LoopContext
 from utils.config import validate
 from utils.errors import ConfigError
-from utils.train.early_stopping import EarlyStopping, EarlyStoppingConfig
-from utils.train.hooks import LoopContext
 
 
 def evaluations(hook: EarlyStopping, vals: list[float], start: int = 0, every: int = 10) -> int | None:

@@ -19,10 +19,10 @@ from optax.contrib import ScheduleFreeState
 from safetensors.numpy import load_file
 
 import train_jax as T
+from trainer import hooks as H
 from utils.checkpoint.storage import EVAL_MODEL, complete_steps, leaf_name, open_checkpoint
 from utils.config import validate
 from utils.logging.metrics_file import read_metrics
-from utils.train import hooks as H
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 6

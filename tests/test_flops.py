@@ -1,4 +1,4 @@
-"""The CPU's matmul peak, MFU's denominator (utils/train/flops.py): measured once per cache_dir and
+"""The CPU's matmul peak, MFU's denominator (trainer/flops.py): measured once per cache_dir and
 machine, cached, only ever raised, and measured again when the measurement's version changes (a
 figure cached by an older, faulty measurement must not survive an upgrade)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from utils.train import flops
+from trainer import flops
 
 
 def measured(monkeypatch, values: list[float]) -> list[float]:

@@ -126,7 +126,7 @@ def memorise(run, steps: int = 40):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_step_learns_on_the_gpu(tiny_run, dtype):
     """The step users train with on a GPU: half-precision compute, cuDNN attention chosen by auto
-    (float16 also scales its loss, utils/train/loss_scale.py), memorises a fixed batch."""
+    (float16 also scales its loss, trainer/loss_scale.py), memorises a fixed batch."""
     run = tiny_gpu_run(tiny_run, f"train.compute_dtype={dtype}", "optimizer.lr_config.lr=0.01",
                        "optimizer.lr_config.warmup=0")
     assert run.model.attention == "cudnn", run.notes

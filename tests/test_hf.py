@@ -199,7 +199,7 @@ def workdir(tmp_path, monkeypatch) -> Path:
 @pytest.mark.slow
 def test_export_hf_of_a_run_loads_in_transformers(workdir):
     import train_jax
-    from utils.checkpoint.inference import restore_for_inference, run_tokenizer
+    from trainer.inference import restore_for_inference, run_tokenizer
 
     (workdir / "run").mkdir()
     train_jax.train(compose_config(*RUN, "train.max_steps=2", "checkpoint.save=true", "checkpoint.save_path=ck"),

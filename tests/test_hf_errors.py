@@ -16,7 +16,7 @@ from helpers import compose_config
 
 import models
 from models import hf
-from utils.checkpoint.inference import export_hf
+from trainer.inference import export_hf
 from utils.config import validate
 from utils.errors import CheckpointError, ConfigError
 
@@ -143,7 +143,7 @@ def test_a_resumed_run_restores_its_checkpoint_not_init_from(tmp_path, monkeypat
 
     import train_jax
     from models.export import abstract_model
-    from utils.checkpoint.resume import merge_config, resume_source
+    from trainer.resume import merge_config, resume_source
     from utils.checkpoint.storage import restore_model
     from utils.config import to_dict
 

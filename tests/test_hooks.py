@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import train_jax as T
+from trainer import hooks as H
+from trainer import step_metrics
 from utils.errors import ConfigError, TrainingError
 from utils.logging import sinks
 from utils.parallel import mesh as meshlib
-from utils.train import hooks as H
-from utils.train import step_metrics
 
 
 class Recorder(H.Hook):
@@ -250,7 +250,7 @@ def stateful_hooks() -> set[type]:
 
 
 def _early_stopping(saved):
-    from utils.train.early_stopping import EarlyStopping, EarlyStoppingConfig
+    from trainer.early_stopping import EarlyStopping, EarlyStoppingConfig
 
     return EarlyStopping(EarlyStoppingConfig(patience=2, min_delta=0.01), saved)
 

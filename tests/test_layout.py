@@ -15,11 +15,11 @@ import models
 import train_jax as T
 from models.gpt import GPT, param_axes
 from optimizer import OPTIMIZERS
+from trainer import aux_state
+from trainer.step import TrainState
 from utils.errors import ConfigError
 from utils.parallel import layout
 from utils.parallel.mesh import make_mesh
-from utils.train import aux_state
-from utils.train.step import TrainState
 
 
 def _abstract_state(run, tx):

@@ -12,9 +12,9 @@ import pytest
 from helpers import compose_config, restore_item
 
 import train_jax
+from trainer import hooks
 from utils.checkpoint.storage import complete_steps
 from utils.errors import TrainingError
-from utils.train import hooks
 
 RUN = ("model.vocab_size=null", "train.max_val_steps=1", "logging.log_every=4", "optimizer/lr_config=constant")
 

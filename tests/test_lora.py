@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 import models
 import train_jax
 from models import export, gpt, lora
-from utils.checkpoint import inference
+from trainer import inference
 from utils.checkpoint.storage import complete_steps
 from utils.config import validate
 from utils.errors import CheckpointError, ConfigError
@@ -162,7 +162,7 @@ def test_the_aux_hook_keeps_no_buffers_for_the_frozen_base(tiny_run):
     """With LoRA the aux-state hook's three per-parameter buffers hold the factors alone (not three
     copies of the base), and every diagnostic it logs, the extra x(n-1) forward/backward's included,
     equals the hook keeping buffers for every array: the base's terms are exact zeros."""
-    from utils.train import aux_state
+    from trainer import aux_state
 
     run = tiny_run(*LORA, "logging.log_callback_data=true", "logging.compute_last_loss=true",
                    "logging.compute_last_grads=true", "logging.optim_diagnostics=false",

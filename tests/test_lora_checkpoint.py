@@ -22,7 +22,8 @@ from test_checkpoint import assert_same_arrays, losses
 import models
 import train_jax
 from models import hf, lora
-from utils.checkpoint import frozen, inference
+from trainer import inference
+from utils.checkpoint import frozen
 from utils.checkpoint.storage import _saved_shapes, complete_steps, step_path
 from utils.config import validate
 from utils.errors import CheckpointError

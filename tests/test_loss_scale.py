@@ -1,4 +1,4 @@
-"""train.compute_dtype=float16 with dynamic loss scaling (utils/train/loss_scale.py): GradScaler's
+"""train.compute_dtype=float16 with dynamic loss scaling (trainer/loss_scale.py): GradScaler's
 rule for the scale, an overflow skipped without touching weights or optimizer state, the unscaled
 gradient against float32's, the scale growing while the tiny model learns, the refused knobs, and
 float32/bfloat16 runs left as they were. The exact resume of a float16 run (the scale and its count
@@ -18,10 +18,10 @@ from helpers import compose_config, restore_item
 
 import train_jax as T
 from optimizer.nonfinite import advance_schedules
+from trainer import step_metrics
+from trainer.loss_scale import LossScale
 from utils.errors import CheckpointError, ConfigError
 from utils.parallel import mesh as meshlib
-from utils.train import step_metrics
-from utils.train.loss_scale import LossScale
 
 U16 = 2.0**-11  # float16's unit roundoff (10 stored mantissa bits)
 F16 = ("train.compute_dtype=float16",)

@@ -33,10 +33,10 @@ from models.moe import MoE, MoEConfig, routing
 from optimizer import OPTIMIZERS
 from optimizer.diagnostics import find_states
 from optimizer.muon import Muon, MuonState
+from trainer import step_metrics
 from utils.config import validate
 from utils.errors import ConfigError
 from utils.parallel import mesh as meshlib
-from utils.train import step_metrics
 
 RTOL = 4 * (math.sqrt(128) + math.sqrt(64)) * EPS32  # see the module docstring
 # The sharded steps' losses: means over 2·8·16 = 256 tokens, two meshes (tests/test_train_step.py's SHARDED_RTOL).

@@ -7,7 +7,7 @@ Compilations are counted from JAX's own log (`jax_log_compiles`: one "Compiling 
 program lowered), which fires on every jit cache miss whether or not the persistent cache then
 finds the executable on disk. It is switched on for the whole process, not with the thread-local
 `jax.log_compiles()` context: the run compiles its step variants in a background thread
-(utils/train/precompile.py), and those count too."""
+(trainer/precompile.py), and those count too."""
 
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def test_the_step_variants_compile_once_across_evaluations_and_a_resume(tmp_path
     """Segment 1: steps 1-4 of 8 (checkpoint.num_steps=4), an evaluation every 2 steps (between
     steps), both step variants (the aux hook on), saved at its end. Segment 2, the same command,
     resumes it and trains steps 5-8. In each the step (`counted`, both variants' name:
-    utils/train/step_metrics.compile_variants) compiles exactly twice, plain and logging variant,
-    both ahead of time in a background thread (utils/train/precompile.py) while the start hooks
+    trainer/step_metrics.compile_variants) compiles exactly twice, plain and logging variant,
+    both ahead of time in a background thread (trainer/precompile.py) while the start hooks
     run, and the evaluation's program once."""
     command = (*RUN, "train.max_steps=8", "checkpoint.save=true", f"checkpoint.save_path={tmp_path / 'ck'}",
                "checkpoint.num_steps=4", "checkpoint.resume=auto", "checkpoint.async_save=false")

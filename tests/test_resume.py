@@ -1,4 +1,4 @@
-"""utils/checkpoint/resume.py on plain dicts and empty directories (no training, no orbax write): which
+"""trainer/resume.py on plain dicts and empty directories (no training, no orbax write): which
 config a run that starts from a checkpoint trains with, what it reports, and when a new run
 refuses an existing save_path.
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from utils.checkpoint.resume import LOCAL_KEYS, config_differences, merge_config, resume_source
+from trainer.resume import LOCAL_KEYS, config_differences, merge_config, resume_source
 from utils.checkpoint.storage import TMP_MARKER, CheckpointConfig, Source
 from utils.errors import CheckpointError, ConfigError
 

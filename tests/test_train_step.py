@@ -16,9 +16,9 @@ from helpers import EPS32, ShardedCheck
 import train_jax as T
 from models import losses
 from models.losses import cross_entropy
+from trainer import step_metrics
+from trainer.step import step_keys
 from utils.parallel import mesh as meshlib
-from utils.train import step_metrics
-from utils.train.step import step_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tolerances from float32 rounding (EPS32 = 2⁻²³ ≈ 1.19e-7) at the scale of the values compared. The

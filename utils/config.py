@@ -29,17 +29,17 @@ from optimizer import OPTIMIZERS, for_run
 from optimizer import cautious as cautious_mask
 from optimizer.groups import GROUPS, group_hparams, group_knobs
 from optimizer.schedules import SCHEDULES, warmup_warning
+from trainer.early_stopping import EarlyStoppingConfig
+from trainer.loss_scale import LossScaleConfig
 from utils.checkpoint.storage import CheckpointConfig
 from utils.errors import ConfigError
 from utils.files import user_path
 from utils.logging.sinks import LoggingConfig, logging_config
 from utils.parallel.mesh import ParallelConfig
 from utils.sections import _coerce, build_registered, build_section
-from utils.train.early_stopping import EarlyStoppingConfig
-from utils.train.loss_scale import LossScaleConfig
 
 DTYPES = ("float32", "bfloat16")  # of the weights and optimizer state
-COMPUTE_DTYPES = DTYPES + ("float16",)  # float16 with dynamic loss scaling (utils/train/loss_scale.py)
+COMPUTE_DTYPES = DTYPES + ("float16",)  # float16 with dynamic loss scaling (trainer/loss_scale.py)
 
 
 @dataclass(frozen=True)

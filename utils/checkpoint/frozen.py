@@ -7,7 +7,7 @@ arrays in its `model` (and `eval_model`) item; its manifest's `frozen` entry say
 come from (`source`: the directory and train.param_dtype) and holds a fingerprint of their values.
 A restore rebuilds the base from that directory and refuses, in one line, a base whose fingerprint
 differs (the directory's weights changed, another param_dtype), so a resume stays bit-identical or
-fails before training. (A random base is saved whole: utils/checkpoint/resume.py `frozen_base`.)
+fails before training. (A random base is saved whole: trainer/resume.py `frozen_base`.)
 
 Nothing is lost when the base did move after all: each save fingerprints the frozen arrays it
 would leave out, and if they no longer match the run's start the checkpoint is written in full

@@ -27,7 +27,7 @@ returns once the arrays are copied off the device, and the files are written (an
 training goes on.
 
 This module is storage only: which checkpoint a run starts from and which config it then trains
-with is `utils/checkpoint/resume.py`; stopping on a signal (and the exit codes) is `utils/checkpoint/signals.py`;
+with is `trainer/resume.py`; stopping on a signal (and the exit codes) is `utils/checkpoint/signals.py`;
 the copy of every checkpoint on S3-compatible storage (checkpoint.remote) is `utils/checkpoint/remote.py`.
 """
 
@@ -451,7 +451,7 @@ def with_frozen(source: Source, model: Any, rebuild: Callable[[], Any] | None) -
         return model
     if rebuild is None:
         raise CheckpointError(f"{source.path} holds LoRA factors without their base: restore it with "
-                              "utils.checkpoint.inference.restore_for_inference, which reads the base")
+                              "trainer.inference.restore_for_inference, which reads the base")
     return frozen_ref.complete(model, rebuild(), record, source.path)
 
 

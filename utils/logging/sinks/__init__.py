@@ -26,12 +26,12 @@ from typing import Any, Protocol
 import jax
 
 from utils.errors import ConfigError
+from utils.logging.aux_flags import AuxConfig
 from utils.logging.sinks.console import Console
 from utils.logging.sinks.jsonl import Jsonl
 from utils.logging.sinks.tensorboard import TensorBoard
 from utils.logging.sinks.wandb import Wandb
 from utils.sections import build_section
-from utils.train.aux_state import AuxConfig
 
 SINKS = {"console": Console, "jsonl": Jsonl, "tensorboard": TensorBoard, "wandb": Wandb}
 
@@ -47,8 +47,8 @@ class LoggingConfig:
     log_every: int = 10  # pull metrics from the device every N steps (no host sync in between)
     sample_prompts: tuple[str, ...] = ("def ", "import ")  # sampled from at each evaluation; [] = none
     sample_tokens: int = 32  # tokens per evaluation sample
-    activation_norms: bool = False  # per-block activation RMS on logging steps (utils/train/activations.py)
-    aux: AuxConfig = AuxConfig()  # the aux-state hook's flags (utils/train/aux_state.py)
+    activation_norms: bool = False  # per-block activation RMS on logging steps (trainer/activations.py)
+    aux: AuxConfig = AuxConfig()  # the aux-state hook's flags (trainer/aux_state.py)
     sinks: tuple = ()  # one built config per entry of SINKS, in its order
 
     def check(self, prefix: str) -> None:

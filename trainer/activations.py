@@ -24,7 +24,7 @@ KINDS = ("attn", "mlp", "resid")
 
 @dataclass(frozen=True)
 class ActivationNorms:
-    """The StepMetric (utils/train/step_metrics.py) of logging.activation_norms."""
+    """The StepMetric (trainer/step_metrics.py) of logging.activation_norms."""
 
     num_blocks: int
     compute_dtype: Any = jnp.float32

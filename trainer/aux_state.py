@@ -19,7 +19,7 @@ the next finite step's Δ is the last update applied, not 0.
 
 `update/norm`, `update/norm_l1`, `update/norm_inf` are trainit's `full_log` norms of Δ_n = x_n −
 x_{n−1} (the previous step's update, so they need `store_last_params`; without it they are not
-logged). The update this step applies, Δ_{n+1}, is `train/update_norm` (utils/train/step_metrics.py).
+logged). The update this step applies, Δ_{n+1}, is `train/update_norm` (trainer/step_metrics.py).
 """
 
 from __future__ import annotations
@@ -35,56 +35,10 @@ import jax.numpy as jnp
 import optax
 
 from models.lora import FROZEN_GROUP
-from utils.errors import ConfigError
-from utils.train.step_metrics import FnMetric, StepInputs
+from trainer.step_metrics import FnMetric, StepInputs
+from utils.logging.aux_flags import AuxConfig
 
 F32 = jnp.float32
-
-
-@dataclass(frozen=True)
-class AuxConfig:
-    """The `logging.*` flags of the aux-state hook (trainit's names for them)."""
-
-    log_callback_data: bool = True  # false: no diagnostics, no buffers
-    store_last_params: bool = True  # keep x(n-1): 1 parameter copy
-    store_last_grads: bool = True  # keep g(n-1): 1 parameter copy
-    store_past_grads: bool = True  # keep the sum of g(1..n-1): 1 parameter copy
-    compute_last_loss: bool = False  # f(x(n-1), z(n)): one extra forward per step
-    compute_last_grads: bool = False  # grad f(x(n-1), z(n)): one extra forward and backward per step
-    per_layer: bool = False  # norms per block (logging steps only)
-    optim_diagnostics: bool = True  # the optimizer's own optim/<group>/... metrics (logging steps only)
-
-    def check(self, prefix: str) -> None:
-        if not self.log_callback_data:
-            return  # every flag below is moot: nothing is computed
-        for flag in ("compute_last_loss", "compute_last_grads"):
-            if getattr(self, flag) and not self.store_last_params:
-                raise ConfigError(f"{prefix}.{flag}=true evaluates at x(n-1), which only {prefix}.store_last_params "
-                                  f"keeps: set {prefix}.store_last_params=true or {prefix}.{flag}=false")
-
-    @property
-    def on(self) -> bool:
-        return self.log_callback_data
-
-    @property
-    def needs_last_point(self) -> bool:
-        """The step evaluates the loss at x(n-1) on this step's batch."""
-        return self.on and (self.compute_last_loss or self.compute_last_grads)
-
-    @property
-    def sum_names(self) -> tuple[str, ...]:
-        names: list[str] = []
-        if self.store_last_params:
-            names += ["update/<gn, xn-x(n-1)>_sum", "update/<gn, Delta(n)>_sum"]
-            if self.store_last_grads:
-                names.append("update/<g(n-1), Delta(n)>_sum")
-            if self.compute_last_loss or self.compute_last_grads:
-                names.append("loss/fn-f(n-1)_sum")
-        return tuple(names) if self.on else ()
-
-    def buffer_copies(self) -> int:
-        """Parameter-sized buffers the state carries (docs/metrics.md's memory figure)."""
-        return (self.store_last_params + self.store_last_grads + self.store_past_grads) if self.on else 0
 
 
 class AuxState(eqx.Module):
@@ -263,7 +217,7 @@ def update(cfg: AuxConfig, aux: AuxState, params, grads, updates, loss: jax.Arra
 
 @dataclass(frozen=True)
 class AuxHook:
-    """The aux-state hook as a step metric (utils/train/step_metrics.py): its state is the
+    """The aux-state hook as a step metric (trainer/step_metrics.py): its state is the
     AuxState, under `metric_states["aux"]`; x(n-1) is evaluated on this step's batch with the
     step's own dropout keys (`inputs.loss_at`) when compute_last_loss/compute_last_grads ask."""
 

@@ -37,8 +37,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from compare.plan import Plan, PlannedRun, override_key, run_json
 from utils.checkpoint.storage import complete_steps
-from utils.compare.plan import Plan, PlannedRun, override_key, run_json
 from utils.errors import ConfigError, EqtrainError, TrainingError
 from utils.files import atomic_write
 

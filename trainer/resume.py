@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 
 from models import lora
+from trainer.step import TrainState
 from utils.checkpoint import remote
 from utils.checkpoint.frozen import MANIFEST_KEY, FrozenPart
 from utils.checkpoint.storage import (
@@ -26,7 +27,6 @@ from utils.checkpoint.storage import (
     with_frozen,
 )
 from utils.errors import ConfigError
-from utils.train.step import TrainState
 
 # Top-level config keys that describe this machine or this invocation, not the run being
 # trained: a run that starts from a checkpoint always takes them from its own command line

@@ -12,9 +12,9 @@ if TYPE_CHECKING:  # annotations only: utils/ does not import the loaders or the
 
     from loaders.pipeline import Data
     from loaders.tokenizers import Tokenizer
+    from trainer.step import TrainState
+    from trainer.step_metrics import TrainStep
     from utils.config import RunConfig
-    from utils.train.step import TrainState
-    from utils.train.step_metrics import TrainStep
 
 
 @dataclass

@@ -35,8 +35,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from trainer import flops
 from utils.parallel import mesh as meshlib
-from utils.train import flops
 
 
 def abstract(tree: Any) -> Any:
@@ -65,7 +65,7 @@ def variants_needed(start: int, end: int, log_every: int) -> tuple[bool, ...]:
 
 def compile_ahead(trainer, start: int, end: int) -> None:
     """Start compiling the variants `trainer`'s loop will call for steps start+1..end (a
-    utils.train.trainer.Trainer; train_jax.run_training calls this before the start hooks).
+    trainer.trainer.Trainer; train_jax.run_training calls this before the start hooks).
 
     CPU only: a GPU compilation autotunes its kernels on the device, which the evaluation running
     beside it would disturb (the timings it picks kernels by, the memory it needs); there the

@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.hooks import Hook, LoopContext
 from utils.errors import ConfigError
 from utils.logging.messages import say
-from utils.train.hooks import Hook, LoopContext
 
 MANIFEST_KEY = "early_stopping"
 

@@ -16,7 +16,7 @@ optimizer, every lr of its grid is crossed with every combination of the `sweep.
 
 `make_plan` is a pure function of the knobs, the run overrides and each optimizer's yaml lr per
 workload; `base_lrs` reads those. Every bad knob is one ConfigError line naming it, before anything
-trains. Paths are not part of the plan: utils/compare/launch.py adds the checkpoint paths of each
+trains. Paths are not part of the plan: compare/launch.py adds the checkpoint paths of each
 run. `extension_runs` adds the runs of one more lr beyond a grid's edge (`lr.extend=true`).
 """
 

@@ -28,13 +28,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from trainer.step_metrics import UPDATE_NORM
 from utils.checkpoint import signals
 from utils.checkpoint.storage import step_path
 from utils.errors import DataError, TrainingError
 from utils.logging.messages import say
 from utils.logging.sinks import Sinks
 from utils.parallel import mesh as meshlib
-from utils.train.step_metrics import UPDATE_NORM
 
 # The loop's clock (a seam: tests drive it to check the throughput arithmetic exactly).
 clock = time.perf_counter

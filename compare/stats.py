@@ -1,6 +1,6 @@
 """The statistics of a comparison's report: pure functions of numbers (numpy, scipy).
 
-Every function here is what `utils/compare/report.py` prints and what
+Every function here is what `compare/report.py` prints and what
 tests/test_compare_report.py recomputes, so each has one documented rule:
 
 - `mean_std`: mean and sample standard deviation (ddof=1) over seeds; a failed or diverged seed

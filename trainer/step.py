@@ -1,5 +1,5 @@
 """The train step, whatever the model: a state, gradients through the model's loss with gradient
-accumulation, the optimizer update and the step metrics (utils/train/step_metrics.py: stateful
+accumulation, the optimizer update and the step metrics (trainer/step_metrics.py: stateful
 ones, like the aux-state hook, keep their state in the TrainState), jitted with shardings and
 buffer donation (the old state's buffers become the new state's). The model, its loss and the
 metrics come from train_jax; nothing here knows what they are.
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from trainer import step_metrics
 from utils.parallel import mesh as meshlib
-from utils.train import step_metrics
 
 
 class TrainState(eqx.Module):
@@ -24,7 +24,7 @@ class TrainState(eqx.Module):
     step: jax.Array  # int32 scalar: optimizer updates done
     key: jax.Array  # uint32[2]: dropout randomness, split once per step
     metric_states: dict = eqx.field(default_factory=dict)  # {name: state} of the stateful step metrics
-    loss_scale: Any = None  # float16 compute: a LossScale (utils/train/loss_scale.py); else None, no scaling
+    loss_scale: Any = None  # float16 compute: a LossScale (trainer/loss_scale.py); else None, no scaling
 
 
 def initial_keys(seed: int) -> tuple[jax.Array, jax.Array]:
@@ -52,7 +52,7 @@ def with_loss_norm(batch):
 
 def step_keys(key: jax.Array, accum: int) -> tuple[jax.Array, jax.Array]:
     """(the next state's key, one dropout key per micro-batch) from a state's key: every
-    micro-batch gets its own, and x(n-1) is evaluated with the same ones (utils/train/aux_state.py)."""
+    micro-batch gets its own, and x(n-1) is evaluated with the same ones (trainer/aux_state.py)."""
     key, step_key = jax.random.split(key)
     return key, jax.random.split(step_key, accum)
 
@@ -85,7 +85,7 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
     key or None, compute_dtype) -> (loss, aux)`, where a batch is a token array or a dict of
     arrays (see `with_loss_norm`). A state with a `loss_scale` (float16 compute) has its loss scaled
     before the gradient and the gradient unscaled after, and the scale adjusted to whether it was
-    finite (utils/train/loss_scale.py)."""
+    finite (trainer/loss_scale.py)."""
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     compute_dtype = jnp.dtype(compute_dtype)
     step_metrics.stateful(metrics)  # unique state names, checked once here

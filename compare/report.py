@@ -1,6 +1,6 @@
 """A comparison's report: a pure function of its directory.
 
-    build_report("compare/2026-12-01_10-00-00")          # -> .../report.md
+    build_report("comparisons/2026-12-01_10-00-00")          # -> .../report.md
     build_report(directory, target=3.2)                  # time to a loss of 3.2 instead of AdamW's
 
 Reads only what the runs wrote (`runs/<id>/run.json`, `runs/<id>/metrics.jsonl`, and
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from utils.compare import stats
+from compare import stats
 from utils.errors import DataError
 from utils.files import atomic_write
 from utils.logging.metrics_file import read_metrics as _read_metrics

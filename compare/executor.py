@@ -6,7 +6,7 @@
 The comparison reads the same launcher configs `train_jax.py -m hydra/launcher=...` uses (and
 their `hydra.launcher.*` overrides) and hands them to submitit as hydra-submitit-launcher does:
 the fields of its BaseQueueConf as they are, the others prefixed with the executor's name. It
-does not go through Hydra's launcher, because a branch must wait for its trunk (utils/compare/
+does not go through Hydra's launcher, because a branch must wait for its trunk (compare/
 launch.py's run_jobs submits it once the trunk is done), which a Hydra sweep cannot express.
 """
 

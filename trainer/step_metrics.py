@@ -14,7 +14,7 @@ micro-batches (`aux["loss"]` is loss_A), and `loss_at(model, with_grads)`, this 
 evaluated at another point with the step's own dropout keys. Values stay on the device; the host
 pulls them on logging steps. A metric's state lives in the TrainState under its name, shards like
 the parameters, and is saved in checkpoints, so a resumed run's metrics continue exactly. The
-aux-state hook (utils/train/aux_state.py, `AuxHook`) is the stateful one every run can switch on.
+aux-state hook (trainer/aux_state.py, `AuxHook`) is the stateful one every run can switch on.
 
 A stateless metric is one function: `FnMetric(fn)` with `fn(state, grads, updates, aux) -> dict`,
 given the step's starting state, or with `after_update=True` the state it produced (Adam's
@@ -35,11 +35,13 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 
-from utils.train import loss_scale, precompile
+from optimizer import diagnostics
+from trainer import loss_scale, precompile
 
 MetricFn = Callable[[Any, Any, Any, dict], dict[str, jax.Array]]
 
@@ -84,6 +86,15 @@ class FnMetric:
                              inputs.aux)
 
 
+def optimizer_diagnostics(hparams: Any, overrides: dict[str, dict[str, float]] | None = None) -> FnMetric:
+    """The optimizer's own `optim/...` metrics (optimizer/diagnostics.py `optimizer_metrics`) as a
+    metric of the logging variant, read from the state the step produced: the optimizer state
+    this update was computed with and left."""
+    return FnMetric(lambda state, grads, updates, aux: diagnostics.optimizer_metrics(
+        hparams, state.opt_state, eqx.filter(state.model, eqx.is_array), overrides), logging_only=True,
+        after_update=True)
+
+
 def stateful(metrics: Sequence[StepMetric]) -> list[StepMetric]:
     """The metrics that keep a state, each under its own name (checked: names are unique)."""
     out = [m for m in metrics if m.name is not None]
@@ -112,9 +123,9 @@ UPDATE_NORM = "train/update_norm"
 
 def norms(state, grads, updates, aux) -> dict[str, jax.Array]:
     """Global L2 norms of the gradient (before clipping) and of the update this step applies,
-    Δ(n+1) (trainit's `update/norm` is the previous one, Δ(n): utils/train/aux_state.py). The update
+    Δ(n+1) (trainit's `update/norm` is the previous one, Δ(n): trainer/aux_state.py). The update
     norm also vouches, before every save, that the weights a step produced are finite
-    (utils.train.hooks.check_finite)."""
+    (trainer.hooks.check_finite)."""
     return {"train/grad_norm": optax.tree.norm(grads), UPDATE_NORM: optax.tree.norm(updates)}
 
 
@@ -209,7 +220,7 @@ class TrainStep:
     def precompile(self, state, batch, variants: Sequence[bool] = (False, True)) -> None:
         """Start compiling the variants (their `logging` flags, in the order they are needed) in
         background threads for arguments shaped like `state` and `batch` (arrays or
-        ShapeDtypeStructs); the call of a variant waits for its compilation (utils/train/precompile.py)."""
+        ShapeDtypeStructs); the call of a variant waits for its compilation (trainer/precompile.py)."""
         args = precompile.abstract((state, batch))
         for logging in dict.fromkeys(self._variant(v) for v in variants):
             fn = self.logging if logging else self.plain

@@ -20,11 +20,11 @@ from omegaconf import OmegaConf
 import models
 from models import attention
 from models.export import abstract_model
+from trainer.step import initial_keys
 from utils import files
 from utils.checkpoint import storage as ckptlib
 from utils.config import RunConfig, validate
 from utils.errors import CheckpointError
-from utils.train.step import initial_keys
 
 _ROOT_CONFIG = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf", "config.yaml")
