@@ -232,19 +232,21 @@ def test_the_runs_hooks_are_in_a_valid_order(tiny_run, tmp_path):
 
 def stateful_hooks() -> set[type]:
     """Every Hook subclass in the project's modules with a `state_dict` (what checkpoints keep of it),
-    found by importing utils/ and train_jax.py: a new stateful hook is covered without being listed."""
+    found by importing trainer/, utils/ and train_jax.py: a new stateful hook is covered without being listed."""
     import importlib
     import pkgutil
 
+    import trainer
     import utils
 
-    for module in pkgutil.walk_packages(utils.__path__, "utils."):
-        importlib.import_module(module.name)
+    for package in (trainer, utils):
+        for module in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            importlib.import_module(module.name)
     found, todo = set(), [H.Hook]
     while todo:
         cls = todo.pop()
         todo += cls.__subclasses__()
-        if hasattr(cls, "state_dict") and cls.__module__.split(".")[0] in ("utils", "train_jax"):
+        if hasattr(cls, "state_dict") and cls.__module__.split(".")[0] in ("trainer", "utils", "train_jax"):
             found.add(cls)
     return found
 

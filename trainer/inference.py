@@ -27,7 +27,7 @@ from utils.config import RunConfig, validate
 from utils.errors import CheckpointError
 
 _ROOT_CONFIG = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf", "config.yaml")
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "config.yaml")
 
 
 def local_cache_dir() -> str:
