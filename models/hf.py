@@ -37,7 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
+from models import hf_tokenizer
 from models.hf_keys import json_text
+from models.hf_tokenizer import hf_tokenizer_object
 from utils import files
 from utils.errors import CheckpointError, ConfigError
 
@@ -332,10 +334,10 @@ def hf_dir_config(model: eqx.Module, tokenizer=None) -> dict:
 
 
 def save_hf(out_dir: str, model: eqx.Module, tokenizer=None) -> list[str]:
-    """Write OUT_DIR as a transformers directory (config.json, model.safetensors in float32 and, for a
-    Hugging Face or BPE tokenizer, its files); each file written atomically. Returns the file names.
-    `tokenizer` is the run's built tokenizer (loaders.tokenizers): the byte tokenizer has no Hugging
-    Face form, so with it (or None) no tokenizer files are written."""
+    """Write OUT_DIR as a transformers directory (config.json, model.safetensors in float32 and, with
+    a tokenizer, its files); each file written atomically. Returns the file names. `tokenizer` is the
+    run's built tokenizer (loaders.tokenizers; None: no tokenizer files): AutoTokenizer then encodes
+    as it does (models/hf_tokenizer.py, which may add tokenization_eqtrain.py)."""
     from safetensors.numpy import save_file
 
     config = hf_dir_config(model, tokenizer)  # first: its refusals come before any file is written
@@ -350,22 +352,8 @@ def save_hf(out_dir: str, model: eqx.Module, tokenizer=None) -> list[str]:
             json.dump(config, f, indent=2)
             f.write("\n")
     written.append(CONFIG_FILE)
-    return written + save_tokenizer(out_dir, tokenizer)
-
-
-def hf_tokenizer_object(tokenizer):
-    """The run's tokenizer as a transformers tokenizer, or None (the byte tokenizer has no HF form)."""
-    from loaders.tokenizers import EOT_TOKEN, BPETokenizer, TransformersTokenizer
-
-    if isinstance(tokenizer, TransformersTokenizer):
-        return tokenizer._tok
-    if isinstance(tokenizer, BPETokenizer):
-        from transformers import PreTrainedTokenizerFast
-
-        # GPT-2's convention: the end-of-text token is also bos and unk (byte-level BPE never needs unk).
-        return PreTrainedTokenizerFast(tokenizer_object=tokenizer._tok, eos_token=EOT_TOKEN, bos_token=EOT_TOKEN,
-                                       unk_token=EOT_TOKEN)
-    return None
+    written += save_tokenizer(out_dir, tokenizer)
+    return written + hf_tokenizer.keep_run_ids(out_dir, tokenizer)  # AutoTokenizer's ids = the run's
 
 
 def save_tokenizer(out_dir: str, tokenizer) -> list[str]:
