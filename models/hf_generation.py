@@ -7,7 +7,7 @@ base lacks comes from the run's tokenizer) and its generation_config.json verbat
 scratch derives the ids from its tokenizer (bos and eos the end of text for the byte and BPE
 tokenizers; a Hugging Face tokenizer's own bos, eos and pad) and gets a generation_config.json of
 those ids. The run records them in every checkpoint's manifest (`generation`), so the export writes
-what the run started with even where the base directory has changed or is gone; a checkpoint from
+what the run started with even where the base directory has changed since; a checkpoint from
 before the key gets its tokenizer's.
 """
 
