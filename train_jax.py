@@ -29,6 +29,7 @@ from loaders.config import DataRequest
 from loaders.pipeline import Data, build_data, source_documents
 from loaders.tokenizers import Tokenizer
 from loaders.windows import WindowDataset
+from models import hf_generation
 from models.sample import sampler
 from optimizer import diagnostics, eval_view, group_schedules, make_optimizer
 from optimizer.nonfinite import skip_nonfinite
@@ -170,6 +171,9 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
                        saved=resumed.get("sinks"))  # a resumed run continues its wandb run
     if saver:
         saver.add_to_manifest("sinks", sinks.state_dict)
+        # the ids and generation_config.json an hf export writes: the base's (model.init_from) or the tokenizer's
+        generation = hf_generation.for_run(run.model.init_from, trainer.tokenizer)
+        saver.add_to_manifest(hf_generation.MANIFEST_KEY, lambda: generation)
     if t.early_stopping.patience:  # after the evaluation, before the log and the saves
         hooks.append(early_stopping.EarlyStopping(t.early_stopping, resumed.get(early_stopping.MANIFEST_KEY), saver))
     vouchers = (step_metrics.UPDATE_NORM,) if t.skip_nonfinite else H.VOUCHERS  # a skipped step's loss is NaN

@@ -37,7 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
+from models import hf_generation, hf_tokenizer
 from models.hf_keys import json_text
+from models.hf_tokenizer import hf_tokenizer_object
 from utils import files
 from utils.errors import CheckpointError, ConfigError
 
@@ -154,6 +156,7 @@ def resolve_init_from(cfg, prefix: str = "model") -> tuple[Any, tuple[str, ...],
         refuse_moe(cfg, "a run cannot start its MoE blocks from a Hugging Face directory")
         new = fam.config_from_hf(hf, dataclasses.replace(cfg, init_from=path), os.path.join(path, CONFIG_FILE))
         new.check(prefix)
+        hf_generation.read_base(path, hf)  # bos/eos/pad and generation_config.json, carried to the export
     except ConfigError as e:
         raise ConfigError(f"{knob}: {e}") from None
     try:
@@ -322,23 +325,30 @@ def build_from_hf(cfg, key: jax.Array) -> eqx.Module:
 # ----------------------------------------------------------------------------- save
 
 
-def hf_dir_config(model: eqx.Module, tokenizer=None) -> dict:
-    """config.json: the family's model fields plus what transformers reads to load it offline."""
+def hf_dir_config(model: eqx.Module, tokenizer=None, generation: dict | None = None) -> dict:
+    """config.json: the family's model fields plus what transformers reads to load it offline, and the
+    special ids of `generation` (models/hf_generation.py; None: the tokenizer's, if any)."""
     refuse_moe(model.cfg, "MoE blocks cannot be exported as a Hugging Face directory")
     hf = {**models.family(model).hf_config(model.cfg), "torch_dtype": "float32", "dtype": "float32"}
-    if tokenizer is not None:
-        hf.update(bos_token_id=int(tokenizer.eot_id), eos_token_id=int(tokenizer.eot_id))
+    if generation is None and tokenizer is not None:
+        generation = hf_generation.from_tokenizer(tokenizer)
+    if generation is not None:
+        hf.update(hf_generation.config_ids(generation))
     return hf
 
 
-def save_hf(out_dir: str, model: eqx.Module, tokenizer=None) -> list[str]:
-    """Write OUT_DIR as a transformers directory (config.json, model.safetensors in float32 and, for a
-    Hugging Face or BPE tokenizer, its files); each file written atomically. Returns the file names.
-    `tokenizer` is the run's built tokenizer (loaders.tokenizers): the byte tokenizer has no Hugging
-    Face form, so with it (or None) no tokenizer files are written."""
+def save_hf(out_dir: str, model: eqx.Module, tokenizer=None, generation: dict | None = None) -> list[str]:
+    """Write OUT_DIR as a transformers directory (config.json, model.safetensors in float32 and, with
+    a tokenizer, its files); each file written atomically. Returns the file names. `tokenizer` is the
+    run's built tokenizer (loaders.tokenizers; None: no tokenizer files): AutoTokenizer then encodes
+    as it does (models/hf_tokenizer.py, which may add tokenization_eqtrain.py). `generation` (a run's
+    manifest entry, models/hf_generation.py; None: the tokenizer's ids) gives config.json's special
+    ids and generation_config.json (written when there are ids: a tokenizer or `generation`)."""
     from safetensors.numpy import save_file
 
-    config = hf_dir_config(model, tokenizer)  # first: its refusals come before any file is written
+    if generation is None and tokenizer is not None:
+        generation = hf_generation.from_tokenizer(tokenizer)
+    config = hf_dir_config(model, tokenizer, generation)  # first: its refusals come before any file is written
     tensors = {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32))
                for k, v in models.family(model).hf_tensors(model).items()}
     written = []
@@ -350,22 +360,14 @@ def save_hf(out_dir: str, model: eqx.Module, tokenizer=None) -> list[str]:
             json.dump(config, f, indent=2)
             f.write("\n")
     written.append(CONFIG_FILE)
-    return written + save_tokenizer(out_dir, tokenizer)
-
-
-def hf_tokenizer_object(tokenizer):
-    """The run's tokenizer as a transformers tokenizer, or None (the byte tokenizer has no HF form)."""
-    from loaders.tokenizers import EOT_TOKEN, BPETokenizer, TransformersTokenizer
-
-    if isinstance(tokenizer, TransformersTokenizer):
-        return tokenizer._tok
-    if isinstance(tokenizer, BPETokenizer):
-        from transformers import PreTrainedTokenizerFast
-
-        # GPT-2's convention: the end-of-text token is also bos and unk (byte-level BPE never needs unk).
-        return PreTrainedTokenizerFast(tokenizer_object=tokenizer._tok, eos_token=EOT_TOKEN, bos_token=EOT_TOKEN,
-                                       unk_token=EOT_TOKEN)
-    return None
+    if generation is not None:
+        with files.atomic_write(os.path.join(out_dir, hf_generation.FILE)) as tmp:
+            with open(tmp, "w") as f:
+                json.dump(hf_generation.generation_config(generation), f, indent=2)
+                f.write("\n")
+        written.append(hf_generation.FILE)
+    written += save_tokenizer(out_dir, tokenizer)
+    return written + hf_tokenizer.keep_run_ids(out_dir, tokenizer)  # AutoTokenizer's ids = the run's
 
 
 def save_tokenizer(out_dir: str, tokenizer) -> list[str]:

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse
 
 import models
-from models import export, objectives
+from models import export, hf_generation, objectives
 from trainer import inference
 from utils.cli import quiet_jax_probe
 from utils.errors import EqtrainError
@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         source, run, model = inference.restore_for_inference(args.checkpoint_dir, args.load_file)
         model = models.for_export(model, args.merge_lora, args.format)  # LoRA: merged, or refused for hf
         if args.format == "hf":
-            print(inference.export_hf(args.out, run, model))
+            saved = source.manifest.get(hf_generation.MANIFEST_KEY)  # bos/eos/pad, generation_config.json
+            generation = hf_generation.checked(saved, f"{source.path} manifest") if saved is not None else None
+            print(inference.export_hf(args.out, run, model, generation))
         else:
             export.save_export(args.out, model, source.step, source.config.get("tokenizer", {}), run.context_length,
                                objectives.as_dict(run.objective))

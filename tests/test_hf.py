@@ -213,6 +213,10 @@ def test_export_hf_of_a_run_loads_in_transformers(workdir):
     tok, _ = run_tokenizer(run)
     text = "def train(run):\n    return run"
     np.testing.assert_array_equal(auto(text, add_special_tokens=False)["input_ids"], tok.encode(text))
+    # from scratch: the checkpoint recorded the tokenizer's ids, written to config.json and generation_config.json
+    generation = transformers.GenerationConfig.from_pretrained(workdir / "hf_out")
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (tok.eot_id, tok.eot_id, None)
+    assert theirs.config.bos_token_id == theirs.config.eos_token_id == tok.eot_id
 
 
 @pytest.mark.slow

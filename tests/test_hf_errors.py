@@ -113,6 +113,25 @@ def test_moe_cannot_start_from_a_directory(gpt_dir):
         run_with("model.init_from=pretrained", "model.moe.num_experts=2")
 
 
+@pytest.mark.parametrize("file,content,message", [
+    ("config.json", {"eos_token_id": "2"}, r"config.json has eos_token_id=\"2\": a token id is an integer, a list of "
+                                           r"integers or null; fix the file"),
+    ("config.json", {"bos_token_id": [1]}, r"config.json has bos_token_id=\[1\]: a token id is an integer or null"),
+    ("generation_config.json", {"eos_token_id": [0, True]}, r"generation_config.json has eos_token_id=\[0, true\]"),
+    ("generation_config.json", [1], r"generation_config.json holds list, not a JSON object: save the model again"),
+    ("generation_config.json", "{", r"generation_config.json cannot be read as JSON \(.*\): save the model again"),
+], ids=["eos_string", "bos_list", "eos_bool", "not_object", "not_json"])
+def test_bad_generation_metadata_is_one_line(gpt_dir, file, content, message):
+    """The base's special ids and generation_config.json, carried to the export, are checked at the boundary."""
+    if file == "config.json":
+        edit_config(gpt_dir, **content)
+    else:
+        (gpt_dir / file).write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ConfigError, match=r"^model.init_from=pretrained: .*" + message) as e:
+        run_with("model.init_from=pretrained")
+    one_line(e)
+
+
 def test_the_directory_tokenizer_becomes_the_runs(gpt_dir):
     from loaders.tokenizers import BPETokenizer
     from loaders.tokenizers.bpe import _train_bpe

@@ -91,19 +91,19 @@ def run_tokenizer(run: RunConfig):
         return None, str(e)
 
 
-def export_hf(out_dir: str, run: RunConfig, model) -> str:
+def export_hf(out_dir: str, run: RunConfig, model, generation: dict | None = None) -> str:
     """A run's model as a transformers directory (models.hf.save_hf), its tokenizer included where it
-    has a Hugging Face form. Refuses a masked-diffusion model: transformers' causal LM would run it
-    causally, not as trained. Returns a line saying which tokenizer files were (not) written."""
+    can be rebuilt here (AutoTokenizer then encodes as the run did). Refuses a masked-diffusion model:
+    transformers' causal LM would run it causally, not as trained. Returns a line saying which
+    tokenizer files were (not) written. `generation`: the checkpoint manifest's entry (models/hf_generation.py),
+    None for a checkpoint from before it (the tokenizer's ids then)."""
     from models import hf
 
     if run.objective.name != "ar":
         raise CheckpointError(f"--format hf: this model was trained with objective={run.objective.name} (bidirectional "
                               "attention); a Hugging Face causal LM would run it causally: use --format safetensors")
     tokenizer, why = run_tokenizer(run)
-    names = hf.save_hf(out_dir, model, tokenizer)
+    names = hf.save_hf(out_dir, model, tokenizer, generation)
     if hf.hf_tokenizer_object(tokenizer) is not None:
         return f"tokenizer files: {', '.join(n for n in names if n.startswith(('tokenizer', 'special')))}"
-    if tokenizer is not None:
-        return f"no tokenizer files: tokenizer={run.tokenizer.name} has no Hugging Face form (ids are UTF-8 bytes)"
     return f"no tokenizer files: the run's tokenizer cannot be rebuilt here ({why})"
