@@ -248,7 +248,6 @@ NOT_YET_REVIEWED = {
     "tests/test_eval.py": 3,
     "tests/test_eval_params.py": 1,
     "tests/test_llama_hf.py": 1,
-    "tests/test_lr_find.py": 2,
     "tests/test_mdlm.py": 3,
     "tests/test_moe.py": 1,
     "tests/test_multiprocess.py": 2,
