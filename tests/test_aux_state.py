@@ -3,6 +3,7 @@ buffers' absence when off, and a non-finite gradient counted and skipped."""
 
 import itertools
 import math
+import re
 
 import equinox as eqx
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import rounding_rtol, sum_atol
 
 import train_jax as T
 from models import losses
@@ -75,6 +77,58 @@ def expected_one(hist, k, name):
     return hist[k]["g"] @ delta
 
 
+def dot_atol(n: int, scale) -> float:
+    """atol of a float32 inner product (or sum) of n terms, any summation order (the leafwise
+    reductions), against float64 on the same float32 values, `scale` the sum of the terms'
+    magnitudes: the smaller of helpers.sum_atol's worst case and its probabilistic bound (λ = 10,
+    Higham–Mary): both hold, the second is the tighter one past ~100 terms. 2x margin (sum_atol's)."""
+    return min(sum_atol(n, scale), sum_atol(n, scale, lam=10))
+
+
+def cos_atol(n: int) -> float:
+    """atol of a float32 cosine <a, b> / (|a|·|b|) of n-element vectors against float64 on the same
+    vectors: the dot within dot_atol(n, |a|·|b|) (Cauchy–Schwarz: Σ|aᵢbᵢ| <= |a|·|b|), each squared
+    norm within dot_atol(n, 1) of itself so each norm within half that, |cos| <= 1: 2·dot_atol(n, 1);
+    the norms' product and the division: rounding_rtol(2)."""
+    return 2 * dot_atol(n, 1.0) + rounding_rtol(2)
+
+
+def metric_atol(name: str, hist: list[dict], n: int) -> float:
+    """atol of aux_state's metric `name` at step n against expected(hist, n): the float32 values of
+    x, g, u, f are the test's own, so only the hook's float32 arithmetic counts. Every vector has
+    N + 2 terms' worth of error, N the parameters: Δ(n) = x(n) − x(n−1) is rounded once and the
+    squares of it once more, and g(1:n−1) is a float32 running sum of gradients (<= 1 rounding in
+    three steps). A dot <a, b>: dot_atol at Σ|aᵢbᵢ|; a norm: half its square's relative bound plus
+    the square root's rounding; norm_l1: dot_atol at Σ|vᵢ|; norm_inf: Δ's rounding (a max is
+    exact); a cosine: cos_atol; f(n) − f(n−1) of two float32 losses: one rounding; a `_sum`: its
+    terms' atols plus the running sum's additions (sum_atol over the steps' |terms|)."""
+    h = hist[n]
+    x, g, gp = h["x"], h["g"], h["g_prev_point"]
+    x1 = hist[n - 1]["x"] if n else x
+    g1 = hist[n - 1]["g"] if n else np.zeros_like(g)
+    d = x - x1
+    vec = {"xn": x, "x(n-1)": x1, "gn": g, "g(n-1)": g1, "g(1:n-1)": sum((k["g"] for k in hist[:n]), 0 * g),
+           "Delta(n)": d, "xn-x(n-1)": d, "Delta(n+1)": h["u"], "gn-g'(n-1)": g - gp}
+    N = x.size + 2
+    if name == "grads/inf_grads":
+        return 0.0
+    if name.endswith("_sum"):
+        base = name.removesuffix("_sum")
+        terms = [abs(expected_one(hist, k, base)) for k in range(n + 1)]
+        return sum(metric_atol(base, hist, k) for k in range(n + 1)) + sum_atol(n + 1, sum(terms))
+    if "cos(" in name:
+        return cos_atol(N)
+    if name == "loss/fn-f(n-1)":
+        return rounding_rtol(1) * abs(h["f"] - h["f_prev"])
+    prefix, kind = name.split("/")
+    if kind.startswith("norm"):
+        v = np.abs({"params": x, "grads": g, "update": d}[prefix])
+        return {"norm": (dot_atol(N, 1.0) / 2 + rounding_rtol(1)) * np.linalg.norm(v),
+                "norm_l1": dot_atol(N, v.sum()), "norm_inf": rounding_rtol(1) * v.max()}[kind]
+    a, b = re.fullmatch(r"<(.+), (.+)>", kind).groups()
+    return dot_atol(N, np.abs(vec[a]) @ np.abs(vec[b]))
+
+
 def test_every_metric_matches_numpy_over_three_steps():
     """A quadratic f(x; z) = ½|x - z|² on a two-leaf tree with negative entries (norm_inf is max |x|,
     not max x), three SGD steps; the first step's Δ is 0, so its cosines must be exactly 0."""
@@ -102,7 +156,7 @@ def test_every_metric_matches_numpy_over_three_steps():
         want = expected(hist, n)
         assert set(got[n]) == set(want)
         for name, value in want.items():
-            assert got[n][name] == pytest.approx(value, rel=2e-5, abs=2e-5), (n, name)
+            assert got[n][name] == pytest.approx(value, rel=0, abs=metric_atol(name, hist, n)), (n, name)
 
 
 def test_non_logging_steps_return_nothing_but_keep_the_sums():
@@ -178,18 +232,32 @@ def test_the_train_step_carries_the_aux_state_and_matches_numpy(tiny_run):
     g1 = grad_at(xs[1][0], jnp.asarray(xs[1][1][0]))[1]
     g2, g2_prev, g1 = flat(g2), flat(g2_prev), flat(g1)
     got = metrics[2]
-    assert got["loss/fn-f(n-1)"] == pytest.approx(float(f2 - f2_prev), rel=1e-4, abs=1e-6)
-    assert got["grads/cos(gn, g(n-1))"] == pytest.approx(cos(g2, g1), rel=1e-4)
-    assert got["grads/cos(gn, g'(n-1))"] == pytest.approx(cos(g2, g2_prev), rel=1e-4)
-    assert got["curvature/<gn-g'(n-1), Delta(n)>"] == pytest.approx((g2 - g2_prev) @ (x2 - x1), rel=1e-3, abs=1e-7)
-    assert got["update/cos(Delta(n+1), Delta(n))"] == pytest.approx(cos(flat(params(state.model)) - x2, x2 - x1),
-                                                                     rel=1e-4)
+    # Tolerances: grad_at runs the step's loss_fn on the same inputs, so its losses and gradients are
+    # the step's bit for bit (helpers.py's XLA flags; the first check below is that exactly); what
+    # counts is the hook's float32 arithmetic over N parameters (dot_atol, cos_atol: any order), +1
+    # term for Δ(n) = x(n) − x(n−1) rounded in float32 (here exact in float64). x3 − x2 is the applied
+    # update Δ(n+1) after x2 + Δ(n+1) rounded (<= EPS32/2 of |x3| each): |x3|·EPS32/2 / |Δ(n+1)| more.
+    N = x2.size + 1
+    x3 = flat(params(state.model))
+    applied = rounding_rtol(1, margin=1) * np.linalg.norm(x3) / np.linalg.norm(x3 - x2)
+    assert got["loss/fn-f(n-1)"] == float(f2 - f2_prev)  # the same float32 subtraction of the same losses
+    assert got["grads/cos(gn, g(n-1))"] == pytest.approx(cos(g2, g1), rel=0, abs=cos_atol(N))
+    assert got["grads/cos(gn, g'(n-1))"] == pytest.approx(cos(g2, g2_prev), rel=0, abs=cos_atol(N))
+    # g − g' rounds once more: N + 1 terms
+    assert got["curvature/<gn-g'(n-1), Delta(n)>"] == pytest.approx(
+        (g2 - g2_prev) @ (x2 - x1), rel=0, abs=dot_atol(N + 1, np.abs(g2 - g2_prev) @ np.abs(x2 - x1)))
+    assert got["update/cos(Delta(n+1), Delta(n))"] == pytest.approx(cos(x3 - x2, x2 - x1), rel=0,
+                                                                     abs=cos_atol(N) + 2 * applied)
     # trainit's update/norm* are Δ(n)'s; the update this step applied is train/update_norm
-    assert got["update/norm"] == pytest.approx(np.linalg.norm(x2 - x1), rel=1e-4)
-    assert got["update/norm_l1"] == pytest.approx(np.abs(x2 - x1).sum(), rel=1e-4)
-    assert got["update/norm_inf"] == pytest.approx(np.abs(x2 - x1).max(), rel=1e-4)
-    assert got["train/update_norm"] == pytest.approx(np.linalg.norm(flat(params(state.model)) - x2), rel=1e-4)
-    assert got["update/<gn, Delta(n)>_sum"] == pytest.approx(g2 @ (x2 - x1) + g1 @ (x1 - x0), rel=1e-4)
+    norm_rtol = dot_atol(N + 1, 1.0) / 2 + rounding_rtol(1)  # the square of Δ's rounding: +1 term
+    assert got["update/norm"] == pytest.approx(np.linalg.norm(x2 - x1), rel=norm_rtol)
+    assert got["update/norm_l1"] == pytest.approx(np.abs(x2 - x1).sum(), rel=dot_atol(N, 1.0))
+    assert got["update/norm_inf"] == pytest.approx(np.abs(x2 - x1).max(), rel=rounding_rtol(1))
+    assert got["train/update_norm"] == pytest.approx(np.linalg.norm(x3 - x2), rel=norm_rtol + 2 * applied)
+    # two steps' dots (step 0's Δ is 0) and the running sum's additions (2 roundings of their sum)
+    terms = np.abs(g2) @ np.abs(x2 - x1) + np.abs(g1) @ np.abs(x1 - x0)
+    assert got["update/<gn, Delta(n)>_sum"] == pytest.approx(g2 @ (x2 - x1) + g1 @ (x1 - x0), rel=0,
+                                                              abs=dot_atol(N, terms) + rounding_rtol(2) * terms)
     assert step.compiled() == 1  # one variant used so far: the logging one
 
 
@@ -223,13 +291,23 @@ def test_x_n_minus_1_is_evaluated_with_the_steps_dropout_keys(tiny_run, last_gra
     (f, g), (f_prev, g_prev) = at(models[1]), at(models[0])
     delta = flat(params_of(models[1])) - flat(params_of(models[0]))
     got = metrics[1]
-    assert got["train/loss"] == pytest.approx(f, rel=1e-5)
-    assert got["loss/fn-f(n-1)"] == pytest.approx(f - f_prev, rel=1e-3, abs=1e-5)
+    # The micro-batches' losses and gradients are the step's bit for bit (the same loss_fn at the same
+    # keys: test_the_train_step_carries_the_aux_state_and_matches_numpy); the step's mean of two
+    # float32 values rounds their sum once (the halving is exact), the test's float64 mean not at all.
+    assert got["train/loss"] == pytest.approx(f, rel=rounding_rtol(1))
+    # two such means, then their float32 difference (one rounding of it)
+    assert got["loss/fn-f(n-1)"] == pytest.approx(f - f_prev, rel=rounding_rtol(1),
+                                                  abs=rounding_rtol(2) * max(abs(f), abs(f_prev)))
     if not last_grads:
         assert "grads/cos(gn, g'(n-1))" not in got
         return
-    assert got["grads/cos(gn, g'(n-1))"] == pytest.approx(cos(g, g_prev), rel=1e-4)
-    assert got["curvature/<gn-g'(n-1), Delta(n)>"] == pytest.approx((g - g_prev) @ delta, rel=1e-3, abs=1e-6)
+    # g and g' are float32 means of two micro-batches' gradients (one rounding each, <= EPS32/2 of
+    # |g|: each cosine moves by at most that relative change of one vector), Δ(n) rounds once more
+    N = delta.size + 1
+    assert got["grads/cos(gn, g'(n-1))"] == pytest.approx(cos(g, g_prev), rel=0, abs=cos_atol(N) + rounding_rtol(2))
+    assert got["curvature/<gn-g'(n-1), Delta(n)>"] == pytest.approx(
+        (g - g_prev) @ delta, rel=0, abs=dot_atol(N + 1, np.abs(g - g_prev) @ np.abs(delta))
+        + rounding_rtol(1) * (np.abs(g) + np.abs(g_prev)) @ np.abs(delta))
 
 
 def test_log_callback_data_false_leaves_no_aux_leaves(tiny_run):
@@ -315,13 +393,17 @@ def test_a_skipped_step_keeps_x_n_minus_1_so_the_next_delta_is_the_last_update(t
     np.testing.assert_array_equal(flat(state.metric_states["aux"].last_params), x2)
     delta = x1 - x0
     assert np.linalg.norm(delta) > 0.1
-    assert m3["update/norm"] == pytest.approx(np.linalg.norm(delta), rel=1e-4)
-    assert m3["update/<gn, Delta(n)>"] == pytest.approx(g3 @ delta, rel=1e-3)
-    assert m3["update/cos(gn, Delta(n))"] == pytest.approx(cos(g3, delta), rel=1e-4)
-    # step 1's Δ is 0, step 2 is left out: the sum is step 3's term alone
-    assert m3["update/<gn, Delta(n)>_sum"] == pytest.approx(g3 @ delta, rel=1e-3)
+    # g3 is the step's gradient bit for bit (the same loss_fn on the same batch); the hook's float32
+    # reductions over N parameters, +1 term for Δ(n) = x(n) − x(n−1) rounded in float32
+    N = delta.size + 1
+    assert m3["update/norm"] == pytest.approx(np.linalg.norm(delta), rel=dot_atol(N + 1, 1.0) / 2 + rounding_rtol(1))
+    dot_tol = dot_atol(N, np.abs(g3) @ np.abs(delta))
+    assert m3["update/<gn, Delta(n)>"] == pytest.approx(g3 @ delta, rel=0, abs=dot_tol)
+    assert m3["update/cos(gn, Delta(n))"] == pytest.approx(cos(g3, delta), rel=0, abs=cos_atol(N))
+    # step 1's Δ is 0, step 2 is left out: the sum is step 3's term alone (0 + term: exact)
+    assert m3["update/<gn, Delta(n)>_sum"] == pytest.approx(g3 @ delta, rel=0, abs=dot_tol)
     total = "update/<gn, Delta(n)>_sum"
-    assert m3[total] == pytest.approx(m1[total] + m3["update/<gn, Delta(n)>"], rel=1e-5)
+    assert m3[total] == m1[total] + m3["update/<gn, Delta(n)>"]  # 0 + the term, exactly
 
 
 @pytest.mark.parametrize("overrides", [
