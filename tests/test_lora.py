@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import compose_config, load_script
+from helpers import compose_config, load_script, sum_atol
 from safetensors.numpy import load_file
 
 import models
@@ -355,3 +355,29 @@ def test_llama_lora_moves_only_its_factors_and_merges(tiny_run):
     want = np.asarray(logits(state.model, TOKENS_BxT))
     got = np.asarray(logits(models.for_export(state.model, True, "safetensors"), TOKENS_BxT))
     np.testing.assert_allclose(got, want, rtol=0, atol=64 * F32_EPS * np.sqrt(128) * np.abs(want).max())
+
+
+def test_a_lora_projection_is_x_w_plus_alpha_over_rank_x_a_b():
+    """rank 4, alpha 12 (scale 3, neither 1 nor rank/alpha nor alpha): a targeted projection of
+    block 0 against x·W + b + (alpha/rank)·(x·A)·B in float64 NumPy, with A, B and b drawn so every
+    term matters. Tolerance: each output is a float32 sum over I = 32 products (x·W), plus the
+    branch's two chained sums (32 then r = 4 terms), the scale's product and the two additions:
+    at most I + r + 3 roundings of the magnitudes summed (helpers.sum_atol)."""
+    rank, alpha = 4, 12.0
+    run = validate(compose_config(f"model.lora.rank={rank}", f"model.lora.alpha={alpha}"))
+    model = with_random_b(models.build(run.model, jax.random.PRNGKey(0)), jax.random.PRNGKey(1), std=0.5)
+    layer = jax.tree.map(lambda a: a[0], model.blocks.mlp_in)  # block 0's LoraLinear
+    assert isinstance(layer, lora.LoraLinear)
+    layer = eqx.tree_at(lambda m: m.bias_O, layer, 0.1 * jax.random.normal(jax.random.PRNGKey(2), layer.bias_O.shape))
+    x_NxI = np.random.default_rng(3).normal(size=(6, layer.weight_IxO.shape[0])).astype(np.float32)
+    got = np.asarray(jax.jit(lambda m, x: m(x))(layer, jnp.asarray(x_NxI)), np.float64)
+
+    W, b, A, B = (np.asarray(a, np.float64) for a in (layer.weight_IxO, layer.bias_O, layer.lora_a_IxR,
+                                                       layer.lora_b_RxO))
+    x = x_NxI.astype(np.float64)
+    base, low_rank = x @ W + b, (alpha / rank) * (x @ A) @ B
+    want = base + low_rank
+    assert np.abs(low_rank).max() > 0.1 * np.abs(base).max()  # the branch is a large part of the output
+    scale = np.abs(x) @ np.abs(W) + np.abs(b) + (alpha / rank) * (np.abs(x) @ np.abs(A)) @ np.abs(B)
+    err, bound = np.abs(got - want), sum_atol(W.shape[0] + rank + 3, scale)  # elementwise
+    assert np.all(err <= bound), (err / bound).max()

@@ -246,3 +246,38 @@ def test_bad_precision_knobs_are_one_line_config_errors(tiny_run, overrides, mes
     with pytest.raises(ConfigError, match=message) as e:
         tiny_run(*overrides)
     assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- a scale that has moved
+
+
+def test_unscale_divides_by_the_current_scale_not_the_initial_one():
+    """After backoffs and growth the scale is no longer `init`: the gradient is divided by the
+    scale the loss was multiplied by. Powers of two: exact."""
+    scaler = LossScale(jnp.asarray(2.0**9, jnp.float32), jnp.zeros((), jnp.int32), 2.0**15, 3, 2.0, 0.5)
+    g = {"w": jnp.asarray([3.0 * 2.0**9, -2.0**9], jnp.float32), "b": jnp.asarray(2.0**10, jnp.float16)}
+    out = jax.jit(lambda s, g: s.unscale(g))(scaler, g)
+    np.testing.assert_array_equal(np.asarray(out["w"]), [3.0, -1.0])
+    assert out["b"].dtype == jnp.float16 and float(out["b"]) == 2.0
+
+
+def test_a_moved_scale_still_gives_float32s_gradient(tiny_run):
+    """The train step with the scale forced from its init 2^15 down to 2^9 (where backoffs take
+    it): the unscaled gradient is float32's within test_the_unscaled_gradient_is_float32s_to_float16_
+    rounding's bound, 8·(L+1)·U16 relative. Divided by the initial scale instead it would be 2^-6 of
+    it, a relative error of ~1."""
+    grads = step_metrics.FnMetric(lambda state, g, updates, aux: {"grads": g})
+    got = {}
+    for dtype in ("float32", "float16"):
+        state, step, mesh = assemble(tiny_run("optimizer=sgdm", f"train.compute_dtype={dtype}"), metrics=[grads])
+        if dtype == "float16":
+            assert float(state.loss_scale.scale) == 2.0**15
+            moved = jax.device_put(jnp.asarray(2.0**9, jnp.float32), state.loss_scale.scale.sharding)
+            state = eqx.tree_at(lambda s: s.loss_scale.scale, state, moved)
+        state, metrics = step(state, fixed_batch(mesh))
+        got[dtype] = [np.asarray(g, np.float64) for g in jax.tree.leaves(metrics)]
+    assert int(state.loss_scale.good_steps) == 1  # the float16 step was finite at 2^9
+
+    error = (np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(got["float16"], got["float32"])))
+             / np.sqrt(sum(np.sum(b**2) for b in got["float32"])))
+    assert error <= 8 * (2 + 1) * U16, error / U16

@@ -536,3 +536,20 @@ def test_a_new_run_refuses_a_prefix_that_holds_checkpoints(s3_env, monkeypatch, 
     message = refuse(monkeypatch, tmp_path, f"checkpoint.remote=s3://{BUCKET}/tests/used")
     assert "already holds checkpoints" in message and "checkpoint.resume=auto" in message
 
+
+
+def test_an_incomplete_remote_checkpoint_never_saved_again_is_pruned(s3_env, tmp_path):
+    """A killed upload left iter_3 and iter_9 without markers (iter_9 newer than anything this run
+    has: another machine's); this run only ever saves iter_5. Neither step is uploaded again, so no
+    upload clears them: the prune after iter_5's upload does, and only iter_5 stays."""
+    client, u = s3_env.client(), url("orphans")
+    for step in (3, 9):
+        client.put_object(Bucket=BUCKET, Key=u.key(f"{STEP_PREFIX}_{step}", "model", "part1"), Body=b"half")
+    assert sorted(remote_state(s3_env, "orphans")[0]) == [3, 9] and remote_state(s3_env, "orphans")[1] == []
+    mirror = remote.Mirror(u, str(tmp_path), remote.keep_policy(3, None), saving=lambda: False)
+    fake_checkpoint(tmp_path, 5)
+    mirror.submit(5)
+    mirror.close()
+    assert mirror.uploaded == [5] and mirror.failed == []
+    listed, done = remote_state(s3_env, "orphans")
+    assert done == [5] and sorted(listed) == [5]
