@@ -147,7 +147,7 @@ def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[st
     if aux.on and aux.per_layer:
         metrics += [aux_state.per_layer(models.blocks, run.model.num_blocks), step_metrics.expert_loads()]
     if aux.on and aux.optim_diagnostics:
-        metrics.append(step_metrics.optimizer_diagnostics(o.hparams, o.group_overrides))
+        metrics.append(step_metrics.optimizer_diagnostics(o.hparams, o.group_overrides, run.train.gradient_clip_val))
     if run.logging.activation_norms:
         metrics.append(ActivationNorms(run.model.num_blocks, run.train.compute_dtype, run.objective.causal))
     return metrics

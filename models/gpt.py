@@ -115,7 +115,8 @@ class Block(eqx.Module):
 
     def __call__(self, x_BxTxD: jax.Array, key: jax.Array | None, cfg: GPTConfig, compute_dtype,
                  segment_ids_BxT: jax.Array | None = None, causal: bool = True,
-                 collect: bool = False) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+                 collect: bool = False, router_mask_BxT: jax.Array | None = None
+                 ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         """`x_BxTxD` is the float32 residual stream: the matmuls run in `compute_dtype`, but the
         sums of the stream stay float32 (in bfloat16 a block's small update would round away).
         `collect` (static) also returns the RMS of the attention and MLP outputs and of the stream
@@ -137,7 +138,7 @@ class Block(eqx.Module):
         attn_BxTxD = dropout(self.attn_out(a_BxTxD, k_out), cfg.dropout, k_attn).astype(x_BxTxD.dtype)
         x_BxTxD = x_BxTxD + attn_BxTxD
 
-        mlp_BxTxD, router = self.mlp(self.ln2(x_BxTxD).astype(compute_dtype), cfg, k_in, k_mlp_out)
+        mlp_BxTxD, router = self.mlp(self.ln2(x_BxTxD).astype(compute_dtype), cfg, k_in, k_mlp_out, router_mask_BxT)
         mlp_BxTxD = dropout(mlp_BxTxD, cfg.dropout, k_mlp).astype(x_BxTxD.dtype)
         if not collect and router is None:
             return x_BxTxD + mlp_BxTxD
@@ -145,8 +146,10 @@ class Block(eqx.Module):
         stats = {"attn": rms(attn_BxTxD), "mlp": rms(mlp_BxTxD), "resid": rms(out_BxTxD)} if collect else {}
         return out_BxTxD, stats if router is None else {**stats, "moe": router}  # an MoE block's router statistics
 
-    def mlp(self, h_BxTxD: jax.Array, cfg: GPTConfig, k_in, k_out) -> tuple[jax.Array, dict | None]:
-        """The GELU MLP (no router statistics); an MoEBlock's mixture of experts returns its own."""
+    def mlp(self, h_BxTxD: jax.Array, cfg: GPTConfig, k_in, k_out, router_mask_BxT=None
+            ) -> tuple[jax.Array, dict | None]:
+        """The GELU MLP (no router statistics); an MoEBlock's mixture of experts returns its own,
+        over the tokens `router_mask_BxT` counts (models/moe.py)."""
         return self.mlp_out(jax.nn.gelu(self.mlp_in(h_BxTxD, k_in), approximate=True), k_out), None
 
 
@@ -177,8 +180,8 @@ class MoEBlock(Block):
         return MoEBlock(ln1=dense.ln1, attn_qkv=dense.attn_qkv, attn_out=dense.attn_out, ln2=dense.ln2, mlp_in=None,
                         mlp_out=None, moe=MoE(router=linear(k_router, d, E, 0.02, False), experts=experts))
 
-    def mlp(self, h_BxTxD: jax.Array, cfg: GPTConfig, k_in, k_out) -> tuple[jax.Array, dict]:
-        return self.moe(h_BxTxD, cfg.moe)
+    def mlp(self, h_BxTxD: jax.Array, cfg: GPTConfig, k_in, k_out, router_mask_BxT=None) -> tuple[jax.Array, dict]:
+        return self.moe(h_BxTxD, cfg.moe, router_mask_BxT)
 
 
 class GPT(eqx.Module):
@@ -216,13 +219,15 @@ class GPT(eqx.Module):
         segment_ids_BxT: jax.Array | None = None,
         causal: bool = True,
         collect: bool = False,
+        router_mask_BxT: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         """Logits (float32) for every position. `key=None` disables dropout (evaluation);
         `segment_ids_BxT` keeps attention inside each packed document, and positions restart at 0
         at each document's first token (as when the document is sampled or evaluated alone).
         `causal` is the objective's (models/objectives.py): False lets every position attend to
         every other, as masked diffusion needs; the weights are the same either way. `collect`
-        (static) returns (logits, per-block activation RMS {"attn","mlp","resid"}, each (num_blocks,))."""
+        (static) returns (logits, per-block activation RMS {"attn","mlp","resid"}, each (num_blocks,)).
+        `router_mask_BxT` (MoE only): the tokens the router statistics count (models/moe.py)."""
         cfg = self.cfg
         T = tokens_BxT.shape[1]
         if segment_ids_BxT is None:
@@ -239,7 +244,8 @@ class GPT(eqx.Module):
 
         if cfg.moe.on:  # router statistics per MoE block come back under stats_L["moe"] (with `collect`)
             x_BxTxD, stats_L = run_blocks(lambda block, x, k: block(x, k, cfg, compute_dtype, segment_ids_BxT, causal,
-                                                                    collect), x_BxTxD, self.blocks, key, cfg, collect)
+                                                                    collect, router_mask_BxT),
+                                          x_BxTxD, self.blocks, key, cfg, collect)
         else:
             x_BxTxD, stats_L = apply_blocks(apply, x_BxTxD, self.blocks, key, cfg.num_blocks, cfg.remat,
                                             cfg.scan_blocks, cfg.scan_unroll, collect)

@@ -177,7 +177,7 @@ class Block(eqx.Module):
 
     def __call__(self, x_BxTxD: jax.Array, key: jax.Array | None, cfg: LlamaConfig, compute_dtype,
                  cos_sin: tuple[jax.Array, jax.Array], segment_ids_BxT: jax.Array | None = None,
-                 causal: bool = True, collect: bool = False):
+                 causal: bool = True, collect: bool = False, router_mask_BxT: jax.Array | None = None):
         """`x_BxTxD` is the float32 residual stream (matmuls in `compute_dtype`, as GPT's Block).
         Key/value heads are repeated to the query heads (head h reads kv head h // group, Hugging
         Face's `repeat_kv`): the attention kernel stays the one GPT uses."""
@@ -200,7 +200,8 @@ class Block(eqx.Module):
         attn_BxTxD = dropout(_project(self.o_proj, a_BxTxD, k_o), cfg.dropout, k_attn).astype(x_BxTxD.dtype)
         x_BxTxD = x_BxTxD + attn_BxTxD
 
-        mlp_BxTxD, router = self.mlp(self.mlp_norm(x_BxTxD).astype(compute_dtype), cfg, (k_gate, k_up, k_down))
+        mlp_BxTxD, router = self.mlp(self.mlp_norm(x_BxTxD).astype(compute_dtype), cfg, (k_gate, k_up, k_down),
+                                     router_mask_BxT)
         mlp_BxTxD = dropout(mlp_BxTxD, cfg.dropout, k_mlp).astype(x_BxTxD.dtype)
         out_BxTxD = x_BxTxD + mlp_BxTxD
         if not collect and router is None:
@@ -208,9 +209,11 @@ class Block(eqx.Module):
         stats = {"attn": rms(attn_BxTxD), "mlp": rms(mlp_BxTxD), "resid": rms(out_BxTxD)} if collect else {}
         return out_BxTxD, stats if router is None else {**stats, "moe": router}  # an MoE block's router statistics
 
-    def mlp(self, h_BxTxD: jax.Array, cfg: LlamaConfig, keys: tuple) -> tuple[jax.Array, dict | None]:
+    def mlp(self, h_BxTxD: jax.Array, cfg: LlamaConfig, keys: tuple, router_mask_BxT=None
+            ) -> tuple[jax.Array, dict | None]:
         """The SwiGLU MLP (no router statistics); `keys`: LoRA's dropout keys of gate, up and down.
-        An MoEBlock's mixture of experts returns its router's statistics instead of None."""
+        An MoEBlock's mixture of experts returns its router's statistics instead of None (over the
+        tokens `router_mask_BxT` counts, models/moe.py)."""
         k_gate, k_up, k_down = keys
         h_BxTxF = jax.nn.silu(_project(self.gate_proj, h_BxTxD, k_gate)) * _project(self.up_proj, h_BxTxD, k_up)
         return _project(self.down_proj, h_BxTxF, k_down), None
@@ -246,8 +249,8 @@ class MoEBlock(Block):
         return MoEBlock(**{**fields, "gate_proj": None, "up_proj": None, "down_proj": None},
                         moe=MoE(router=linear(k_router, d, E, 0.02, False), experts=experts))
 
-    def mlp(self, h_BxTxD: jax.Array, cfg: LlamaConfig, keys: tuple) -> tuple[jax.Array, dict]:
-        return self.moe(h_BxTxD, cfg.moe)
+    def mlp(self, h_BxTxD: jax.Array, cfg: LlamaConfig, keys: tuple, router_mask_BxT=None) -> tuple[jax.Array, dict]:
+        return self.moe(h_BxTxD, cfg.moe, router_mask_BxT)
 
 
 class Llama(eqx.Module):
@@ -273,11 +276,12 @@ class Llama(eqx.Module):
 
     def __call__(self, tokens_BxT: jax.Array, *, key: jax.Array | None = None,
                  compute_dtype: jnp.dtype = jnp.float32, segment_ids_BxT: jax.Array | None = None,
-                 causal: bool = True, collect: bool = False):
+                 causal: bool = True, collect: bool = False, router_mask_BxT: jax.Array | None = None):
         """Logits (float32) for every position, with GPT's contract (models/gpt.py GPT.__call__):
         `key=None` disables dropout; with `segment_ids_BxT` attention stays inside each packed
         document and rotary positions restart at 0 at each document's first token; `causal=False`
-        attends both ways (mdlm); `collect` also returns per-block activation RMS."""
+        attends both ways (mdlm); `collect` also returns per-block activation RMS; `router_mask_BxT`
+        (MoE only) the tokens the router statistics count."""
         cfg = self.cfg
         T = tokens_BxT.shape[1]
         if segment_ids_BxT is None:
@@ -288,7 +292,8 @@ class Llama(eqx.Module):
         x_BxTxD = jnp.take(self.embed_VxD, tokens_BxT, axis=0).astype(jnp.float32)
 
         def call(block, x_BxTxD, k):
-            return block(x_BxTxD, k, cfg, compute_dtype, (cos_TxK, sin_TxK), segment_ids_BxT, causal, collect)
+            return block(x_BxTxD, k, cfg, compute_dtype, (cos_TxK, sin_TxK), segment_ids_BxT, causal, collect,
+                         router_mask_BxT)
 
         def apply(x_BxTxD, block_and_key):
             out = call(block_and_key[0], x_BxTxD, block_and_key[1])

@@ -30,7 +30,9 @@ def _token_losses(model, batch, key, compute_dtype, router: bool = False):
     tokens_BxT1, mask_BxT, segment_ids_BxT, _ = unpack_batch(batch)
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     kwargs = {"key": key, "compute_dtype": compute_dtype, "segment_ids_BxT": segment_ids_BxT}
-    logits_BxTxV, stats = moe.forward(model, inputs_BxT, **kwargs) if router else (model(inputs_BxT, **kwargs), None)
+    # The router statistics count the tokens the loss counts (models/moe.py): input t's loss is target t's.
+    logits_BxTxV, stats = (moe.forward(model, inputs_BxT, router_mask_BxT=mask_BxT, **kwargs) if router
+                           else (model(inputs_BxT, **kwargs), None))
     logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
     target_logit_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
     return logz_BxT - target_logit_BxT, jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT, mask_BxT, stats

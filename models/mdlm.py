@@ -68,11 +68,12 @@ def corrupt(keys_B: jax.Array, x_BxT: jax.Array, w_BxT: jax.Array, eps: float, m
 
 
 def denoise_losses(model, z_BxT: jax.Array, x_BxT: jax.Array, seg_BxT: jax.Array | None, key: jax.Array | None,
-                   compute_dtype) -> tuple[jax.Array, jax.Array, dict | None]:
+                   compute_dtype, w_BxT: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict | None]:
     """(cross-entropy of the original token at every position, top-1 hit), both BxT, from the
-    bidirectional model's logits over every id but the mask id; and an MoE model's router statistics."""
-    logits_BxTxV, router = moe.forward(model, z_BxT, key=key, compute_dtype=compute_dtype, segment_ids_BxT=seg_BxT,
-                                       causal=False)
+    bidirectional model's logits over every id but the mask id; and an MoE model's router statistics,
+    over the maskable tokens (`w_BxT` > 0; all when None)."""
+    logits_BxTxV, router = moe.forward(model, z_BxT, router_mask_BxT=w_BxT, key=key, compute_dtype=compute_dtype,
+                                       segment_ids_BxT=seg_BxT, causal=False)
     logits_BxTxV = logits_BxTxV.at[..., mask_id(model)].set(-jnp.inf)
     logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
     target_BxT = jnp.take_along_axis(logits_BxTxV, x_BxT[..., None], axis=-1)[..., 0]
@@ -86,7 +87,7 @@ def weighted_sums(model, batch, keys_B: jax.Array, dropout_key: jax.Array | None
     MoE model's router statistics (None for a dense one)."""
     x_BxT, w_BxT, seg_BxT, norm = sequences(batch)
     z_BxT, masked_BxT, t_B = corrupt(keys_B, x_BxT, w_BxT, eps, mask_id(model))
-    nll_BxT, hit_BxT, router = denoise_losses(model, z_BxT, x_BxT, seg_BxT, dropout_key, compute_dtype)
+    nll_BxT, hit_BxT, router = denoise_losses(model, z_BxT, x_BxT, seg_BxT, dropout_key, compute_dtype, w_BxT)
     weight_BxT = jnp.where(masked_BxT, w_BxT / t_B[:, None], 0.0)
     nelbo_BxT = jnp.where(masked_BxT, weight_BxT * nll_BxT, 0.0)  # an unmasked nll never enters, not even as 0·inf
     return nelbo_BxT.sum(-1), (weight_BxT * hit_BxT).sum(-1), w_BxT.sum(-1), norm, router

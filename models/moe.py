@@ -18,10 +18,20 @@ Dispatch:
       carries the token past the layer unchanged. Deterministic: the same batch drops the same
       slots on any number of devices (the rule is over the global micro-batch).
 
-Router losses (per MoE layer, averaged over the MoE layers, so a coefficient does not depend on
-depth): load balance E·Σ_e f_e·P_e (f_e the fraction of token-slots routed to e before any drop,
-P_e the mean router probability of e; 1 when balanced, E when collapsed onto one expert; Hugging
-Face's Mixtral loss is k times this) and z-loss mean_n(logsumexp(logits_n)²) (ST-MoE).
+Router losses: load balance E·Σ_e f_e·P_e (f_e the fraction of token-slots routed to e before any
+drop, P_e the mean router probability of e; 1 when balanced, E when collapsed onto one expert;
+Hugging Face's Mixtral loss is k times this) and z-loss mean_n(logsumexp(logits_n)²) (ST-MoE).
+Only the tokens the loss counts enter f, P, the z-loss and the dropped fraction: the batch's loss
+mask (> 0; chat's assistant tokens, not padding, not a target that starts the next document under
+dataset.document_mask), as `router_mask_BxT` (losses.py for AR, mdlm.py for masked diffusion), as
+transformers' Mixtral excludes padding by its attention mask. Masked tokens are still routed and
+computed (and take capacity slots): only the statistics leave them out.
+Over the MoE layers (`balance_pooling`): `layer` (default) averages the per-layer losses
+mean_l E·Σ_e f_le·P_le (so a coefficient does not depend on depth); `global` pools f and P over all
+layers first, E·Σ_e mean_l(f_le)·mean_l(P_le), as transformers' `load_balancing_loss_func` does
+(it concatenates every layer's router logits). The two differ by E·Σ_e Cov_l(f_le, P_le); every
+layer counts the same tokens, so the mean over layers is the pooled mean. The z-loss is the same
+either way.
 
 A model with MoE on returns its router statistics beside the logits when called with
 `collect=True` (stats["moe"]); `forward` asks for them only for such a model, so a dense model's
@@ -41,6 +51,8 @@ import jax.numpy as jnp
 from models.layers import Linear, apply_blocks
 from utils.errors import ConfigError
 
+BALANCE_POOLINGS = ("layer", "global")  # MoEConfig.balance_pooling: see the module docstring
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -53,6 +65,8 @@ class MoEConfig:
     renormalize: bool = True  # top-k weights renormalised to sum to 1 (Mixtral); false = raw probabilities (Switch)
     load_balance_coef: float = 0.01  # times the load-balance loss E * sum_e f_e * P_e, added to the training loss
     z_loss_coef: float = 0.001  # times the router z-loss mean(logsumexp(logits)^2), added to the training loss
+    # layer: the mean over MoE layers of E*sum_e f_e*P_e; global: f and P pooled over the layers first (transformers)
+    balance_pooling: str = "layer"
 
     def check(self, prefix: str) -> None:
         if self.num_experts < 0:
@@ -62,6 +76,9 @@ class MoEConfig:
         for knob in ("load_balance_coef", "z_loss_coef"):
             if getattr(self, knob) < 0:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be >= 0 (0 = not added)")
+        if self.balance_pooling not in BALANCE_POOLINGS:
+            raise ConfigError(f"{prefix}.balance_pooling={self.balance_pooling!r} must be one of "
+                              f"{', '.join(BALANCE_POOLINGS)}")
         if not self.num_experts:
             return
         if not 1 <= self.top_k <= self.num_experts:
@@ -127,12 +144,15 @@ class MoE(eqx.Module):
     router: Linear  # D x E, no bias
     experts: Any
 
-    def __call__(self, x_BxTxD: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(the MoE output, B x T x D in x's dtype; this layer's router statistics)."""
+    def __call__(self, x_BxTxD: jax.Array, cfg: MoEConfig, router_mask_BxT: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(the MoE output, B x T x D in x's dtype; this layer's router statistics over the tokens
+        where `router_mask_BxT` > 0, all of them when None)."""
         B, T, D = x_BxTxD.shape
         x_NxD = x_BxTxD.reshape(B * T, D)
         logits_NxE = x_NxD.astype(jnp.float32) @ self.router.weight_IxO.astype(jnp.float32)
-        route = routing(logits_NxE, cfg.top_k, cfg.capacity(B * T), cfg.renormalize)
+        mask_N = None if router_mask_BxT is None else router_mask_BxT.reshape(B * T)
+        route = routing(logits_NxE, cfg.top_k, cfg.capacity(B * T), cfg.renormalize, mask_N)
         y_NxD = dispatch(self.experts, x_NxD, route, cfg.num_experts)
         return y_NxD.reshape(B, T, D), route.stats
 
@@ -150,8 +170,11 @@ class Route:
     stats: dict
 
 
-def routing(logits_NxE: jax.Array, top_k: int, capacity: int | None, renormalize: bool) -> Route:
-    """Top-k routing with the drop rule of the module docstring, and the router statistics."""
+def routing(logits_NxE: jax.Array, top_k: int, capacity: int | None, renormalize: bool,
+            mask_N: jax.Array | None = None) -> Route:
+    """Top-k routing with the drop rule of the module docstring, and the router statistics over
+    the tokens where `mask_N` > 0 (every token when None; all zeros when no token counts). The
+    routing itself ignores the mask: a masked token is routed, computed and takes its slots."""
     N, E = logits_NxE.shape
     probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
     weight_NxK, expert_NxK = jax.lax.top_k(probs_NxE, top_k)  # ties: the lower expert index first
@@ -159,17 +182,22 @@ def routing(logits_NxE: jax.Array, top_k: int, capacity: int | None, renormalize
         weight_NxK = weight_NxK / weight_NxK.sum(-1, keepdims=True)
     # Priority order: slot k of every token before slot k+1 of any, then row-major position.
     chosen_KxNxE = jax.nn.one_hot(expert_NxK.T, E, dtype=jnp.int32)
-    load_E = chosen_KxNxE.sum((0, 1)) / (N * top_k)  # f_e, before any drop
-    stats = {"load_balance": E * jnp.sum(load_E * probs_NxE.mean(0)),
-             "z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits_NxE, axis=-1))),
-             "load": load_E}
+    counted_N = jnp.ones((N,), jnp.float32) if mask_N is None else (mask_N > 0).astype(jnp.float32)
+    n = jnp.maximum(counted_N.sum(), 1.0)  # the counted tokens (1 when none: the statistics are then 0)
+    # Masked means as matmuls with the 0/1 mask (a masked token's probabilities, even inf·0, never enter).
+    load_E = jnp.einsum("n,kne->e", counted_N, chosen_KxNxE.astype(jnp.float32)) / (n * top_k)  # f_e, before any drop
+    prob_E = jnp.where(counted_N[:, None] > 0, probs_NxE, 0.0).sum(0) / n  # P_e
+    lse_sq_N = jnp.square(jax.nn.logsumexp(logits_NxE, axis=-1))
+    stats = {"load_balance": E * jnp.sum(load_E * prob_E),
+             "z_loss": jnp.where(counted_N > 0, lse_sq_N, 0.0).sum() / n,
+             "load": load_E, "prob": prob_E}
     if capacity is None:
         return Route(expert_NxK, weight_NxK, None, None, None, {**stats, "dropped": jnp.zeros((), jnp.float32)})
     before_KxNxE = jnp.cumsum(chosen_KxNxE.reshape(top_k * N, E), axis=0).reshape(top_k, N, E) - chosen_KxNxE
     slot_NxK = jnp.sum(before_KxNxE * chosen_KxNxE, axis=-1).T  # slots of this expert taken before this one
     kept_NxK = slot_NxK < capacity
-    return Route(expert_NxK, weight_NxK, slot_NxK, kept_NxK, capacity,
-                 {**stats, "dropped": 1.0 - kept_NxK.mean(dtype=jnp.float32)})
+    dropped = jnp.sum(counted_N[:, None] * (~kept_NxK)) / (n * top_k)  # of the counted tokens' slots
+    return Route(expert_NxK, weight_NxK, slot_NxK, kept_NxK, capacity, {**stats, "dropped": dropped})
 
 
 def dispatch(experts: Callable, x_NxD: jax.Array, route: Route, num_experts: int) -> jax.Array:
@@ -299,11 +327,13 @@ def moe_config(model) -> MoEConfig | None:
     return moe if moe is not None and moe.on else None
 
 
-def forward(model, inputs_BxT: jax.Array, **kwargs) -> tuple[jax.Array, dict | None]:
-    """(logits, router statistics or None): a dense model is called exactly as before."""
+def forward(model, inputs_BxT: jax.Array, router_mask_BxT: jax.Array | None = None, **kwargs
+            ) -> tuple[jax.Array, dict | None]:
+    """(logits, router statistics or None): a dense model is called exactly as before.
+    `router_mask_BxT`: the tokens the router statistics count (> 0; the batch's loss mask), None = all."""
     if moe_config(model) is None:
         return model(inputs_BxT, **kwargs), None
-    logits, stats = model(inputs_BxT, collect=True, **kwargs)
+    logits, stats = model(inputs_BxT, collect=True, router_mask_BxT=router_mask_BxT, **kwargs)
     return logits, stats["moe"]
 
 
@@ -313,11 +343,19 @@ def add_router_losses(loss: jax.Array, model, router: dict | None) -> tuple[jax.
     if router is None:
         return loss, {}
     cfg = moe_config(model)
-    balance, z = router["load_balance"].mean(), router["z_loss"].mean()
+    balance, z = balance_loss(router, cfg), router["z_loss"].mean()
     layers = cfg.layers(model.cfg.num_blocks)
     aux = {"load_balance_loss": balance, "router_z_loss": z, "dropped_fraction": router["dropped"].mean(),
            "load": {str(layer): router["load"][i] for i, layer in enumerate(layers)}}
     return loss + cfg.load_balance_coef * balance + cfg.z_loss_coef * z, {"moe": aux}
+
+
+def balance_loss(router: dict, cfg: MoEConfig) -> jax.Array:
+    """The load-balance loss over the MoE layers by `cfg.balance_pooling` (the module docstring):
+    the mean of the per-layer losses, or E·Σ_e f̄_e·P̄_e of f and P pooled over the layers."""
+    if cfg.balance_pooling == "global":
+        return cfg.num_experts * jnp.sum(router["load"].mean(0) * router["prob"].mean(0))
+    return router["load_balance"].mean()
 
 
 def flops_per_token(cfg: MoEConfig, dim: int, mlp_matmul: int) -> float:

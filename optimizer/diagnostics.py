@@ -9,7 +9,9 @@ called once per parameter group with `self` the group's own hyperparameters (its
 group's optax state (the `optax.multi_transform` entry, MaskedState wrapper removed: whatever
 `transform(group, ...)`'s `init` returned, chains included) and `params` the whole model's
 arrays (a group's leaves are where `group_state`'s trees hold arrays and not `optax.MaskedNode`).
-It returns scalar arrays keyed by a short stat name; `optimizer_metrics` logs each as
+An optimizer whose update blends in the step's own gradient (Muon's Nesterov momentum) may take a
+keyword `grads`: the gradient this update took (clipped as the optimizer's chain clips it), or None
+where a caller has only the state. It returns scalar arrays keyed by a short stat name; `optimizer_metrics` logs each as
 `optim/<group>/<stat>`. It must be pure and jittable (it runs in the logging variant of the
 jitted train step), read only the state, and return {} for a group with no leaves (a tied head).
 An optimizer without the method logs only `optim/state_bytes` (and, under optimizer.cautious,
@@ -21,6 +23,7 @@ its position in a chain: chains, masks and wrappers change, types do not.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -140,20 +143,26 @@ def adam_sqrt_v(group_state: Any, b2: float) -> dict[str, jax.Array]:
 
 
 def optimizer_metrics(hparams: Any, opt_state: Any, params: Any,
-                      overrides: dict[str, dict[str, float]] | None = None) -> dict[str, jax.Array]:
+                      overrides: dict[str, dict[str, float]] | None = None, grads: Any = None,
+                      clip: float | None = None) -> dict[str, jax.Array]:
     """`optim/<group>/<stat>` from each group's `diagnostics`, and `optim/cautious_kept_fraction`
     under optimizer.cautious; pure and jittable.
 
     hparams: the run's optimizer dataclass (run.optimizer.hparams); overrides: its per-group
     overrides (run.optimizer.group_overrides), so a group's stats use its own b2/epsilon;
     params: the model's arrays (eqx.filter(model, eqx.is_array)), the ones this state goes with
-    (their shapes; Schedule-Free reads their values, its y)."""
+    (their shapes; Schedule-Free reads their values, its y); grads: the step's gradient before
+    clipping (or None), handed, clipped at `clip` as make_optimizer does, to a `diagnostics` that
+    takes `grads`."""
     out: dict[str, jax.Array] = cautious_kept_fraction(opt_state, params)
     if getattr(hparams, "diagnostics", None) is None:
         return out
+    if grads is not None and clip:
+        grads = optax.clip_by_global_norm(clip).update(grads, optax.EmptyState())[0]
     for group, state in group_states(opt_state).items():
         own = group_hparams(hparams, group, overrides or {})
-        for stat, value in own.diagnostics(group, state, params).items():
+        takes_grads = "grads" in inspect.signature(own.diagnostics).parameters
+        for stat, value in own.diagnostics(group, state, params, **({"grads": grads} if takes_grads else {})).items():
             out[f"{PREFIX}/{group}/{stat}"] = value
     return out
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 
-from optimizer.diagnostics import adam_sqrt_v, array_leaves, find_states
+from optimizer.diagnostics import adam_sqrt_v, array_leaves, find_states, is_masked
 from optimizer.groups import check_non_negative, check_unit_interval
 from utils.errors import ConfigError
 
@@ -67,6 +67,14 @@ def newton_schulz(mu: jax.Array, ns_coeffs: jax.Array, ns_steps: int) -> jax.Arr
     ns = scale_by_muon(ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=0.0, nesterov=False,
                        weight_dimension_numbers=_stacked_dims)
     return ns.update(mu, ns.init(mu))[0]
+
+
+def nesterov_input(mu: jax.Array, g: jax.Array, count: jax.Array, beta: float) -> jax.Array:
+    """What scale_by_muon(nesterov=True) hands Newton–Schulz, from the state it left (momentum `mu`,
+    `count` already incremented) and the gradient `g` it took: β·mu/(1 − β^(count+1)) +
+    (1 − β)·g/(1 − β^count), optax 0.2's bias corrections as they are."""
+    bc = lambda x, t: x / (1 - beta ** t).astype(x.dtype)  # optax.tree.bias_correction's expression
+    return beta * bc(mu, count + 1) + (1 - beta) * bc(g.astype(mu.dtype), count)
 
 
 def orthogonality_error(o_BxMxN: jax.Array) -> jax.Array:
@@ -131,17 +139,25 @@ class Muon:
             optax.scale_by_learning_rate(schedule),
         )
 
-    def diagnostics(self, group: str, group_state, params) -> dict:
+    def diagnostics(self, group: str, group_state, params, grads=None) -> dict:
         """hidden: ortho_err_mean / ortho_err_max, the `orthogonality_error` of the Newton–Schulz
-        output recomputed from the momentum in the state (the same ns_steps, coefficients and
-        Frobenius pre-scaling as the update), over every block of every hidden leaf; costs one
-        more Newton–Schulz pass. Other groups (AdamW): sqrt_v_min / _median / _max."""
+        output recomputed from what the update orthogonalised (the same ns_steps, coefficients and
+        Frobenius pre-scaling), over every block of every hidden leaf; costs one more Newton–Schulz
+        pass. That is the momentum in the state, or with `nesterov` its blend with the step's
+        gradient (`grads`, clipped as the update saw it; `nesterov_input`); without `grads` (a
+        caller holding only the state) the momentum alone, which the blend is close to but not the
+        same as. A skipped non-finite step's gradient gives NaN (it took no update).
+        Other groups (AdamW): sqrt_v_min / _median / _max."""
         if group != "hidden":
             return adam_sqrt_v(group_state, self.adam_b2)
         states = find_states(group_state, MuonState)
         mus = array_leaves(states[0].mu) if states else []
         if not mus:
             return {}
+        if self.nesterov and grads is not None:
+            gs = []  # the group's gradient leaves, lined up with its momentum (MaskedNode elsewhere)
+            jax.tree.map(lambda m, g: None if is_masked(m) else gs.append(g), states[0].mu, grads, is_leaf=is_masked)
+            mus = [nesterov_input(mu, g, states[0].count, self.momentum) for mu, g in zip(mus, gs)]
         errs = jnp.concatenate([
             orthogonality_error(newton_schulz(mu, states[0].ns_coeffs, self.ns_steps)).reshape(-1)
             for mu in mus])

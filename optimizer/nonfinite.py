@@ -8,6 +8,9 @@ The convention here is trainit's and PyTorch's (a scheduler steps once per itera
 schedule follows the step counter, skipped steps included. So on a skipped step the schedule
 counters advance and everything else stays: the moments and their own counts (Adam's bias
 correction, Shampoo's preconditioning clock) describe the gradients actually taken.
+Schedule-Free's `step_count` is a schedule counter too: optax evaluates the lr schedule at it for
+the weight of its average (`max_lr`, one ahead of the count of scale_by_learning_rate inside it, as
+it starts at 1), so it advances with them; its `weight_sum` and `max_lr` stay, as a moment's do.
 (optimizer/restart.py sets the same counters to the run's step for a fresh optimizer state.)
 """
 
@@ -16,17 +19,32 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+from optax.contrib import ScheduleFreeState
 
 
-def _is_schedule_state(x) -> bool:
-    return isinstance(x, optax.ScaleByScheduleState)
+def is_schedule_state(x) -> bool:
+    """A state holding an lr-schedule counter: a schedule's own (`count`), Schedule-Free's clock (`step_count`)."""
+    return isinstance(x, (optax.ScaleByScheduleState, ScheduleFreeState))
+
+
+def map_schedule_counters(fn, opt_state: optax.OptState) -> optax.OptState:
+    """`opt_state` with every lr-schedule counter c replaced by fn(c, offset): offset 0 for a
+    schedule's count, 1 for Schedule-Free's step_count (it starts at 1: at run step n it is n + 1)."""
+
+    def replace(s):
+        if not is_schedule_state(s):
+            return s
+        if isinstance(s, ScheduleFreeState):  # its inner optimizer's schedule counts too
+            return s._replace(step_count=fn(s.step_count, 1),
+                              base_optimizer_state=map_schedule_counters(fn, s.base_optimizer_state))
+        return s._replace(count=fn(s.count, 0))
+
+    return jax.tree.map(replace, opt_state, is_leaf=is_schedule_state)
 
 
 def advance_schedules(opt_state: optax.OptState, advance: jax.Array) -> optax.OptState:
     """`opt_state` with every lr-schedule counter one step further where `advance` (traceable)."""
-    return jax.tree.map(
-        lambda s: s._replace(count=jnp.where(advance, optax.safe_int32_increment(s.count), s.count))
-        if _is_schedule_state(s) else s, opt_state, is_leaf=_is_schedule_state)
+    return map_schedule_counters(lambda c, _: jnp.where(advance, optax.safe_int32_increment(c), c), opt_state)
 
 
 def skip_nonfinite(tx: optax.GradientTransformation, max_consecutive_skips: int) -> optax.GradientTransformation:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import test_compare_report as tcr
 
-from utils.compare import report
-from utils.compare.plan import compare_config, make_plan
+from compare import report
+from compare.plan import compare_config, make_plan
 
 TWO = {o: tcr.OPTS[o] for o in ("adamw", "muon")}  # fewer runs: the report's rules are per optimizer
 

@@ -1,4 +1,4 @@
-"""objective=mdlm's validation accuracy (models/mdlm.py eval_sums, read by utils/train/hooks.evaluate):
+"""objective=mdlm's validation accuracy (models/mdlm.py eval_sums, read by trainer/hooks.evaluate):
 Σ masked·w·hit/t over Σ w, recomputed in NumPy from the masks `corrupt` draws and the bidirectional
 logits. tests/test_mdlm.py checks the loss; a random-init model hits almost nothing, so an
 accuracy test needs hits: the masks depend on the row's key alone, not its tokens, so the masked
@@ -17,8 +17,8 @@ from helpers import EPS32, compose_config, sum_atol
 import train_jax
 from models import mdlm
 from models.objectives import MDLM
+from trainer import hooks
 from utils.config import validate
-from utils.train import hooks
 
 V = 64  # the tiny run's vocabulary: the mask id is 63
 MASK = V - 1

@@ -1,4 +1,4 @@
-"""utils/compare/stats.hedges_g's guards, asserted for themselves: without them NumPy's var(ddof=1)
+"""compare/stats.hedges_g's guards, asserted for themselves: without them NumPy's var(ddof=1)
 of one value, or a division by a zero pooled std, also gives nan or ±inf, but with a RuntimeWarning
 (and ±inf is not the documented nan), so a check of the value alone could not fail."""
 
@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from utils.compare import stats
+from compare import stats
 
 
 @pytest.mark.parametrize("a, b", [([1.0], [3.1, 3.07, 3.12]), ([3.1, 3.07, 3.12], [1.0]), ([1.0], [2.0]), ([], []),

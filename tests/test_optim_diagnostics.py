@@ -524,3 +524,41 @@ def test_muon_ortho_error_is_that_of_the_logged_update(tiny_run):
         np.testing.assert_allclose(metrics["optim/hidden/ortho_err_mean"], errs.mean(), rtol=1e-3, err_msg=f"step {k}")
         # the same for the max: ~1e-5 estimated, 100x room
         np.testing.assert_allclose(metrics["optim/hidden/ortho_err_max"], errs.max(), rtol=1e-3, err_msg=f"step {k}")
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_ortho_error_describes_the_matrix_the_update_orthogonalised(nesterov):
+    """The Newton–Schulz output the update used, read off the update itself (no weight decay, a
+    constant lr: O = −u / (lr · shape factor)), has the logged orthogonality error. With Nesterov
+    that is NS of the momentum blended with the step's (clipped) gradient, not NS of the momentum:
+    a first gradient of rank one leaves a momentum near rank one, which the second gradient's
+    blend lifts, so the two errors are far apart. The gradients' norm is above the clip, so the
+    diagnostic must clip them as the update did."""
+    lr, shape, clip = 1e-2, (2, 16, 24), 1.0
+    hp = Muon(nesterov=nesterov, weight_decay=0.0)
+    labels = {"w": "hidden", "b": "scalar"}
+    rng = np.random.default_rng(3)
+    params = {"w": jnp.asarray(rng.normal(size=shape), jnp.float32), "b": jnp.asarray(rng.normal(size=16),
+                                                                                     jnp.float32)}
+    tx = make_optimizer(hp, optax.constant_schedule(lr), labels, clip, lr, {})
+    state = tx.init(params)
+    rank_one = rng.normal(size=(2, 16, 1)) * rng.normal(size=(2, 1, 24))
+    for g_w in (10 * rank_one, rng.normal(size=shape)):
+        grads = {"w": jnp.asarray(g_w, jnp.float32), "b": jnp.asarray(rng.normal(size=16), jnp.float32)}
+        updates, state = jax.jit(tx.update)(grads, state, params)
+    o = -np.asarray(updates["w"], np.float64) / (lr * shape_factor(shape, hp.shape_scale))
+    want = np.array([_np_ortho_error(block) for block in o])
+    metrics = jax.jit(lambda s, p, g: optimizer_metrics(hp, s, p, None, g, clip))(state, params, grads)
+    # Both float32 Newton–Schulz of the same input (the check() estimate of
+    # test_muon_ortho_error_matches_numpy_newton_schulz bounds float32 against float64 by 1e-4 relative,
+    # atol 1e-5); O read off the update adds 2 roundings (÷ lr, ÷ factor), far inside that.
+    ns_rtol, ns_atol = 1e-4, 1e-5
+    np.testing.assert_allclose(float(metrics["optim/hidden/ortho_err_max"]), want.max(), rtol=ns_rtol, atol=ns_atol)
+    np.testing.assert_allclose(float(metrics["optim/hidden/ortho_err_mean"]), want.mean(), rtol=ns_rtol, atol=ns_atol)
+    momentum_alone = _np_muon_errors(_group_state(state, "hidden")[0], hp.ns_steps)
+    if nesterov:  # the case tells the blend from the momentum alone, and the clipped gradient from the raw one
+        assert abs(momentum_alone.mean() - want.mean()) > 100 * (ns_rtol * want.mean() + ns_atol)
+        unclipped = float(optimizer_metrics(hp, state, params, None, grads, None)["optim/hidden/ortho_err_mean"])
+        assert abs(unclipped - want.mean()) > 100 * (ns_rtol * want.mean() + ns_atol)
+    else:
+        np.testing.assert_allclose(momentum_alone.mean(), want.mean(), rtol=ns_rtol, atol=ns_atol)

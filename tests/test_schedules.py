@@ -337,3 +337,37 @@ def test_bad_schedule_knobs_raise_config_error(name, node, knob):
 
 def test_wsd_is_trapezoid():
     assert SCHEDULES["wsd"] is SCHEDULES["trapezoid"] is Trapezoid
+
+
+def test_schedule_free_step_count_follows_the_run_across_a_skip_and_a_fresh_state():
+    """Schedule-Free's own step counter is an lr clock (optax evaluates the schedule at it for the
+    weight of the average, one ahead of scale_by_learning_rate's count, since it starts at 1). A
+    skipped step must advance it as it advances the schedule's count, else the next update weighs
+    its average by the lr of one step earlier: here a schedule whose step 2 is 100 would enter
+    max_lr although the step that would have used it was skipped. A fresh state at run step N
+    (checkpoint.overwrite_optimizer) puts it at N + 1, beside the schedule's count at N."""
+    from optax.contrib import ScheduleFreeState
+
+    from optimizer.restart import fresh_state
+    schedule = lambda count: jnp.where(count == 2, 100.0, 1e-2)
+    labels = {"w": "hidden", "b": "scalar"}
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(8, 12)), jnp.float32), "b": jnp.asarray(rng.normal(size=8),
+                                                                                       jnp.float32)}
+    tx = skip_nonfinite(make_optimizer(OPTIMIZERS["schedule_free_adamw"](), schedule, labels, None, 1e-2, {}), 3)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    for n in range(3):
+        grads = {k: jnp.asarray(rng.normal(size=p.shape), jnp.float32) * (np.nan if n == 1 else 1.0)
+                 for k, p in params.items()}
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    assert int(state.total_notfinite) == 1
+    sf = find_states(state, ScheduleFreeState)
+    assert {int(s.count) for s in find_states(state, optax.ScaleByScheduleState)} == {3}
+    assert {int(s.step_count) for s in sf} == {4}  # steps 0, 1 (skipped), 2 taken: the clock at 3 + 1
+    # max_lr saw schedule(1) and schedule(3) (the two updates taken), never the skipped step's schedule(2)
+    assert {float(s.max_lr) for s in sf} == {float(np.float32(1e-2))}  # exactly the float32 value, not 100
+    fresh = fresh_state(tx, params, jnp.asarray(5, jnp.int32), None)
+    assert {int(s.count) for s in find_states(fresh, optax.ScaleByScheduleState)} == {5}
+    assert {int(s.step_count) for s in find_states(fresh, ScheduleFreeState)} == {6}

@@ -27,6 +27,7 @@ from utils.checkpoint.storage import (
     with_frozen,
 )
 from utils.errors import ConfigError
+from utils.logging.messages import say
 
 # Top-level config keys that describe this machine or this invocation, not the run being
 # trained: a run that starts from a checkpoint always takes them from its own command line
@@ -130,6 +131,8 @@ def restore_state(source: Source, abstract, shardings, model_config: dict, build
         metric_states = init_metrics(model) if abstract.metric_states else {}
     loss_scale = restored.get("loss_scale")  # a float16 run from a checkpoint without one starts its scale afresh
     if loss_scale is None and abstract.loss_scale is not None:
+        say(f"{source.path} has no loss scale (not a float16 run's): the loss scale starts fresh, at "
+            "train.loss_scale.init")
         loss_scale = jax.jit(abstract.loss_scale.fresh, out_shardings=shardings.loss_scale)()
     return TrainState(model, opt_state, progress["step"], progress["key"], metric_states, loss_scale)
 

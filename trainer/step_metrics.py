@@ -86,13 +86,15 @@ class FnMetric:
                              inputs.aux)
 
 
-def optimizer_diagnostics(hparams: Any, overrides: dict[str, dict[str, float]] | None = None) -> FnMetric:
+def optimizer_diagnostics(hparams: Any, overrides: dict[str, dict[str, float]] | None = None,
+                          clip: float | None = None) -> FnMetric:
     """The optimizer's own `optim/...` metrics (optimizer/diagnostics.py `optimizer_metrics`) as a
     metric of the logging variant, read from the state the step produced: the optimizer state
-    this update was computed with and left."""
+    this update was computed with and left, and the step's gradient clipped at `clip`
+    (train.gradient_clip_val) as make_optimizer's chain clips it."""
     return FnMetric(lambda state, grads, updates, aux: diagnostics.optimizer_metrics(
-        hparams, state.opt_state, eqx.filter(state.model, eqx.is_array), overrides), logging_only=True,
-        after_update=True)
+        hparams, state.opt_state, eqx.filter(state.model, eqx.is_array), overrides, grads, clip),
+        logging_only=True, after_update=True)
 
 
 def stateful(metrics: Sequence[StepMetric]) -> list[StepMetric]:

@@ -50,6 +50,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import yaml
 from etils import epath
@@ -465,9 +466,10 @@ def _restore_error(source: Source, e: Exception) -> CheckpointError:
     detail = where.group(1) if where and source.path in where.group(1) else source.path
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
     # A tree that does not match is the optimizer state's (the model's shapes were checked first): another
-    # optimizer, or train.skip_nonfinite switched (compute_dtype=float16 switches it on), which wraps the state.
-    hint = (" (a different optimizer's state, or train.skip_nonfinite switched, as compute_dtype=float16 does? "
-            "set checkpoint.overwrite_optimizer=true)"
+    # optimizer, or train.skip_nonfinite switched off, which unwraps the state (switching it on, as
+    # compute_dtype=float16 does, loads the state into the wrapper: `_unwrapped_opt_state`).
+    hint = (" (a different optimizer's state, or a checkpoint saved with train.skip_nonfinite on (or "
+            "compute_dtype=float16) loaded without it? set checkpoint.overwrite_optimizer=true)"
             if "opt_state" in str(e) or "tree structures do not match" in str(e) else "")
     return CheckpointError(f"cannot restore {detail}: {first}{hint}: the checkpoint is corrupt or incomplete; "
                            "load another one")
@@ -486,8 +488,10 @@ def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str
     _check_model_fits(source, abstract_model, model_config)
     items = {"model": _restore_args(saved_part(source, abstract_state.model)),
              "progress": _restore_args({"step": abstract_state.step, "key": abstract_state.key})}
+    wrap = source.with_opt_state and _unwrapped_opt_state(source, abstract_state.opt_state)
     if source.with_opt_state:
-        items["opt_state"] = _restore_args(_arrays(abstract_state.opt_state))
+        items["opt_state"] = _restore_args(_arrays(abstract_state.opt_state.inner_state if wrap
+                                                   else abstract_state.opt_state))
         abstract_metrics = _arrays(abstract_state.metric_states)
         if abstract_metrics and _same_layout(os.path.join(source.path, "metric_states"), abstract_metrics):
             items["metric_states"] = _restore_args(abstract_metrics)
@@ -506,7 +510,32 @@ def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str
                 "metric_states": abstract_state.metric_states,
                 "aux": abstract_state.metric_states.get("aux") if abstract_state.metric_states else None,
                 "loss_scale": loss_scale}
-    return {name: _with_empty(restored[name], abstract[name]) for name in items}
+    out = {name: restored[name] for name in items}
+    if wrap:  # the run's skip-non-finite wrapper around the checkpoint's optimizer state, its counts at 0
+        out["opt_state"] = _fresh_wrapper(abstract_state.opt_state, out["opt_state"])
+    return {name: _with_empty(value, abstract[name]) for name, value in out.items()}
+
+
+def _unwrapped_opt_state(source: Source, abstract_opt_state: Any) -> bool:
+    """Whether the run wraps its optimizer state in train.skip_nonfinite's optax.ApplyIfFiniteState
+    (compute_dtype=float16 switches it on) and the checkpoint holds that state without the wrapper
+    (a float32 or bfloat16 run's): the optimizer state then loads into the wrapper."""
+    if not isinstance(abstract_opt_state, optax.ApplyIfFiniteState):
+        return False
+    item = os.path.join(source.path, "opt_state")
+    return (not _same_layout(item, _arrays(abstract_opt_state))
+            and _same_layout(item, _arrays(abstract_opt_state.inner_state)))
+
+
+def _fresh_wrapper(abstract: Any, inner: Any) -> Any:
+    """optax.ApplyIfFiniteState around `inner`, its counters as apply_if_finite's init leaves them
+    (no non-finite step yet, the last one finite), each in its abstract leaf's sharding."""
+    def init(x, value):
+        return jax.jit(lambda: jnp.full(x.shape, value, x.dtype), out_shardings=getattr(x, "sharding", None))()
+
+    return optax.ApplyIfFiniteState(notfinite_count=init(abstract.notfinite_count, 0),
+                                    last_finite=init(abstract.last_finite, True),
+                                    total_notfinite=init(abstract.total_notfinite, 0), inner_state=inner)
 
 
 def _data_files_missing(item_dir: str) -> bool:
