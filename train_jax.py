@@ -29,12 +29,12 @@ from loaders.config import DataRequest
 from loaders.pipeline import Data, build_data, source_documents
 from loaders.tokenizers import Tokenizer
 from loaders.windows import WindowDataset
-from models import hf_generation
+from models import hf_generation, lora
 from models.sample import sampler
 from optimizer import diagnostics, eval_view, group_schedules, make_optimizer
 from optimizer.nonfinite import skip_nonfinite
 from optimizer.restart import fresh_state
-from trainer import aux_state, early_stopping, loss_scale, precompile, step_metrics
+from trainer import aux_state, early_stopping, loss_scale, memory, precompile, step_metrics
 from trainer import hooks as H
 from trainer.activations import ActivationNorms
 from trainer.flops import peak_flops
@@ -116,10 +116,24 @@ def build_trainer(run: RunConfig, source: Source | None = None, schedule: optax.
     docs = source_documents(run.dataset.source, run.tokenizer.needs_documents, run.config_dict["tokenizer"]["name"])
     tokenizer = init_tokenizer(run, docs[0] if docs else None)
     run = resolve_vocab(run, tokenizer.vocab_size)
+    check_memory(run, mesh)  # before the data is read and anything compiles
     data = init_data(run, tokenizer, docs, source.data_state if source is not None else None)
     schedule, tx, state, train_step = init_training(run, mesh, source, schedule=schedule)
     return Trainer(run, mesh, tokenizer, data, schedule, tx, state, train_step, make_evaluate(run, data.val, mesh),
                    eval_view(run.optimizer.hparams))
+
+
+def check_memory(run: RunConfig, mesh) -> None:
+    """Refuse a window that the memory estimate (trainer/memory.py: a lower bound) says cannot fit
+    one device: a ConfigError naming dataset.context_length and the largest window that fits. The
+    state's shapes come from `eval_shape`: nothing is allocated, read or compiled."""
+    model = jax.eval_shape(lambda: init_model(run, jax.random.PRNGKey(0)))
+    params = eqx.filter(model, eqx.is_array)
+    labels = models.param_labels(model)
+    opt_state = jax.eval_shape(init_optimizer(run, init_scheduler(run), labels).init, params)
+    trained = [x for x, label in zip(jax.tree.leaves(params), jax.tree.leaves(labels)) if label != lora.FROZEN_GROUP]
+    capacity, where = memory.device_memory()
+    memory.check_window(run, memory.state_bytes(params, opt_state, trained), mesh.devices.size, capacity, where)
 
 
 def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=None,

@@ -69,7 +69,7 @@ def build(cfg, key: jax.Array, param_dtype=None):
     if getattr(cfg, "init_from", None):
         from models import hf  # here: models.hf imports this registry
 
-        model = lora.attach(hf.build_from_hf(cfg, key), lora_config(cfg), key)
+        model = lora.attach(hf.build_from_hf(cfg, key, param_dtype), lora_config(cfg), key)  # read in param_dtype
     else:
         model = lora.attach(family(cfg).Model(cfg, key), lora_config(cfg), key)  # model.lora: factors on a frozen base
     if param_dtype is None:

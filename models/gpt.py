@@ -462,4 +462,4 @@ def from_hf_tensors(cfg: GPTConfig, tensors: dict, where: str = "model.safetenso
             stacked = np.stack([expect(tensors, f"{pre}h.{i}.{theirs}.{param}", shapes[theirs][param], where)
                                 for i in range(L)])
             named[f"blocks.{ours}.{field}"] = stacked[..., to_ours] if ours == "attn_qkv" else stacked
-    return fill(cfg, named, where)
+    return fill(cfg, named, where, getattr(tensors, "dtype", None))  # a models.hf.Tensors reader's dtype

@@ -21,13 +21,14 @@ files, atomic writes. Torch is never imported: safetensors' numpy reader and wri
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import json
 import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
@@ -174,23 +175,53 @@ def resolve_init_from(cfg, prefix: str = "model") -> tuple[Any, tuple[str, ...],
 # ----------------------------------------------------------------------------- tensors
 
 
-def read_tensors(path: str) -> dict[str, np.ndarray]:
-    """Every tensor of PATH's safetensors (one file, or the shards model.safetensors.index.json lists)
-    as float32 (or integer) numpy: a bfloat16 or float16 directory becomes the float32 the run casts from."""
+class Tensors(Mapping):
+    """PATH's safetensors (one file, or the shards model.safetensors.index.json lists) as a mapping of
+    name -> numpy array that reads one tensor per lookup, its floats cast to `dtype` (the run's
+    train.param_dtype, float32 by default): the directory is never held whole, in float32 or at all.
+    Each read opens its shard anew (safe_open reads the header; the file's mapped pages are given
+    back when it closes). numpy, not flax: this runs inside the init program's pure_callbacks, where
+    a JAX array (a device_put needing XLA's threads, all waiting on _READ_LOCK) deadlocks a model of
+    some MB. bfloat16 reads as ml_dtypes' (safetensors >= 0.8)."""
+
+    def __init__(self, path: str, dtype=np.float32):
+        self.dtype = np.dtype(dtype)
+        self._shard: dict[str, str] = {}  # tensor name -> its file, from the headers alone
+        for shard in _shards(path):
+            with _reading(shard) as f:
+                self._shard.update(dict.fromkeys(f.keys(), shard))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        shard = self._shard[name]  # KeyError for a name the directory lacks, as a dict's
+        with _reading(shard) as f:
+            x = np.asarray(f.get_tensor(name))
+        return x.astype(self.dtype, copy=False) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    def __iter__(self):
+        return iter(self._shard)
+
+    def __len__(self) -> int:
+        return len(self._shard)
+
+
+@contextlib.contextmanager
+def _reading(shard: str):
+    """safe_open(shard) with its errors (a bad header, a truncated file) as one CheckpointError line."""
     from safetensors import safe_open
 
-    tensors: dict[str, np.ndarray] = {}
-    for shard in _shards(path):
-        try:
-            # numpy, not flax: this runs inside the init program's pure_callbacks, where a JAX array (a
-            # device_put needing XLA's threads, all waiting on _READ_LOCK) deadlocks a model of some MB.
-            with safe_open(shard, framework="numpy") as f:  # bfloat16 as ml_dtypes' (safetensors >= 0.8)
-                for name in f.keys():
-                    x = np.asarray(f.get_tensor(name))
-                    tensors[name] = x.astype(np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
-            raise CheckpointError(f"{shard} cannot be read ({type(e).__name__}: {e}): save the model again") from None
-    return tensors
+    try:
+        with safe_open(shard, framework="numpy") as f:
+            yield f
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
+        raise CheckpointError(f"{shard} cannot be read ({type(e).__name__}: {e}): save the model again") from None
+
+
+def read_tensors(path: str, dtype=np.float32) -> Tensors:
+    """Every tensor of PATH's safetensors, read when looked up, floats as `dtype` (a bfloat16 or
+    float16 directory becomes the float32, or the train.param_dtype, the run uses)."""
+    return Tensors(path, dtype)
 
 
 def _shards(path: str) -> list[str]:
@@ -217,15 +248,10 @@ def _shards(path: str) -> list[str]:
 
 def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape in PATH's safetensors, from the headers alone (no weights read)."""
-    from safetensors import safe_open
-
     shapes = {}
     for shard in _shards(path):
-        try:
-            with safe_open(shard, framework="numpy") as f:
-                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
-            raise CheckpointError(f"{shard} cannot be read ({type(e).__name__}: {e}): save the model again") from None
+        with _reading(shard) as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
     return shapes
 
 
@@ -236,10 +262,11 @@ def check_shapes(cfg, path: str) -> None:
     models.family(cfg).from_hf_tensors(cfg, stand_ins)
 
 
-def fill(cfg, named: dict[str, np.ndarray], where: str):
+def fill(cfg, named: dict[str, np.ndarray], where: str, dtype=None):
     """A `cfg` model whose arrays are `named` (keyed by our pytree paths, `blocks.ln1.gain_D`), shapes
     checked against the model `cfg` describes; `where` names the file in errors. For the families'
-    `from_hf_tensors`, after they have mapped Hugging Face names and layouts to ours."""
+    `from_hf_tensors`, after they have mapped Hugging Face names and layouts to ours. Float arrays
+    become `dtype` (the reader's: `Tensors.dtype`), or the model's own (float32) when None."""
     from utils.checkpoint.storage import leaf_name
 
     # the key made under the trace: a concrete one would be a device transfer (see _READ_LOCK)
@@ -253,18 +280,20 @@ def fill(cfg, named: dict[str, np.ndarray], where: str):
         if tuple(named[name].shape) != tuple(x.shape):
             raise CheckpointError(f"{where}: {name} has shape {tuple(named[name].shape)}, config.json's model needs "
                                   f"{tuple(x.shape)}: config.json and the weights come from different models")
-        filled.append(np.asarray(named[name], dtype=x.dtype))
+        floating = dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
+        filled.append(np.asarray(named.pop(name), dtype=dtype if floating else x.dtype))  # popped: no second copy
     return jax.tree_util.tree_unflatten(treedef, filled)
 
 
-def expect(tensors: dict[str, np.ndarray], name: str, shape: tuple, where: str) -> np.ndarray:
-    """tensors[name], or a CheckpointError naming the missing or misshapen Hugging Face tensor."""
+def expect(tensors: Mapping[str, np.ndarray], name: str, shape: tuple, where: str) -> np.ndarray:
+    """tensors[name] (read once), or a CheckpointError naming the missing or misshapen Hugging Face tensor."""
     if name not in tensors:
         raise CheckpointError(f"{where} lacks {name}: the directory is incomplete or of another architecture")
-    if tuple(tensors[name].shape) != tuple(shape):
-        raise CheckpointError(f"{where}: {name} has shape {tuple(tensors[name].shape)}, config.json says "
+    x = tensors[name]
+    if tuple(x.shape) != tuple(shape):
+        raise CheckpointError(f"{where}: {name} has shape {tuple(x.shape)}, config.json says "
                               f"{tuple(shape)}: config.json and the weights come from different models")
-    return tensors[name]
+    return x
 
 
 # ----------------------------------------------------------------------------- load
@@ -272,13 +301,18 @@ def expect(tensors: dict[str, np.ndarray], name: str, shape: tuple, where: str) 
 
 def load_hf(path: str, base_cfg) -> tuple[Any, eqx.Module]:
     """(config, model) of a local Hugging Face directory: config.json's model_type picks the family,
-    its shape knobs replace `base_cfg`'s (execution knobs kept), the safetensors fill the arrays."""
+    its shape knobs replace `base_cfg`'s (execution knobs kept), the safetensors fill the arrays (float32)."""
     cfg, _ = config_from_dir(path, base_cfg)
-    return cfg, _host_model(cfg, path)
+    return cfg, _host_model(cfg, path, np.float32)
 
 
-def _host_model(cfg, path: str) -> eqx.Module:
-    return models.family(cfg).from_hf_tensors(cfg, read_tensors(path))
+def _host_model(cfg, path: str, dtype) -> eqx.Module:
+    """The directory's model as host numpy, float arrays in `dtype`, read one tensor at a time."""
+    return models.family(cfg).from_hf_tensors(cfg, read_tensors(path, dtype))
+
+
+def _host_leaves(cfg, path: str, dtype) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(_host_model(cfg, path, dtype))]
 
 
 # XLA may run the per-leaf callbacks on several threads at once. Everything under the lock is numpy:
@@ -286,40 +320,47 @@ def _host_model(cfg, path: str) -> eqx.Module:
 _READ_LOCK = threading.Lock()
 
 
-@functools.lru_cache(maxsize=1)
-def _host_leaves(cfg, path: str, mtime: float) -> tuple[np.ndarray, ...]:
-    return tuple(np.asarray(x) for x in jax.tree.leaves(_host_model(cfg, path)))
+class _Handover:
+    """One build's host arrays, each given to its leaf's callback once and then dropped, so no copy
+    of the weights outlives the init program's run (the arrays live on as the program's results).
+    A leaf asked for again (the same program run a second time) reads the directory again."""
+
+    def __init__(self, cfg, path: str, dtype):
+        self.cfg, self.path, self.dtype = cfg, path, dtype
+        self.held: list[np.ndarray | None] | None = None
+
+    def take(self, i: int) -> np.ndarray:
+        with _READ_LOCK:
+            if self.held is None or self.held[i] is None:
+                self.held = list(_host_leaves(self.cfg, self.path, self.dtype))
+            x, self.held[i] = self.held[i], None
+            if all(h is None for h in self.held):
+                self.held = None
+            return x
 
 
-def _cached_host_leaves(cfg, path: str, mtime: float) -> tuple[np.ndarray, ...]:
-    """The directory's arrays in the model's leaf order, read once per process (jit calls back per leaf)."""
-    with _READ_LOCK:
-        return _host_leaves(cfg, path, mtime)
-
-
-def _weights_mtime(path: str) -> float:
-    names = [n for n in (WEIGHTS_FILE, INDEX_FILE) if os.path.isfile(os.path.join(path, n))]
-    return max((os.path.getmtime(os.path.join(path, n)) for n in names), default=0.0)
-
-
-def build_from_hf(cfg, key: jax.Array) -> eqx.Module:
-    """The model of `cfg` with its arrays read from cfg.init_from (`models.build`'s branch).
+def build_from_hf(cfg, key: jax.Array, param_dtype=None) -> eqx.Module:
+    """The model of `cfg` with its arrays read from cfg.init_from (`models.build`'s branch), float
+    arrays in `param_dtype` (train.param_dtype; float32 when None) as they are read.
 
     Each array is a `jax.pure_callback`, so under `eval_shape` (the abstract model, a resumed run's
     restore target) nothing is read, and under `jit` (the run's sharded init) the arrays arrive as
-    the program's results rather than as constants baked into it."""
+    the program's results rather than as constants baked into it. The directory is read once per
+    run of that program, one tensor at a time in the target dtype, and nothing is cached after it
+    (`_Handover`): host memory peaks at about one host copy of the model in its training dtype."""
     del key  # the directory's weights, not a random draw
-    path = cfg.init_from
     shapes = eqx.filter_eval_shape(models.family(cfg).Model, dataclasses.replace(cfg, init_from=None),
                                    jax.random.PRNGKey(0))
     leaves, treedef = jax.tree.flatten(shapes)
-    mtime = _weights_mtime(path)
+    dtype = jnp.dtype(param_dtype or jnp.float32)
+    out = [jax.ShapeDtypeStruct(x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype) for x in leaves]
+    handover = _Handover(cfg, cfg.init_from, dtype)
 
-    def leaf(i: int, x):
-        read = lambda: _cached_host_leaves(cfg, path, mtime)[i]
-        return jax.pure_callback(read, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    def leaf(i: int):
+        read = lambda: np.asarray(handover.take(i), dtype=out[i].dtype)
+        return jax.pure_callback(read, out[i])
 
-    return jax.tree.unflatten(treedef, [leaf(i, x) for i, x in enumerate(leaves)])
+    return jax.tree.unflatten(treedef, [leaf(i) for i in range(len(leaves))])
 
 
 # ----------------------------------------------------------------------------- save

@@ -525,11 +525,13 @@ def hf_tensors(model: Llama) -> dict[str, np.ndarray]:
 
 
 def from_hf_tensors(cfg: LlamaConfig, tensors: dict) -> Llama:
-    """The model of `cfg` holding Hugging Face weights (`hf_tensors`' inverse), float32. Extra
+    """The model of `cfg` holding Hugging Face weights (`hf_tensors`' inverse), float32 (or the dtype
+    of a `models.hf.Tensors` reader: `tensors.dtype`, each tensor read once). Extra
     tensors (a tied model's `lm_head.weight`, rotary buffers) are ignored; a missing or misshapen
     one is a CheckpointError naming it."""
     template = eqx.filter_eval_shape(lambda: Llama(cfg, jax.random.PRNGKey(0)))  # no device transfer: models/hf.py
     shapes = jax.tree.leaves(template)
+    dtype = getattr(tensors, "dtype", np.float32)
     leaves = []
     for (name, transposed, stacked), shape in zip(_leaf_names(template), shapes, strict=True):
         per_block = shape.shape[1:] if stacked else shape.shape
@@ -540,7 +542,7 @@ def from_hf_tensors(cfg: LlamaConfig, tensors: dict) -> Llama:
             if key not in tensors:
                 raise CheckpointError(f"tensor {key} is missing from the Hugging Face weights: the checkpoint does "
                                       "not match its config.json (or model.qkv_bias/tie_embeddings); re-export it")
-            a = np.asarray(tensors[key], dtype=np.float32)
+            a = np.asarray(tensors[key], dtype=dtype)
             if a.shape != tuple(want):
                 raise CheckpointError(f"tensor {key} has shape {a.shape}, the config.json's model needs "
                                       f"{tuple(want)}: the weights and config.json disagree; re-export them together")

@@ -273,8 +273,14 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
                   f"(tokenizer=hf)",) if tok_dir and tokenizer != run.tokenizer else ()
         # The saved config says what ran: an export, a resume and the data's tokenizer check read it.
         raw = {**raw, "tokenizer": {"name": "hf", "name_or_path": tok_dir}} if tok_dir else raw
-        run = dataclasses.replace(run, model=model, tokenizer=tokenizer, warnings=run.warnings + notes,
-                                  config_dict=raw)
+        dataset, window = run.dataset, ()
+        if dataset.context_length is None:  # the yaml's window, not the directory's maximum (131072 for some)
+            dataset = dataclasses.replace(dataset, context_length=min(run.model.context_length, model.context_length))
+            window = (f"window: {dataset.context_length} tokens (dataset.context_length=null trains on the model "
+                      f"yaml's model.context_length; {model.context_length}, model.init_from's maximum, stays the "
+                      f"model's limit: set dataset.context_length to train on more)",)
+        run = dataclasses.replace(run, model=model, tokenizer=tokenizer, dataset=dataset, warnings=run.warnings + notes,
+                                  notes=run.notes + window, config_dict=raw)
     ck = run.checkpoint
     if ck.keep_best and run.train.skip_validation:
         raise ConfigError("checkpoint.keep_best=true ranks checkpoints by val/loss: set train.skip_validation=false "
