@@ -41,8 +41,12 @@ from compare.plan import Plan, PlannedRun, override_key, run_json
 from utils.checkpoint.storage import complete_steps
 from utils.errors import ConfigError, EqtrainError, TrainingError
 from utils.files import atomic_write
+from utils.versions import provenance
 
 COMPARE_JSON = "compare.json"
+# compare.json's list of the sessions that ran the comparison: each one's commit (and dirty flag),
+# package versions, CPU, device and date; a continuation with the same set-up adds nothing.
+PROVENANCE = "provenance"
 RUN_JSON = "run.json"
 
 
@@ -128,19 +132,35 @@ def run_overrides(run: PlannedRun, compare_dir: str, save_every: int | None = No
     return out
 
 
+def jax_device() -> str:
+    """This process's accelerator, as runs started from here see it (a launcher's jobs may run elsewhere)."""
+    import jax
+
+    return f"{jax.device_count()} x {jax.devices()[0].device_kind}"
+
+
+def _setup(session: dict) -> tuple:
+    return tuple(json.dumps(session.get(k), sort_keys=True) for k in ("commit", "dirty", "versions", "cpu", "device"))
+
+
 def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) -> None:
     """Write compare.json, or check that the one there is this plan's; then a run.json for every
     run of the plan (and of `runs`, lr.extend's) not there yet."""
     path = os.path.join(compare_dir, COMPARE_JSON)
     want = plan.to_json()
     have = read_json(path)
+    session = provenance(jax_device())
     if have is None:
         os.makedirs(compare_dir, exist_ok=True)
-        write_json(path, want)
-    elif have != json.loads(json.dumps(want)):
-        what = next((k for k in want if have.get(k) != json.loads(json.dumps(want[k]))), "runs")
-        raise ConfigError(f"{path} holds another comparison (its {what} differ from this command's): rerun the "
-                          "command that made it to continue it, or choose a new dir=")
+        write_json(path, {**want, PROVENANCE: [session]})
+    else:
+        sessions = have.pop(PROVENANCE, [])
+        if have != json.loads(json.dumps(want)):
+            what = next((k for k in want if have.get(k) != json.loads(json.dumps(want[k]))), "runs")
+            raise ConfigError(f"{path} holds another comparison (its {what} differ from this command's): rerun "
+                              "the command that made it to continue it, or choose a new dir=")
+        if not sessions or _setup(sessions[-1]) != _setup(session):  # a continuation on other code or machine
+            write_json(path, {**have, PROVENANCE: [*sessions, session]})
     for run in (*plan.runs, *runs):  # the whole plan is on disk before the first run starts
         json_path = os.path.join(run_dir(compare_dir, run.id), RUN_JSON)
         if not os.path.exists(json_path):

@@ -672,16 +672,36 @@ def knob_name(key: str) -> str:
     return key
 
 
+def describe_session(session: dict) -> str:
+    commit = str(session.get("commit", "unknown"))
+    dirty = {True: " with uncommitted changes", False: "", None: ""}.get(session.get("dirty"), "")
+    versions = ", ".join(f"{k} {v}" for k, v in (session.get("versions") or {}).items())
+    machine = f"CPU {session.get('cpu', '?')}; device {session.get('device') or '?'}"
+    python = f"Python {session.get('python', '?')}"
+    return f"{session.get('date', '?')}: commit `{commit[:12]}`{dirty}; {versions}; {python}; {machine}"
+
+
+def section_provenance(sessions: list[dict]) -> list[str]:
+    """What the comparison ran with (compare.json's provenance, one entry per differing session)."""
+    if not sessions:
+        return ["Set-up: not recorded (a comparison directory from before compare.json kept it).", ""]
+    if len(sessions) == 1:
+        return [f"Set-up: {describe_session(sessions[0])}.", ""]
+    return [f"Set-up: **the runs were started in {len(sessions)} sessions on different set-ups** (code, packages "
+            "or machine): results may not compare.", "", *(f"- {describe_session(s)}" for s in sessions), ""]
+
+
 def build_report(compare_dir: str, target: float | None = None) -> str:
     """Read the runs under `compare_dir`, write results.csv, the PNGs and report.md there;
     return report.md's path. DataError: no runs, or runs whose data fingerprints differ."""
     compare_dir = os.path.abspath(compare_dir)
     runs, results, workloads, fingerprints = _load(compare_dir, target)
     write_csv(compare_dir, runs, results)
-    knobs = {}
+    knobs, sessions = {}, []
     if os.path.isfile(os.path.join(compare_dir, "compare.json")):
         with open(os.path.join(compare_dir, "compare.json"), encoding="utf-8") as f:
-            knobs = json.load(f).get("knobs", {})
+            recorded = json.load(f)
+        knobs, sessions = recorded.get("knobs", {}), recorded.get("provenance", [])
     names = [w.name for w in workloads]
     fingerprint = ", ".join(f"{n}: {fingerprints[n] or 'not logged'}" for n in names) if len(names) > 1 else (
         fingerprints[names[0]] or "not logged")
@@ -693,6 +713,7 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
              f"data fingerprint: {fingerprint or 'not logged'}; workloads: {', '.join(names)}.", ""]
     if knobs:
         lines += ["Knobs: " + ", ".join(f"`{knob_name(k)}={v}`" for k, v in knobs.items()), ""]
+    lines += section_provenance(sessions)
     if pending:
         lines += [f"Pending (not run yet, left out of every table): {len(pending)} branches "
                   f"({', '.join(pending[:5])}{' …' if len(pending) > 5 else ''}).", ""]

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import background
+import jax
 import pytest
 from helpers import REPO, TINY_OVERRIDES, BackgroundProcess, load_script
 
@@ -185,6 +186,31 @@ def test_a_directory_of_another_comparison_is_refused(tmp_path):
     (tmp_path / "compare.json").write_text(json.dumps({**p.to_json(), "run_overrides": ["model.dim=64"]}))
     with pytest.raises(ConfigError, match="holds another comparison .*run_overrides"):
         launch.run_plan(p, str(tmp_path), train=None)
+
+
+def test_compare_json_records_each_set_up_that_ran_the_comparison(tmp_path, monkeypatch):
+    """The code's commit (and whether it had uncommitted changes), the core versions, the CPU, the
+    device and the date, once per differing session: a continuation on the same set-up adds nothing,
+    one on another commit adds an entry, and the report's header says the sessions differ."""
+    from compare import report
+    from utils import versions
+
+    p = make_plan(compare_config(KNOBS), RUN, {"adamw": 3e-3})
+    launch.open_dir(p, str(tmp_path))
+    first = json.loads((tmp_path / "compare.json").read_text())["provenance"]
+    here = versions.git_state()
+    assert len(first) == 1 and first[0]["commit"] == here["commit"] and first[0]["dirty"] == here["dirty"]
+    assert first[0]["versions"] == versions.core_versions() and first[0]["cpu"] == versions.cpu_model()
+    assert first[0]["device"].endswith(jax.devices()[0].device_kind)
+    launch.open_dir(p, str(tmp_path))  # continued on the same set-up
+    assert json.loads((tmp_path / "compare.json").read_text())["provenance"] == first
+    monkeypatch.setattr(versions, "git_state", lambda repo=None: {"commit": "0" * 40, "dirty": True})
+    monkeypatch.setattr(launch, "provenance", versions.provenance)
+    launch.open_dir(p, str(tmp_path))  # continued on other code: recorded, and the plan check still passes
+    sessions = json.loads((tmp_path / "compare.json").read_text())["provenance"]
+    assert [s["commit"] for s in sessions] == [here["commit"], "0" * 40] and sessions[1]["dirty"] is True
+    header = report.section_provenance(sessions)
+    assert "2 sessions on different set-ups" in header[0] and "`000000000000` with uncommitted changes" in header[3]
 
 
 def test_cli_bad_knob_is_one_line_before_anything_trains(tmp_path, capsys):
