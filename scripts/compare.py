@@ -105,6 +105,9 @@ def compare(argv: list[str]) -> int:
     save_every = _positive(node.get("save_every"), "save_every")
     execute = executor(launcher, compare_dir, save_every, _positive(node.get("parallel"), "parallel"))
     check_runs(plan)
+    from compare.launch import open_dir
+
+    open_dir(plan, compare_dir)  # refuses another comparison's directory before saying how to continue this one
     print(f"compare: {len(plan.runs)} runs ({sum(r.kind == 'trunk' for r in plan.runs)} trunks) in {compare_dir}; "
           f"to continue it later: the same command with dir={compare_dir}")
     summaries = [execute(plan, None)]

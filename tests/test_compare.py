@@ -188,6 +188,17 @@ def test_a_directory_of_another_comparison_is_refused(tmp_path):
         launch.run_plan(p, str(tmp_path), train=None)
 
 
+def test_the_cli_refuses_another_comparisons_dir_before_saying_how_to_continue(tmp_path, capsys):
+    """The refusal is the one line it prints: no 'to continue it later: ... dir=' first, which would
+    tell the user to rerun into a directory that is refused."""
+    (tmp_path / "c").mkdir()
+    other = make_plan(compare_config(KNOBS), [*RUN, "model.dim=64"], {"adamw": 3e-3})
+    (tmp_path / "c" / "compare.json").write_text(json.dumps(other.to_json()))
+    assert load_script("compare").main([*ARGV, f"dir={tmp_path / 'c'}"]) == 2
+    out, err = capsys.readouterr()
+    assert "to continue it later" not in out and "holds another comparison" in err and len(err.splitlines()) == 1
+
+
 def test_compare_json_records_each_set_up_that_ran_the_comparison(tmp_path, monkeypatch):
     """The code's commit (and whether it had uncommitted changes), the core versions, the CPU, the
     device and the date, once per differing session: a continuation on the same set-up adds nothing,
