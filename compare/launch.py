@@ -143,6 +143,18 @@ def _setup(session: dict) -> tuple:
     return tuple(json.dumps(session.get(k), sort_keys=True) for k in ("commit", "dirty", "versions", "cpu", "device"))
 
 
+def same_order(plan_json: dict) -> dict:
+    """compare.json with every override list in one order (by knob; one knob's overrides keep theirs):
+    Hydra applies overrides of different knobs alike in any order, so the same overrides typed in
+    another order are the same comparison."""
+    def order(overrides):
+        return sorted(overrides, key=override_key)
+
+    out = {**plan_json, "run_overrides": order(plan_json.get("run_overrides", []))}
+    out["runs"] = [{**r, "overrides": order(r.get("overrides", []))} for r in plan_json.get("runs", [])]
+    return out
+
+
 def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) -> None:
     """Write compare.json, or check that the one there is this plan's; then a run.json for every
     run of the plan (and of `runs`, lr.extend's) not there yet."""
@@ -155,8 +167,9 @@ def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) ->
         write_json(path, {**want, PROVENANCE: [session]})
     else:
         sessions = have.pop(PROVENANCE, [])
-        if have != json.loads(json.dumps(want)):
-            what = next((k for k in want if have.get(k) != json.loads(json.dumps(want[k]))), "runs")
+        have, wanted = same_order(have), same_order(json.loads(json.dumps(want)))
+        if have != wanted:
+            what = next((k for k in wanted if have.get(k) != wanted[k]), "runs")
             raise ConfigError(f"{path} holds another comparison (its {what} differ from this command's): rerun "
                               "the command that made it to continue it, or choose a new dir=")
         if not sessions or _setup(sessions[-1]) != _setup(session):  # a continuation on other code or machine

@@ -188,6 +188,14 @@ def test_a_directory_of_another_comparison_is_refused(tmp_path):
         launch.run_plan(p, str(tmp_path), train=None)
 
 
+def test_the_same_overrides_in_another_order_continue_the_same_comparison(tmp_path):
+    launch.open_dir(make_plan(compare_config(KNOBS), RUN, {"adamw": 3e-3}), str(tmp_path))
+    launch.open_dir(make_plan(compare_config(KNOBS), RUN[::-1], {"adamw": 3e-3}), str(tmp_path))  # no refusal
+    with pytest.raises(ConfigError, match="holds another comparison"):  # a changed value still is another one
+        launch.open_dir(make_plan(compare_config(KNOBS), (*RUN[::-1], "model.dim=64"), {"adamw": 3e-3}),
+                        str(tmp_path))
+
+
 def test_the_cli_refuses_another_comparisons_dir_before_saying_how_to_continue(tmp_path, capsys):
     """The refusal is the one line it prints: no 'to continue it later: ... dir=' first, which would
     tell the user to rerun into a directory that is refused."""
