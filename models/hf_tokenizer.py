@@ -86,24 +86,13 @@ def hf_tokenizer_object(tokenizer):
 
 def auto_tokenizer_ids(out_dir: str, texts) -> tuple[str, list[list[int]]]:
     """(the class name, the ids of each text) of `AutoTokenizer.from_pretrained(out_dir)`, quietly."""
-    import logging
-    import warnings
+    from loaders.tokenizers.hf import quiet_transformers
 
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    with quiet_transformers():
+        from transformers import AutoTokenizer
 
-    old, hub = hf_logging.get_verbosity(), logging.getLogger("huggingface_hub")
-    old_hub = hub.level
-    hf_logging.set_verbosity_error()
-    hub.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tok = AutoTokenizer.from_pretrained(out_dir)
-            return type(tok).__name__, [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    finally:
-        hf_logging.set_verbosity(old)
-        hub.setLevel(old_hub)
+        tok = AutoTokenizer.from_pretrained(out_dir)
+        return type(tok).__name__, [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
 
 
 def first_difference(out_dir: str, tokenizer) -> str | None:

@@ -262,6 +262,18 @@ def test_after_a_skipped_step_the_applied_lr_is_the_logged_one_and_the_last_is_m
             np.testing.assert_allclose(lr, want, rtol=1e-3, err_msg=f"step {n}: the lr {label} applied")  # the same
 
 
+def three_steps_the_second_not_finite(tx, params, rng):
+    """Steps 0, 1 and 2 of `tx` on random gradients, step 1's all NaN: (the last updates, the state)."""
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    for n in range(3):
+        grads = {k: jnp.asarray(rng.normal(size=p.shape), jnp.float32) * (np.nan if n == 1 else 1.0)
+                 for k, p in params.items()}
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return updates, state
+
+
 @pytest.mark.parametrize("name", per_optimizer(sorted(OPTIMIZERS)))
 def test_every_optimizers_schedule_counts_a_skipped_step(name):
     """A schedule that is 0 on step 1 only; step 1's gradient is NaN (skipped). Step 2 must use the
@@ -273,13 +285,7 @@ def test_every_optimizers_schedule_counts_a_skipped_step(name):
     params = {k: jnp.asarray(rng.normal(size=shape), jnp.float32) for k, (shape, _) in shapes.items()}
     tx = skip_nonfinite(make_optimizer(OPTIMIZERS[name](), schedule, {k: g for k, (_, g) in shapes.items()}, None,
                                        1e-2, {}), max_consecutive_skips=3)
-    update = jax.jit(tx.update)
-    state = tx.init(params)
-    for n in range(3):
-        grads = {k: jnp.asarray(rng.normal(size=p.shape), jnp.float32) * (np.nan if n == 1 else 1.0)
-                 for k, p in params.items()}
-        updates, state = update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+    updates, state = three_steps_the_second_not_finite(tx, params, rng)
     assert int(state.total_notfinite) == 1
     for k, u in updates.items():
         assert float(jnp.abs(u).max()) > 0, f"{name}: {k} did not move on step 2 (it used the lr of step 1)"
@@ -355,13 +361,7 @@ def test_schedule_free_step_count_follows_the_run_across_a_skip_and_a_fresh_stat
     params = {"w": jnp.asarray(rng.normal(size=(8, 12)), jnp.float32), "b": jnp.asarray(rng.normal(size=8),
                                                                                        jnp.float32)}
     tx = skip_nonfinite(make_optimizer(OPTIMIZERS["schedule_free_adamw"](), schedule, labels, None, 1e-2, {}), 3)
-    update = jax.jit(tx.update)
-    state = tx.init(params)
-    for n in range(3):
-        grads = {k: jnp.asarray(rng.normal(size=p.shape), jnp.float32) * (np.nan if n == 1 else 1.0)
-                 for k, p in params.items()}
-        updates, state = update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+    updates, state = three_steps_the_second_not_finite(tx, params, rng)
     assert int(state.total_notfinite) == 1
     sf = find_states(state, ScheduleFreeState)
     assert {int(s.count) for s in find_states(state, optax.ScaleByScheduleState)} == {3}

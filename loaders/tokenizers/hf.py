@@ -3,6 +3,7 @@ released models, and its config."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -96,11 +97,12 @@ def _short_reason(e: Exception) -> str:
     return reason if len(reason) <= 160 else reason[:157] + "..."
 
 
-def hf_tokenizer(name_or_path: str) -> Tokenizer:
-    """`AutoTokenizer.from_pretrained`, turning every load failure into one actionable line."""
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' and the hub's warnings and info lines held back (errors still raise): a
+    tokenizer load prints nothing the user of a JAX trainer can act on."""
     # The "PyTorch was not found" advisory is noise for a JAX trainer; set before transformers is imported.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     old_verbosity = hf_logging.get_verbosity()
@@ -111,15 +113,24 @@ def hf_tokenizer(name_or_path: str) -> Tokenizer:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(old_verbosity)
+        hub_logger.setLevel(old_hub_level)
+
+
+def hf_tokenizer(name_or_path: str) -> Tokenizer:
+    """`AutoTokenizer.from_pretrained`, turning every load failure into one actionable line."""
+    try:
+        with quiet_transformers():
+            from transformers import AutoTokenizer
+
             tok = AutoTokenizer.from_pretrained(name_or_path)
     except Exception as e:  # noqa: BLE001 - hub/file/parse errors of many types: one line naming the knob
         raise ConfigError(
             f"tokenizer.name_or_path={name_or_path!r} cannot be loaded ({_short_reason(e)}): point it at a local "
             "tokenizer directory, or use tokenizer=byte / tokenizer=bpe which need no network"
         ) from None  # from None: the transformers traceback adds nothing the user can act on
-    finally:
-        hf_logging.set_verbosity(old_verbosity)
-        hub_logger.setLevel(old_hub_level)
 
     if tok.eos_token_id is None:
         raise ConfigError(
