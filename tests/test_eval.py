@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import compose_config
+from helpers import compose_config, sum_atol
 
 import train_jax
 from loaders.windows import WindowDataset
@@ -66,15 +66,51 @@ def plain_means(model, val, windows) -> tuple[float, float]:
     return float(np.mean(losses)), float(np.mean(accs))
 
 
+def logits_atol(cfg, logits, margin: float = 4) -> float:
+    """atol of the tiny GPT's float32 logits computed in two programs (evaluate()'s batches of 8,
+    one_window's single rows: other shapes, summation orders): the longest sums feeding a logit are
+    the MLP's (mlp_ratio·dim terms), once per block and once more in the head; counted as one sum of
+    n = mlp_ratio·dim·(num_blocks + 1) terms at the logits' scale, each side errs by at most
+    (n + 1)·u·max|logits| (sum_atol's worst case, u = EPS32/2). Margin 4: the two sides, times 2."""
+    n = cfg.mlp_ratio * cfg.dim * (cfg.num_blocks + 1)
+    return sum_atol(n, float(np.abs(logits).max()), margin)
+
+
+def mean_loss_atol(cfg, logits, loss: float, margin: float = 4) -> float:
+    """atol of a mean next-token loss (`loss`) over windows computed in the two programs, `logits`
+    theirs: a token's loss logsumexp − logit moves by its two logits' error (2·logits_atol) plus its
+    logsumexp's own rounding, m + log Σ exp(l − m): V exps of at most 1 summed (relative (V + 1)·u,
+    absolute after the log) and the log, the add and the subtraction (u·max(1, |value|) each):
+    sum_atol(V + 3, max(1, max|logsumexp|)); the mean sums nonnegative losses, at most a batch's
+    8·16 targets in one float32 sum (the rest in float64): sum_atol(128, loss). Margin 4 as above."""
+    l64 = np.asarray(logits, np.float64)
+    m = l64.max(-1, keepdims=True)
+    lse = float(np.abs(m + np.log(np.exp(l64 - m).sum(-1, keepdims=True))).max())
+    return (2 * logits_atol(cfg, logits, margin) + sum_atol(l64.shape[-1] + 3, max(1.0, lse), margin)
+            + sum_atol(8 * (WINDOW - 1), loss, margin))
+
+
+def window_logits(model, val, windows) -> np.ndarray:
+    return np.asarray(jax.jit(lambda m, t: m(t))(model, jnp.asarray(val.get(np.asarray(windows))[:, :-1])))
+
+
 def test_fewer_windows_than_a_batch_count_each_window_once(tiny_run, eval_step, model):
     run = tiny_run()  # batch_size 8
     val, _ = val_set(3)
     metrics = run_eval(run, eval_step, model, val)
     loss, acc = plain_means(model, val, range(3))
     # A batch wrapped around the 3 windows would weigh them 3:3:2.
-    np.testing.assert_allclose(metrics["val/loss"], loss, rtol=1e-5)
-    np.testing.assert_allclose(metrics["val/accuracy"], acc, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(metrics["val/perplexity"], np.exp(loss), rtol=1e-5)
+    logits = window_logits(model, val, range(3))
+    tol = mean_loss_atol(model.cfg, logits, loss)
+    np.testing.assert_allclose(metrics["val/loss"], loss, rtol=0, atol=tol)
+    # Accuracy is exact: both sides count the same hits (no top-2 logits closer than the two sides'
+    # error, checked here, so no argmax differs), k/48 either way (k/16 per window is exact, their mean
+    # one rounding of the same k/48: the correctly rounded quotient).
+    top2 = np.sort(logits, -1)[..., -2:]
+    assert (top2[..., 1] - top2[..., 0]).min() > 2 * logits_atol(model.cfg, logits)  # the premise
+    assert metrics["val/accuracy"] == acc
+    # exp turns an absolute error δ of the loss into a relative one, e^δ − 1 ≈ δ (δ ≲ 1e-4: 2x covers it)
+    np.testing.assert_allclose(metrics["val/perplexity"], np.exp(loss), rtol=2 * tol)
 
 
 @pytest.mark.parametrize("num_windows, max_val_steps, expected", [(30, 2, 16), (20, 3, 20)])
@@ -85,7 +121,9 @@ def test_evaluates_min_of_val_and_max_val_steps_batches(tiny_run, eval_step, mod
     seen: list[int] = []
     metrics = run_eval(run, eval_step, model, val, index, seen)
     assert len(seen) == expected and len(set(seen)) == expected  # that many, each once
-    np.testing.assert_allclose(metrics["val/loss"], plain_means(model, val, seen)[0], rtol=1e-5)
+    loss = plain_means(model, val, seen)[0]
+    np.testing.assert_allclose(metrics["val/loss"], loss, rtol=0,
+                               atol=mean_loss_atol(model.cfg, window_logits(model, val, seen), loss))
 
 
 def test_evaluated_windows_are_a_fixed_random_selection(tiny_run, eval_step, model):

@@ -239,35 +239,15 @@ def scan(source: str, filename: str = "<source>") -> list[str]:
     return [f"{filename}:{line}: {what}" for line, what in sorted(s.flagged.items())]
 
 
-# Files whose literal tolerances are not reviewed yet (issue 33), with how many the scan finds in
-# each: a ratchet. A file not listed must have none; a listed one no more than its count, and one
-# that has fewer must have its count lowered (or its entry removed), so the list only shrinks. Counts,
-# not lines: other edits to these files move lines without touching this list.
-NOT_YET_REVIEWED = {
-    "tests/test_data_pipeline.py": 2,
-    "tests/test_eval.py": 3,
-    "tests/test_eval_params.py": 1,
-    "tests/test_llama_hf.py": 1,
-    "tests/test_mdlm.py": 3,
-    "tests/test_moe.py": 1,
-    "tests/test_multiprocess.py": 2,
-}
-
-
 def test_every_tolerance_in_the_suite_is_derived_or_explained():
-    flagged: dict[str, list[str]] = {}
+    flagged = []
     for name in sorted(os.listdir(TESTS)):
         if name.endswith(".py"):
             with open(os.path.join(TESTS, name), encoding="utf-8") as f:
-                for line in scan(f.read(), f"tests/{name}"):
-                    flagged.setdefault(f"tests/{name}", []).append(line)
-    new = [line for path, lines in flagged.items() if len(lines) > NOT_YET_REVIEWED.get(path, 0) for line in lines]
-    assert not new, ("literal tolerances with neither a helper from tests/helpers.py nor a comment deriving "
-                     "them (float32 error at the values' scale, terms summed, conditioning, margin):\n"
-                     + "\n".join(new))
-    stale = {path: len(flagged.get(path, [])) for path, count in NOT_YET_REVIEWED.items()
-             if len(flagged.get(path, [])) < count}
-    assert not stale, f"fewer unreviewed tolerances than NOT_YET_REVIEWED says: lower these counts {stale}"
+                flagged += scan(f.read(), f"tests/{name}")
+    assert not flagged, ("literal tolerances with neither a helper from tests/helpers.py nor a comment deriving "
+                         "them (float32 error at the values' scale, terms summed, conditioning, margin):\n"
+                         + "\n".join(flagged))
 
 
 def test_the_scan_flags_an_undocumented_literal_and_passes_a_documented_or_derived_one():
