@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import sum_atol
+from helpers import logits_atol, sum_atol
 
 from loaders.batching import BatchIterator
 from loaders.prefetch import Prefetcher
@@ -24,16 +24,6 @@ from utils.errors import CheckpointError, ConfigError
 
 EOT = 0
 TINY = GPTConfig(vocab_size=32, context_length=16, dim=32, num_heads=2, num_blocks=2)
-
-
-def logits_atol(cfg: GPTConfig, logits, margin: float = 4) -> float:
-    """atol of `cfg`'s float32 logits computed in two programs (other shapes, fusions, summation
-    orders): the longest sums feeding a logit are the MLP's (mlp_ratio·dim terms), once per block and
-    once more in the head; counted as one sum of n = mlp_ratio·dim·(num_blocks + 1) terms at the
-    logits' scale, each side errs by at most (n + 1)·u·max|logits| (sum_atol's worst case, u = EPS32/2).
-    Margin 4: the two sides, times 2."""
-    n = cfg.mlp_ratio * cfg.dim * (cfg.num_blocks + 1)
-    return sum_atol(n, float(np.abs(logits).max()), margin)
 
 
 def mean_loss_atol(cfg: GPTConfig, logits, loss: float, count: int, margin: float = 4) -> float:

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import compose_config, sum_atol
+from helpers import compose_config, logits_atol, sum_atol
 
 import train_jax
 from loaders.windows import WindowDataset
@@ -64,16 +64,6 @@ def plain_means(model, val, windows) -> tuple[float, float]:
         losses.append(float(loss))
         accs.append(float(correct) / (WINDOW - 1))
     return float(np.mean(losses)), float(np.mean(accs))
-
-
-def logits_atol(cfg, logits, margin: float = 4) -> float:
-    """atol of the tiny GPT's float32 logits computed in two programs (evaluate()'s batches of 8,
-    one_window's single rows: other shapes, summation orders): the longest sums feeding a logit are
-    the MLP's (mlp_ratio·dim terms), once per block and once more in the head; counted as one sum of
-    n = mlp_ratio·dim·(num_blocks + 1) terms at the logits' scale, each side errs by at most
-    (n + 1)·u·max|logits| (sum_atol's worst case, u = EPS32/2). Margin 4: the two sides, times 2."""
-    n = cfg.mlp_ratio * cfg.dim * (cfg.num_blocks + 1)
-    return sum_atol(n, float(np.abs(logits).max()), margin)
 
 
 def mean_loss_atol(cfg, logits, loss: float, margin: float = 4) -> float:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import compose_config, load_script, sum_atol
+from helpers import compose_config, load_script, logits_atol, sum_atol
 
 import train_jax
 from loaders.windows import WindowDataset
@@ -82,16 +82,6 @@ def numpy_nelbo(model, batch_BxT1: np.ndarray, keys_B, eps: float) -> tuple[floa
     nll = -np.take_along_axis(logp, x[..., None], axis=-1)[..., 0]
     weights = masked / t[:, None].astype(np.float64)
     return float((weights * nll).sum() / x.size), logits32, weights
-
-
-def logits_atol(cfg, logits, margin: float = 4) -> float:
-    """atol of the tiny GPT's float32 logits computed in two programs (other shapes, fusions,
-    summation orders, or rows elsewhere in a batch): the longest sums feeding a logit are the MLP's
-    (mlp_ratio·dim terms), once per block and once more in the head; counted as one sum of
-    n = mlp_ratio·dim·(num_blocks + 1) terms at the logits' scale, each side errs by at most
-    (n + 1)·u·max|logits| (sum_atol's worst case, u = EPS32/2). Margin 4: the two sides, times 2."""
-    n = cfg.mlp_ratio * cfg.dim * (cfg.num_blocks + 1)
-    return sum_atol(n, float(np.abs(logits).max()), margin)
 
 
 def nelbo_sum_atol(cfg, logits, weights, value: float, margin: float = 4) -> float:
