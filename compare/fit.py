@@ -57,15 +57,15 @@ def shape(budgets, losses, se) -> Shape:
     floor = lambda i, j: max(_noise(se, i, j), FLAT_RTOL * max(abs(m[i]), abs(m[j])))
     drop = m[0] - m[-1]
     if abs(drop) <= floor(0, m.size - 1):
-        return Shape("flat", f"the loss at S={s[-1]:g} ({m[-1]:.4f}) is within noise of S={s[0]:g}'s ({m[0]:.4f}): "
-                     "the budgets do not tell losses apart", False)
+        return Shape("flat", f"the loss at D={s[-1]:g} tokens ({m[-1]:.4f}) is within noise of D={s[0]:g}'s "
+                     f"({m[0]:.4f}): the budgets do not tell losses apart", False)
     if drop < 0:
-        return Shape("not decreasing", f"the loss rises from S={s[0]:g} ({m[0]:.4f}) to S={s[-1]:g} ({m[-1]:.4f})",
-                     False)
+        return Shape("not decreasing", f"the loss rises from D={s[0]:g} tokens ({m[0]:.4f}) to D={s[-1]:g} "
+                     f"({m[-1]:.4f})", False)
     for i in range(m.size - 1):
         if m[i + 1] - m[i] > floor(i, i + 1):
-            return Shape("not decreasing", f"the loss rises beyond noise from S={s[i]:g} ({m[i]:.4f}) to "
-                         f"S={s[i + 1]:g} ({m[i + 1]:.4f})", False)
+            return Shape("not decreasing", f"the loss rises beyond noise from D={s[i]:g} tokens ({m[i]:.4f}) to "
+                         f"D={s[i + 1]:g} ({m[i + 1]:.4f})", False)
     x = np.log(s)
     convex = True
     for i in range(m.size - 2):  # second difference of L in log D, and its standard error

@@ -431,7 +431,6 @@ def ttt_lines(w, reference: str) -> list[str]:
 
 def deff_lines(w, reference: str) -> list[str]:
     pct = f"{LEVEL:.0%}"
-    ref = w.ladders[reference]
     out = ["Tuned frontier: per budget, each optimizer's lowest mean final val/loss over its settings and lrs "
            "at that budget (± its standard error over seeds), and the lr.", ""]
     rows = []
