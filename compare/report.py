@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from compare import stats
+from compare import ladder, stats
 from utils.errors import DataError
 from utils.files import atomic_write
 from utils.logging.metrics_file import read_metrics as _read_metrics
@@ -415,11 +415,16 @@ def section_ttt(w: Workload, h: str, target_given: bool) -> list[str]:
                       "given.", ""]
     source = "given as target=" if target_given else (f"{REFERENCE}'s mean final val/loss at its best lr and the "
                                                        f"largest budget ({w.largest})")
-    out += [f"Target val/loss {w.target:.4f} ({source}). At the best lr and the largest budget, on the seeds' mean "
+    out += [f"Target val/loss {w.target:.4f} ({source}).", ""]
+    out += ladder.ttt_lines(w, REFERENCE)
+    out += [f"{h}# Time to target on the largest budget's curve (secondary)", "",
+            "At the best lr and the largest budget, on the seeds' mean "
             "val/loss curve (trunk, then cooldown branch; averaged per evaluation step, as are its tokens and "
             "seconds): the step, tokens and seconds where it first reaches the target, linearly interpolated "
             "between the two evaluations around the crossing; 'not reached' when it does not, or when a seed "
-            "failed or diverged. Seeds: how many seeds' own curves reach the target.", ""]
+            "failed or diverged. Seeds: how many seeds' own curves reach the target. Secondary: the target is a "
+            "cooled loss, so this constant-lr trunk mostly reaches it only inside its own final cooldown, and the "
+            "figure is capped near the cooldown's start (the ladder above is the comparison's number).", ""]
     rows = []
     for o in w.optimizers:
         t = w.ttt[o]
@@ -431,48 +436,11 @@ def section_ttt(w: Workload, h: str, target_given: bool) -> list[str]:
     return out + table(["optimizer", "best lr", "seeds", "steps", "tokens", "seconds"], rows)
 
 
-def budget_tokens(w: Workload, optimizer: str, budget: int) -> float:
-    """D of a budget: the mean over seeds of the branches' last `data/tokens`."""
-    lr = w.best[optimizer]
-    toks = [r.curve["tokens"][-1] for r in w.by_key.get((optimizer, lr, budget), []) if len(r.curve.get("tokens", []))]
-    toks = [t for t in toks if math.isfinite(t)]
-    return float(np.mean(toks)) if toks else math.nan
-
-
 def section_speedup(w: Workload, h: str) -> list[str]:
     out = [f"{h} Speedup vs {REFERENCE} (data efficiency)", ""]
     if REFERENCE not in w.optimizers or w.best.get(REFERENCE) is None:
-        return out + [f"No {REFERENCE} result with a finite loss: no fit is made.", ""]
-    points = [(budget_tokens(w, REFERENCE, b), stats.mean_std(w.at_best(REFERENCE, b))[0]) for b in w.budgets]
-    points = [(d, loss) for d, loss in points if math.isfinite(d) and math.isfinite(loss)]
-    if len(points) < 3:
-        return out + [f"{len(points)} budget(s) with a finite {REFERENCE} loss: a fit of L(D) = α·D^−β + γ needs "
-                      "≥ 3 budgets, so no fit is made (rerun with 3 or more budgets).", ""]
-    try:
-        a, b, g = stats.fit_power_law(*zip(*points))
-    except (RuntimeError, ValueError) as e:
-        return out + [f"The fit of L(D) = α·D^−β + γ did not converge ({str(e).splitlines()[0]}).", ""]
-    out += [f"{REFERENCE}'s mean final val/loss at its best lr, fitted over the budgets as L(D) = α·D^−β + γ "
-            "(D: training tokens, scipy.optimize.curve_fit):", ""]
-    out += table(["α", "β", "γ"], [[f"{a:.6g}", f"{b:.6g}", f"{g:.6g}"]])
-    out += ["D_eff/D per budget: D_eff = (α / (L − γ))^(1/β) is the tokens the fit says AdamW needs to reach the "
-            "optimizer's mean final val/loss L at its best lr; D the tokens it trained on. > 1: fewer tokens than "
-            "AdamW for the same loss. 'beyond the fitted floor': L ≤ γ, lower than the fit says AdamW ever gets.", ""]
-    rows = []
-    for o in w.optimizers:
-        cells = []
-        for bud in w.budgets:
-            loss, d = stats.mean_std(w.at_best(o, bud))[0], budget_tokens(w, o, bud)
-            if math.isnan(loss) or math.isnan(d):
-                cells.append("–")
-            elif math.isinf(loss):
-                cells.append("∞ loss")
-            elif loss <= g:
-                cells.append("beyond the fitted floor")
-            else:
-                cells.append(f"{stats.effective_data(loss, a, b, g) / d:.3f}")
-        rows.append([o, *cells])
-    return out + table(["optimizer", *(f"S={bud}" for bud in w.budgets)], rows)
+        return out + [f"No {REFERENCE} result with a finite loss: no D_eff.", ""]
+    return out + ladder.deff_lines(w, REFERENCE)
 
 
 def section_significance(w: Workload, h: str) -> list[str]:
@@ -610,19 +578,21 @@ def section_profiles(workloads: list[Workload], compare_dir: str) -> list[str]:
         return out + ["Performance profiles and the geometric-mean speedup need ≥ 2 workloads (run.json "
                       "\"workload\"); this comparison has one.", ""]
     names = _order(o for w in workloads for o in w.optimizers)
-    times = {o: [w.ttt.get(o, {}).get("seconds", math.inf) for w in workloads] for o in names}
+    times = {o: [ladder.profile_seconds(w, o) for w in workloads] for o in names}
     grid = np.linspace(1.0, 4.0, 301)
     plot_profiles(stats.performance_profile(times, grid), grid, os.path.join(compare_dir, "performance_profile.png"))
     printed = stats.performance_profile(times, TAUS)
     out += ["Performance profiles (AlgoPerf): for each τ, the share of workloads on which the optimizer's "
-            "wall-clock seconds to its workload's target (the time-to-target tables) are within τ × the best "
-            "optimizer's; not reached counts as never within.", "",
+            "wall-clock seconds to its workload's target on the budget ladder (the time-to-target tables) are within "
+            "τ × the best optimizer's; '> S_max' (not reached) counts as never within, '≤ S_min' at the smallest "
+            "budget's seconds (an upper bound on its time).", "",
             "![performance profiles](performance_profile.png)", ""]
     out += table(["optimizer", *(f"τ={t:g}" for t in TAUS)], [[o, *(f"{v:.3f}" for v in printed[o])] for o in names])
     if REFERENCE in names:
-        out += [f"Geometric-mean speedup over the workloads: {REFERENCE}'s seconds to target divided by the "
-                "optimizer's, per workload, over the workloads where at least one of the two reaches the target "
-                f"(∞ where only the optimizer does, 0 where only {REFERENCE} does).", ""]
+        out += [f"Geometric-mean speedup over the workloads: {REFERENCE}'s seconds to target on the ladder divided "
+                "by the optimizer's, per workload, over the workloads where at least one of the two reaches the target "
+                f"within the largest budget (∞ where only the optimizer does, 0 where only {REFERENCE} does); a "
+                "'≤ S_min' time counts at the smallest budget's seconds.", ""]
         rows = []
         for o in names:
             ratios = [a / b if math.isfinite(b) else 0.0 for a, b in zip(times[REFERENCE], times[o])
@@ -660,6 +630,7 @@ def _load(compare_dir: str, target: float | None) -> tuple[dict[str, Run], dict[
         w.target = target if target is not None else (ref if math.isfinite(ref) else None)
         if w.target is not None:
             time_to_target(w)
+        ladder.attach(w, REFERENCE, target is not None)
         workloads.append(w)
     return runs, results, workloads, fingerprints
 

@@ -18,7 +18,8 @@ from the directory alone (compare/report.py).
 
 Exit codes: 0 when every run finished or diverged (a diverged run is a result: loss inf in the
 report), 2 for a bad knob (one line, before anything trains) or a run that failed on another
-user error, 3/130 when a signal stopped it after the current run saved (rerun to continue).
+user error, 3/130 when a signal stopped it after the current run saved (rerun to continue), 4
+when building the report failed unexpectedly (one line; the traceback in {dir}/report_error.txt).
 """
 
 from __future__ import annotations
@@ -82,14 +83,38 @@ def compose_knobs(overrides: list[str]) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
+class ReportError(EqtrainError):
+    """The report could not be built for an unexpected reason; its traceback is saved in a file."""
+    exit_code = 4
+
+
 def build_report(compare_dir: str) -> None:
-    """compare.report.build_report, where it exists (built beside this engine)."""
+    """compare.report.build_report, where it exists (built beside this engine). An unexpected
+    exception while building it (a bug, not bad data: DataError passes through) becomes one line
+    naming the traceback it saved as {dir}/report_error.txt (ReportError, exit code 4); the runs
+    are untouched, so `--report DIR` rebuilds it once fixed."""
+    import traceback
+
     try:
         from compare.report import build_report as build
     except ImportError:
         print(f"compare: no report builder (compare/report.py) yet; the runs are in {compare_dir}")
         return
-    build(compare_dir)
+    try:
+        build(compare_dir)
+    except EqtrainError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any bug in the report: one line and a saved traceback
+        path = os.path.join(os.path.abspath(compare_dir), "report_error.txt")
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(traceback.format_exc())
+        except OSError:
+            path = "(could not be saved: the directory is not writable)"
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ReportError(f"the report could not be built ({type(e).__name__}: {first}); traceback: {path}; "
+                          "the runs are kept: fix it and rebuild with "
+                          f"`python scripts/compare.py --report {compare_dir}`") from None
 
 
 def compare(argv: list[str]) -> int:
@@ -207,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"compare: {e}; rerun the same command (with its dir=) to continue the comparison", file=sys.stderr)
         return e.exit_code
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return ReportError.exit_code
     except (EqtrainError, OSError) as e:
         return script_error(e, hint="check dir= and the disk")
 

@@ -72,7 +72,7 @@ def test_the_largest_budget_decides_the_best_lr_when_budgets_disagree(tmp_path, 
         assert tcr.loss_cell(cell, losses[("adamw", 1e-3, b)]), (b, cell)
     target = mean("adamw", 1e-3, 400)
     assert f"Target val/loss {target:.4f}" in md
-    ttt = {row[0]: row for row in t["Time to target"][1:]}
+    ttt = {row[0]: row for row in t[tcr.SECONDARY][1:]}
     check_ttt(ttt["adamw"], runs, "adamw", 1e-3, 400, target)
     check_ttt(ttt["muon"], runs, "muon", 0.02, 400, target)
 
@@ -100,7 +100,7 @@ def test_a_diverged_seed_at_the_best_lr_moves_the_best_lr_and_its_time_to_target
     assert tcr.close(rows["adamw"][1], 1e-3) and rows["adamw"][4] == "1"  # one diverged run
     target = float(np.mean(losses[("adamw", 1e-3, 400)]))
     assert f"Target val/loss {target:.4f}" in md
-    ttt = {row[0]: row for row in t["Time to target"][1:]}
+    ttt = {row[0]: row for row in t[tcr.SECONDARY][1:]}
     check_ttt(ttt["adamw"], runs, "adamw", 1e-3, 400, target)
     check_ttt(ttt["muon"], runs, "muon", 0.02, 400, target)
 
