@@ -137,7 +137,7 @@ def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) ->
     if have is None:
         os.makedirs(compare_dir, exist_ok=True)
         write_json(path, want)
-    elif have != json.loads(json.dumps(want)):
+    elif {k: v for k, v in have.items() if k in want} != json.loads(json.dumps(want)):
         what = next((k for k in want if have.get(k) != json.loads(json.dumps(want[k]))), "runs")
         raise ConfigError(f"{path} holds another comparison (its {what} differ from this command's): rerun the "
                           "command that made it to continue it, or choose a new dir=")
@@ -147,6 +147,27 @@ def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) ->
             write_json(json_path, _record(run, run_overrides(run, compare_dir), "planned"))
 
 
+EVALUATION = "evaluation"  # compare.json's record of the evaluation phase (seeds.eval), added once it starts
+
+
+def record_evaluation(plan: Plan, compare_dir: str, chosen: dict,
+                      runs: tuple[PlannedRun, ...]) -> tuple[PlannedRun, ...]:
+    """seeds.eval: the evaluation phase's chosen settings and runs, written into compare.json's
+    "evaluation" the first time; later, the recorded runs (the choice made when the evaluation
+    started stands, so a rerun finishes the same evaluation). Returns the runs to train."""
+    path = os.path.join(compare_dir, COMPARE_JSON)
+    have = read_json(path) or {}
+    if EVALUATION in have:
+        return tuple(PlannedRun(**{**r, "overrides": tuple(r["overrides"]), "sweep": tuple(r["sweep"].items())})
+                     for r in have[EVALUATION]["runs"])
+    choice = [{"workload": w, "optimizer": o, "budget": b, "lr": lr, "sweep": dict(sweep)}
+              for (w, o), per_budget in sorted(chosen.items()) for b, (sweep, lr) in sorted(per_budget.items())]
+    have[EVALUATION] = {"seeds": list(range(plan.knobs.seeds, plan.knobs.seeds + plan.knobs.seeds_eval)),
+                        "chosen": choice, "runs": [run_json(r) for r in runs]}
+    write_json(path, have)
+    return runs
+
+
 def load_run(compare_dir: str, run_id: str) -> PlannedRun:
     """A run back from its run.json (what a job is given: the directory and the id)."""
     record = read_json(os.path.join(run_dir(compare_dir, run_id), RUN_JSON))
@@ -154,7 +175,8 @@ def load_run(compare_dir: str, run_id: str) -> PlannedRun:
         raise ConfigError(f"{run_dir(compare_dir, run_id)}: no {RUN_JSON}; give a run id of that comparison")
     return PlannedRun(record["id"], record["workload"], record["optimizer"], record["lr"], record["seed"],
                       record["kind"], record["budget"], record["trunk"], record["branch_step"],
-                      tuple(record["plan_overrides"]), tuple((record.get("sweep") or {}).items()))
+                      tuple(record["plan_overrides"]), tuple((record.get("sweep") or {}).items()),
+                      record.get("phase", "tune"))
 
 
 def _trim_metrics(directory: str, step: int | None) -> None:
@@ -183,7 +205,7 @@ def _record(run: PlannedRun, overrides: list[str], status: str, error: str | Non
             diverged: bool = False) -> dict:
     info = run_json(run)
     return {**{k: info[k] for k in ("id", "workload", "optimizer", "lr", "seed", "kind", "budget", "trunk",
-                                     "branch_step", "sweep")},
+                                     "branch_step", "sweep", "phase")},
             "overrides": overrides, "status": status, "error": error, "diverged": diverged,
             "plan_overrides": info["overrides"]}  # without paths: what a job rebuilds the run from
 
