@@ -157,7 +157,8 @@ def test_bad_knobs_are_one_line_config_errors(change, knob):
 
 
 @pytest.mark.parametrize("override, knob", [
-    ("optimizer=sgdm", "optimizers="), ("optimizer.lr_config.lr=1", "lr.points"), ("random_seed=1", "seeds.tune=K seeds.eval=M"),
+    ("optimizer=sgdm", "optimizers="), ("optimizer.lr_config.lr=1", "lr.points"),
+    ("random_seed=1", "seeds.tune=K seeds.eval=M"),
     ("train.max_steps=9", "budgets="), ("checkpoint.save_path=x", "checkpoint.save_path"),
     ("hydra/launcher=slurm", "hydra/launcher"),
 ])
