@@ -167,9 +167,11 @@ def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) ->
         write_json(path, {**want, PROVENANCE: [session]})
     else:
         sessions = have.pop(PROVENANCE, [])
-        have, wanted = same_order(have), same_order(json.loads(json.dumps(want)))
-        if have != wanted:
-            what = next((k for k in wanted if have.get(k) != wanted[k]), "runs")
+        # keys the plan does not make (the evaluation phase's record) are not part of the check
+        planned = same_order({k: v for k, v in have.items() if k in want})
+        wanted = same_order(json.loads(json.dumps(want)))
+        if planned != wanted:
+            what = next((k for k in wanted if planned.get(k) != wanted[k]), "runs")
             raise ConfigError(f"{path} holds another comparison (its {what} differ from this command's): rerun "
                               "the command that made it to continue it, or choose a new dir=")
         if not sessions or _setup(sessions[-1]) != _setup(session):  # a continuation on other code or machine
@@ -180,6 +182,27 @@ def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) ->
             write_json(json_path, _record(run, run_overrides(run, compare_dir), "planned"))
 
 
+EVALUATION = "evaluation"  # compare.json's record of the evaluation phase (seeds.eval), added once it starts
+
+
+def record_evaluation(plan: Plan, compare_dir: str, chosen: dict,
+                      runs: tuple[PlannedRun, ...]) -> tuple[PlannedRun, ...]:
+    """seeds.eval: the evaluation phase's chosen settings and runs, written into compare.json's
+    "evaluation" the first time; later, the recorded runs (the choice made when the evaluation
+    started stands, so a rerun finishes the same evaluation). Returns the runs to train."""
+    path = os.path.join(compare_dir, COMPARE_JSON)
+    have = read_json(path) or {}
+    if EVALUATION in have:
+        return tuple(PlannedRun(**{**r, "overrides": tuple(r["overrides"]), "sweep": tuple(r["sweep"].items())})
+                     for r in have[EVALUATION]["runs"])
+    choice = [{"workload": w, "optimizer": o, "budget": b, "lr": lr, "sweep": dict(sweep)}
+              for (w, o), per_budget in sorted(chosen.items()) for b, (sweep, lr) in sorted(per_budget.items())]
+    have[EVALUATION] = {"seeds": list(range(plan.knobs.seeds, plan.knobs.seeds + plan.knobs.seeds_eval)),
+                        "chosen": choice, "runs": [run_json(r) for r in runs]}
+    write_json(path, have)
+    return runs
+
+
 def load_run(compare_dir: str, run_id: str) -> PlannedRun:
     """A run back from its run.json (what a job is given: the directory and the id)."""
     record = read_json(os.path.join(run_dir(compare_dir, run_id), RUN_JSON))
@@ -187,7 +210,8 @@ def load_run(compare_dir: str, run_id: str) -> PlannedRun:
         raise ConfigError(f"{run_dir(compare_dir, run_id)}: no {RUN_JSON}; give a run id of that comparison")
     return PlannedRun(record["id"], record["workload"], record["optimizer"], record["lr"], record["seed"],
                       record["kind"], record["budget"], record["trunk"], record["branch_step"],
-                      tuple(record["plan_overrides"]), tuple((record.get("sweep") or {}).items()))
+                      tuple(record["plan_overrides"]), tuple((record.get("sweep") or {}).items()),
+                      record.get("phase", "tune"))
 
 
 def _trim_metrics(directory: str, step: int | None) -> None:
@@ -216,7 +240,7 @@ def _record(run: PlannedRun, overrides: list[str], status: str, error: str | Non
             diverged: bool = False) -> dict:
     info = run_json(run)
     return {**{k: info[k] for k in ("id", "workload", "optimizer", "lr", "seed", "kind", "budget", "trunk",
-                                     "branch_step", "sweep")},
+                                     "branch_step", "sweep", "phase")},
             "overrides": overrides, "status": status, "error": error, "diverged": diverged,
             "plan_overrides": info["overrides"]}  # without paths: what a job rebuilds the run from
 

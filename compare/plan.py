@@ -18,6 +18,13 @@ optimizer, every lr of its grid is crossed with every combination of the `sweep.
 workload; `base_lrs` reads those. Every bad knob is one ConfigError line naming it, before anything
 trains. Paths are not part of the plan: compare/launch.py adds the checkpoint paths of each
 run. `extension_runs` adds the runs of one more lr beyond a grid's edge (`lr.extend=true`).
+
+Tuning and evaluation seeds (`seeds.tune=K seeds.eval=M`): the plan's runs are the tuning runs
+(random_seed 0..K-1, phase "tune"); once they are done, `evaluation_runs` adds, per workload,
+optimizer and budget, the runs of the setting (lr and sweep values) chosen on them, on M fresh
+seeds (random_seed K..K+M-1, phase "eval", ids `...__eval<seed>__...`), so the report's tests
+compare settings on seeds they were not chosen on. Evaluation seed k of every optimizer has the
+same random_seed and data_seed (`seeds.vary_data=true`: data_seed + random_seed), so the seeds pair.
 """
 
 from __future__ import annotations
@@ -42,8 +49,8 @@ CONTROLLED = {
     "optimizer/lr_config": "cooldown.shape (the schedules are the comparison's)",
     "optimizer.lr_config": "lr.points, lr.factor, lr.grid.<optimizer>, warmup and cooldown.*",
     "optimizer.name": "optimizers=[...]",
-    "random_seed": "seeds=K (random_seed 0..K-1)",
-    "data_seed": "the comparison's data_seed",
+    "random_seed": "seeds.tune=K seeds.eval=M (random_seed 0..K+M-1)",
+    "data_seed": "the comparison's data_seed (and seeds.vary_data=true)",
     "train.max_steps": "budgets=[...]",
     "checkpoint.save": "nothing: every run saves under its run directory",
     "checkpoint.save_path": "nothing: every run saves under its run directory",
@@ -74,7 +81,9 @@ class CompareConfig:
     lr_points: int = 4
     lr_factor: float = 2.0
     lr_grid: tuple[tuple[str, tuple[float, ...]], ...] = ()  # (optimizer, its lrs), explicit grids
-    seeds: int = 1
+    seeds: int = 1  # seeds.tune: random_seed 0..seeds-1, the seeds every setting is tuned on
+    seeds_eval: int = 0  # seeds.eval: fresh seeds the chosen settings run on; 0: the tests use the tuning seeds
+    seeds_vary_data: bool = False  # seeds.vary_data: each seed also sets data_seed = data_seed + random_seed
     data_seed: int = 0
     warmup: int = 0
     cooldown_fraction: float = 0.2
@@ -104,6 +113,7 @@ class PlannedRun:
     branch_step: int | None  # the trunk checkpoint a branch starts from
     overrides: tuple[str, ...]  # Hydra overrides, without the checkpoint paths (launch.py adds them)
     sweep: tuple[tuple[str, Any], ...] = ()  # (optimizer knob, value) of this run, one per sweep knob
+    phase: str = "tune"  # "tune": a run of the grid; "eval": a chosen setting on an evaluation seed
 
 
 @dataclass(frozen=True)
@@ -175,6 +185,7 @@ def compare_config(node: dict) -> CompareConfig:
                                                                                 "[200,400,800]")]
     if any(b <= a for a, b in zip(budgets, budgets[1:])):
         raise ConfigError(f"budgets={budgets} must be strictly increasing (no repeats), e.g. {sorted(set(budgets))}")
+    tune, evaluate, vary_data = _seeds(node.get("seeds", 1))
     lr = dict(node.get("lr") or {})
     unknown = sorted(set(lr) - {"points", "factor", "grid", "extend", "extend_max"})
     if unknown:
@@ -213,7 +224,7 @@ def compare_config(node: dict) -> CompareConfig:
     knobs = CompareConfig(
         optimizers=tuple(optimizers), budgets=tuple(budgets), lr_points=points, lr_factor=factor,
         lr_grid=tuple(sorted(grid)),
-        seeds=_int(node.get("seeds", 1), "seeds", 1, "the number of random_seeds (inits) per optimizer and lr"),
+        seeds=tune, seeds_eval=evaluate, seeds_vary_data=vary_data,
         data_seed=_int(node.get("data_seed", 0), "data_seed", 0, "one data order for the whole comparison"),
         warmup=_int(node.get("warmup", 0), "warmup", 0, "linear warmup steps of every run"),
         cooldown_fraction=fraction, cooldown_shape=shape, lr_extend=extend,
@@ -230,6 +241,22 @@ def compare_config(node: dict) -> CompareConfig:
                               f"budget must exceed warmup/(1-cooldown.fraction): use budgets >= {need} or a "
                               "shorter warmup")
     return knobs
+
+
+def _seeds(node: Any) -> tuple[int, int, bool]:
+    """seeds=K (an alias of seeds.tune=K) or seeds.{tune,eval,vary_data} -> (tune, eval, vary_data)."""
+    if not isinstance(node, dict):
+        node = {"tune": node}
+    unknown = sorted(set(node) - {"tune", "eval", "vary_data"})
+    if unknown:
+        raise ConfigError(f"unknown comparison knob 'seeds.{unknown[0]}': the seed knobs are seeds.tune, seeds.eval, "
+                          "seeds.vary_data (seeds=K is seeds.tune=K)")
+    vary_data = node.get("vary_data", False)
+    if not isinstance(vary_data, bool):
+        raise ConfigError(f"seeds.vary_data={vary_data!r} must be true or false")
+    tune = _int(node.get("tune", 1), "seeds.tune", 1, "the seeds (random_seed 0..K-1) every lr and setting is tuned on")
+    evaluate = _int(node.get("eval", 0), "seeds.eval", 0, "fresh seeds the chosen settings are tested on (0: none)")
+    return tune, evaluate, vary_data
 
 
 def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
@@ -335,10 +362,16 @@ def _value(v: Any) -> str:
 
 
 def run_id(optimizer: str, lr: float, seed: int, budget: int | None = None, workload: str = WORKLOAD,
-           sweep: tuple[tuple[str, Any], ...] = ()) -> str:
+           sweep: tuple[tuple[str, Any], ...] = (), phase: str = "tune") -> str:
     tail = "trunk" if budget is None else f"S{budget}"
     swept = "".join(f"__{knob}{_value(v)}" for knob, v in sweep)
-    return f"{workload}__{optimizer}__lr{lr:g}{swept}__seed{seed}__{tail}"
+    tag = "eval" if phase == "eval" else "seed"
+    return f"{workload}__{optimizer}__lr{lr:g}{swept}__{tag}{seed}__{tail}"
+
+
+def data_seed(knobs: CompareConfig, seed: int) -> int:
+    """The data_seed of a run with random_seed `seed`: the comparison's, plus the seed with seeds.vary_data."""
+    return knobs.data_seed + seed if knobs.seeds_vary_data else knobs.data_seed
 
 
 def _val_freq(knobs: CompareConfig) -> int:
@@ -347,9 +380,14 @@ def _val_freq(knobs: CompareConfig) -> int:
 
 
 def _setting_runs(knobs: CompareConfig, workload: str, optimizer: str, lr: float, overrides: tuple[str, ...],
-                  defaults: list[str]) -> list[PlannedRun]:
-    """The runs of one (workload, optimizer, lr): per sweep combination and seed, a trunk, then its branches."""
-    steps = sorted({knobs.branch_step(b) for b in knobs.budgets})
+                  defaults: list[str], sweeps: list[tuple] | None = None, seeds: range | None = None,
+                  budgets: tuple[int, ...] | None = None, phase: str = "tune") -> list[PlannedRun]:
+    """The runs of one (workload, optimizer, lr): per sweep combination (`sweeps`, default: every one)
+    and seed (default: the tuning seeds), a trunk to the branch point of the largest of `budgets`
+    (default: every budget), then a branch per budget."""
+    budgets = knobs.budgets if budgets is None else tuple(sorted(budgets))
+    seeds = range(knobs.seeds) if seeds is None else seeds
+    steps = sorted({knobs.branch_step(b) for b in budgets})
     runs: list[PlannedRun] = []
     given = {override_key(o) for o in overrides}
     # An optimizer whose state depends on the run's length (a knob that defaults to it) gets the
@@ -359,18 +397,18 @@ def _setting_runs(knobs: CompareConfig, workload: str, optimizer: str, lr: float
     # One that needs no cooldown (its own averaging) has branches that keep the trunk's constant lr.
     cooldown = getattr(OPTIMIZERS[optimizer], "COOLDOWN", True)
     combos = itertools.product(*[[(knob, v) for v in values] for knob, values in knobs.sweep])
-    for sweep in (tuple(c) for c in combos):
+    for sweep in (tuple(c) for c in combos) if sweeps is None else sweeps:
         swept = [f"optimizer.{knob}={_value(v)}" for knob, v in sweep]
-        for seed in range(knobs.seeds):
+        for seed in seeds:
             common = [f"optimizer={optimizer}", f"optimizer.lr_config.lr={lr!r}",
                       f"optimizer.lr_config.warmup={knobs.warmup}", *horizon, *swept, f"random_seed={seed}",
-                      f"data_seed={knobs.data_seed}", *defaults, *overrides]
-            trunk = run_id(optimizer, lr, seed, None, workload, sweep)
+                      f"data_seed={data_seed(knobs, seed)}", *defaults, *overrides]
+            trunk = run_id(optimizer, lr, seed, None, workload, sweep, phase)
             runs.append(PlannedRun(
                 trunk, workload, optimizer, lr, seed, "trunk", None, None, None,
                 ("optimizer/lr_config=constant", *common, f"train.max_steps={steps[-1]}",
-                 f"checkpoint.save_steps=[{','.join(map(str, steps))}]"), sweep))
-            for budget in knobs.budgets:
+                 f"checkpoint.save_steps=[{','.join(map(str, steps))}]"), sweep, phase))
+            for budget in budgets:
                 b = knobs.branch_step(budget)
                 schedule = ("optimizer/lr_config=trapezoid", *common, f"train.max_steps={budget}",
                             f"optimizer.lr_config.decay={budget - b}",
@@ -378,8 +416,8 @@ def _setting_runs(knobs: CompareConfig, workload: str, optimizer: str, lr: float
                             "optimizer.lr_config.min_lr=0.0", "optimizer.lr_config.max_steps=null") if cooldown else (
                     "optimizer/lr_config=constant", *common, f"train.max_steps={budget}")
                 runs.append(PlannedRun(
-                    run_id(optimizer, lr, seed, budget, workload, sweep), workload, optimizer, lr, seed, "branch",
-                    budget, trunk, b, schedule, sweep))
+                    run_id(optimizer, lr, seed, budget, workload, sweep, phase), workload, optimizer, lr, seed,
+                    "branch", budget, trunk, b, schedule, sweep, phase))
     return runs
 
 
@@ -435,6 +473,27 @@ def extension_runs(plan: Plan, new_lrs: dict[tuple[str, str], float]) -> tuple[P
     for (workload, opt), lr in sorted(new_lrs.items()):
         defaults, overrides = _workload_overrides(plan.knobs, plan.run_overrides, workload)
         runs += _setting_runs(plan.knobs, workload, opt, lr, overrides, defaults)
+    _check_ids([*plan.runs, *runs])
+    return tuple(runs)
+
+
+def evaluation_runs(plan: Plan,
+                    chosen: dict[tuple[str, str], dict[int, tuple[tuple, float]]]) -> tuple[PlannedRun, ...]:
+    """seeds.eval: per (workload, optimizer), `chosen[(workload, optimizer)][budget] = (sweep values,
+    lr)`, the setting the tuning seeds chose at that budget; the runs of each distinct chosen setting
+    on the evaluation seeds (random_seed seeds.tune .. seeds.tune + seeds.eval - 1): a trunk per seed
+    to the branch point of its largest chosen budget, and a branch per budget it was chosen at."""
+    knobs = plan.knobs
+    seeds = range(knobs.seeds, knobs.seeds + knobs.seeds_eval)
+    runs: list[PlannedRun] = []
+    for (workload, opt), per_budget in sorted(chosen.items()):
+        defaults, overrides = _workload_overrides(knobs, plan.run_overrides, workload)
+        settings: dict[tuple, list[int]] = {}
+        for budget, (sweep, lr) in sorted(per_budget.items()):
+            settings.setdefault((tuple(sweep), float(lr)), []).append(int(budget))
+        for (sweep, lr), budgets in settings.items():
+            runs += _setting_runs(knobs, workload, opt, lr, overrides, defaults, [sweep], seeds, tuple(budgets),
+                                  "eval")
     _check_ids([*plan.runs, *runs])
     return tuple(runs)
 

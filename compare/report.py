@@ -15,7 +15,9 @@ Reads only what the runs wrote (`runs/<id>/run.json`, `runs/<id>/metrics.jsonl`,
 - A failed or diverged branch, or one whose trunk failed before it could start, is a result with
   loss = inf: it appears in the tables and makes its mean inf. A branch not yet run (its trunk
   fine) is pending: left out, and counted in the header.
-- The best lr of an optimizer: the lowest mean final loss over seeds at the largest budget.
+- The best lr of an optimizer: the lowest mean final loss over seeds at the largest budget,
+  on the tuning seeds (run.json "phase": "tune"); runs of phase "eval" (seeds.eval) are the
+  chosen settings on fresh seeds, read only by the significance section.
 - Runs whose `data/fingerprint` differ, or a directory without runs: a DataError, one line.
 """
 
@@ -31,21 +33,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from compare import ladder, stats
+from compare import ladder, significance, stats
 from utils.errors import DataError
 from utils.files import atomic_write
 from utils.logging.metrics_file import read_metrics as _read_metrics
 
 REFERENCE = "adamw"  # the optimizer every speedup, t-test and cost is relative to
 TAUS = (1.0, 1.5, 2.0, 3.0, 4.0)  # performance-profile points printed in the table (the PNG: 1..4)
-ALPHA = 0.05  # significance level of the t-test's verdict
-MIN_SEEDS = 3  # fewer seeds per side: the t-test's verdict is "needs >= 3 seeds"
+ALPHA = 0.05  # family-wise error level of the verdicts (Holm), and 1 - the coverage of the printed CI
+MIN_SEEDS = 3  # fewer seeds (pairs): the verdict is "inconclusive (n=k)"
 CSV_FIELDS = ("id", "workload", "optimizer", "lr", "sweep", "seed", "budget", "kind", "status", "diverged",
               "final_val_loss", "steps", "tokens", "seconds", "step_sec", "state_bytes")
 VAL, TOKENS, ELAPSED, STEP_SEC = "val/loss", "data/tokens", "time/elapsed_sec", "time/step_sec"
 FINGERPRINT, STATE_BYTES = "data/fingerprint", "optim/state_bytes"
 RUN_KEYS = ("id", "workload", "optimizer", "lr", "seed", "kind", "budget", "trunk", "branch_step", "overrides",
-            "status", "error", "diverged")  # run.json's fields, the engine's contract
+            "status", "error", "diverged")  # run.json's fields, the engine's contract (and "phase", below)
 
 
 # --------------------------------------------------------------------------------------------
@@ -70,6 +72,18 @@ class Run:
     @property
     def failed(self) -> bool:
         return self.info.get("status") == "failed" or bool(self.info.get("diverged"))
+
+    @property
+    def phase(self) -> str:
+        """"tune" (a run of the grid; also every run of a comparison without seeds.eval) or "eval"."""
+        return self.info.get("phase") or "tune"
+
+    @property
+    def seed_key(self) -> tuple:
+        """(random_seed, data_seed) as the run's overrides set them: runs of two optimizers with the
+        same key share their initialisation and data order, so their results pair."""
+        data = next((o.split("=", 1)[1] for o in self.info.get("overrides") or [] if o.startswith("data_seed=")), None)
+        return self.seed, data
 
 
 @dataclass
@@ -247,6 +261,14 @@ class Workload:
     ttt: dict[str, dict] = field(default_factory=dict)  # optimizer -> {"steps","tokens","seconds","reached","n"}
 
     def __post_init__(self):
+        # The evaluation seeds' results (seeds.eval) stay out of every choice and tuning table below.
+        evaluation = [res for res in self.results if res.run.phase == "eval"]
+        self.results = [res for res in self.results if res.run.phase != "eval"]
+        self.evaluation: dict[tuple, list[Result]] = defaultdict(list)  # (optimizer, budget) -> per seed
+        for res in sorted(evaluation, key=lambda r: (r.run.seed, r.run.id)):
+            if res.why != "pending":
+                self.evaluation[(res.run.optimizer, int(res.run.budget))].append(res)
+        self.evaluation_pending = sum(res.why == "pending" for res in evaluation)
         self.optimizers = _order(r.optimizer for r in self.runs)
         self.budgets = sorted({int(r.run.budget) for r in self.results})
         self.largest = self.budgets[-1] if self.budgets else None
@@ -261,7 +283,7 @@ class Workload:
         self.best_setting = {o: self._best_setting(o) for o in self.optimizers}
         chosen = [res for res in self.results if res.run.setting == self.best_setting[res.run.optimizer]]
         self.losses, self.by_key = self._index(chosen)  # (optimizer, lr, budget) -> per seed
-        self.grid = {o: sorted({float(r.lr) for r in self.runs if r.optimizer == o
+        self.grid = {o: sorted({float(r.lr) for r in self.runs if r.optimizer == o and r.phase != "eval"
                                 and r.setting == self.best_setting[o]}) for o in self.optimizers}
         self.best = {o: self._best_lr(o) for o in self.optimizers}
 
@@ -292,6 +314,21 @@ class Workload:
         means = [(stats.mean_std(self.losses[(optimizer, lr, self.largest)])[0], lr) for lr in self.grid[optimizer]]
         means = [(m, lr) for m, lr in means if math.isfinite(m)]
         return min(means)[1] if means else None
+
+    def chosen(self, optimizer: str, budget: int) -> tuple[tuple, float] | None:
+        """The (sweep values, lr) the tuning seeds choose at `budget`: the lowest mean final loss over
+        every setting and lr (ties: the setting listed first, then the smaller lr); at the largest
+        budget, (best_setting, best). None when nothing has a finite mean there."""
+        means = []
+        for i, st in enumerate(self.settings[optimizer]):
+            for (_, lr, b), v in self.sweep_table[optimizer][st].items():
+                m = stats.mean_std(v)[0]
+                if b == budget and math.isfinite(m):
+                    means.append((m, i, lr, st))
+        if not means:
+            return None
+        _, _, lr, st = min(means, key=lambda t: t[:3])
+        return st, lr
 
     def at_best(self, optimizer: str, budget: int) -> list[float]:
         lr = self.best[optimizer]
@@ -443,34 +480,123 @@ def section_speedup(w: Workload, h: str) -> list[str]:
     return out + ladder.deff_lines(w, REFERENCE)
 
 
-def section_significance(w: Workload, h: str) -> list[str]:
+@dataclass
+class Test:
+    """One optimizer's comparison with the reference in one workload, at the largest budget."""
+    optimizer: str
+    seeds: str  # "evaluation" | "tuning"
+    diff: significance.Difference  # the interval at 1 - ALPHA
+    holm_p: float = math.nan
+    holm: significance.Difference | None = None  # the interval at its Holm level
+    verdict: str = ""
+
+
+def _pairs(a: list[Result], b: list[Result]) -> tuple[list[float], list[float], bool]:
+    """(a's losses, b's losses, paired): paired on the seeds both ran with the same (random_seed,
+    data_seed) and a finite loss, in the same order; when no seed pairs, every finite loss of each
+    side, unpaired (Welch)."""
+    ka = {r.run.seed_key: r.loss for r in a if math.isfinite(r.loss)}
+    kb = {r.run.seed_key: r.loss for r in b if math.isfinite(r.loss)}
+    common = sorted(set(ka) & set(kb), key=repr)
+    if common:
+        return [ka[k] for k in common], [kb[k] for k in common], True
+    return list(ka.values()), list(kb.values()), False
+
+
+def _sample(w: Workload, optimizer: str) -> tuple[list[Result], str]:
+    """The results a test reads: the evaluation seeds at the largest budget when the comparison has
+    them, else the tuning seeds at the best lr (and setting)."""
+    if any(o == optimizer and b == w.largest for o, b in w.evaluation):
+        return w.evaluation[(optimizer, w.largest)], "evaluation"
+    lr = w.best[optimizer]
+    return (w.by_key.get((optimizer, lr, w.largest), []) if lr is not None else []), "tuning"
+
+
+def significance_tests(workloads: list[Workload]) -> dict[tuple[str, str], Test]:
+    """(workload, optimizer) -> its Test against REFERENCE: a paired t-test on the per-seed
+    differences where the seeds pair, Welch's otherwise; the 95% CI; Holm's correction over the family
+    of every test with >= MIN_SEEDS seeds across optimizers and workloads; the verdict read from the
+    Holm interval (significance.verdict)."""
+    tests: dict[tuple[str, str], Test] = {}
+    for w in workloads:
+        if REFERENCE not in w.optimizers or not w.budgets:
+            continue
+        ref, ref_seeds = _sample(w, REFERENCE)
+        for o in w.optimizers:
+            if o == REFERENCE:
+                continue
+            mine, seeds = _sample(w, o)
+            a, b, paired = _pairs(mine, ref)
+            test = significance.paired if paired else significance.welch
+            tests[(w.name, o)] = Test(o, seeds if seeds == ref_seeds else "mixed", test(a, b, ALPHA))
+    family = [k for k, t in tests.items() if t.diff.n >= MIN_SEEDS and not math.isnan(t.diff.p)]
+    adjusted = significance.holm([tests[k].diff.p for k in family])
+    levels = significance.holm_levels([tests[k].diff.p for k in family], ALPHA)
+    for k, p, level in zip(family, adjusted, levels):
+        tests[k].holm_p, tests[k].holm = p, tests[k].diff.at(level)
+    for t in tests.values():
+        t.verdict = significance.verdict(t.holm or t.diff, MIN_SEEDS)
+    return tests
+
+
+def _interval(d: significance.Difference | None) -> str:
+    if d is None or math.isnan(d.low):
+        return "–"
+    return f"[{d.low:.4f}, {d.high:.4f}]"
+
+
+def section_significance(w: Workload, h: str, tests: dict[tuple[str, str], Test], eval_planned: int = 0) -> list[str]:
     out = [f"{h} Significance vs {REFERENCE}", ""]
     if REFERENCE not in w.optimizers:
         return out + [f"No {REFERENCE} runs: no test.", ""]
-    ref = [x for x in w.at_best(REFERENCE, w.largest) if math.isfinite(x)]
-    out += [f"Welch's t-test (scipy.stats.ttest_ind, equal_var=False, two-sided) of each optimizer's final val/loss "
-            f"against {REFERENCE}'s, both at their best lr and the largest budget ({w.largest}), over the seeds with a "
-            f"finite loss. Effect size: Hedges' g (Cohen's d with the pooled std, times 1 − 3/(4(n₁+n₂)−9)); "
-            f"negative: lower loss than {REFERENCE}. A verdict needs ≥ {MIN_SEEDS} seeds on each side and "
-            f"p < {ALPHA}.", ""]
+    mine = [t for (name, _), t in tests.items() if name == w.name]
+    family = [k for k, t in tests.items() if t.holm is not None]
+    if any(t.seeds != "evaluation" for t in mine):
+        why = (f"the evaluation runs (seeds.eval={eval_planned}) have not all run yet ({w.evaluation_pending} "
+               "pending)" if eval_planned else "this comparison has no evaluation seeds (seeds.eval=0)")
+        out += [f"**These tests use the tuning seeds**, the seeds each best lr and setting was chosen on, because "
+                f"{why}: the chosen setting's mean is the lowest of several noisy means, so these tests are biased "
+                "toward the winner (most for an optimizer with a flat lr landscape) and a verdict may be spurious. "
+                "Rerun with seeds.eval=M to test the chosen settings on fresh seeds.", ""]
+    else:
+        out += [f"These tests use the evaluation seeds: each optimizer's setting chosen on the tuning seeds at the "
+                f"largest budget ({w.largest}), run again on fresh seeds (seeds.eval), so the choice does not bias "
+                "them.", ""]
+    out += [f"Difference: the optimizer's final val/loss minus {REFERENCE}'s at the largest budget ({w.largest}), "
+            f"negative: lower loss. **Paired** t-test on the per-seed differences where seed k of both ran with the "
+            f"same random_seed and data_seed (the same initialisation and data order; seeds without a finite loss "
+            "on both sides are left out; n: pairs); **Welch**'s t-test where no seed pairs (n: the smaller side). "
+            f"CI: the {1 - ALPHA:.0%} confidence interval of the mean difference. **Holm**'s correction over the "
+            f"family of every optimizer × workload compared with {REFERENCE} with ≥ {MIN_SEEDS} seeds "
+            f"(m = {len(family)}: {', '.join(f'{o} in {n}' for n, o in family) or 'none'}): Holm p is the adjusted "
+            f"p-value; the Holm interval is the interval at level 1 − {ALPHA}/(m − r + 1), r the test's rank by p "
+            "(frozen at the rank where Holm's step-down stops), which excludes 0 exactly when Holm rejects. Verdict, "
+            "from the Holm interval: **better** (all of it below 0), **worse** (above 0), else **inconclusive**; "
+            f"with fewer than {MIN_SEEDS} seeds **inconclusive (n=k)**: not a finding of no difference.", ""]
     rows = []
-    for o in w.optimizers:
-        if o == REFERENCE:
-            continue
-        mine = [x for x in w.at_best(o, w.largest) if math.isfinite(x)]
-        t, p = stats.welch(mine, ref) if len(mine) >= 2 and len(ref) >= 2 else (math.nan, math.nan)
-        g = stats.hedges_g(mine, ref)
-        diff = float(np.mean(mine) - np.mean(ref)) if mine and ref else math.nan
-        if min(len(mine), len(ref)) < MIN_SEEDS:
-            verdict = f"needs ≥ {MIN_SEEDS} seeds"
-        elif not math.isnan(p) and p < ALPHA:
-            verdict = "lower loss" if diff < 0 else "higher loss"
-        else:
-            verdict = "no significant difference"
-        rows.append([o, len(mine), len(ref), f_num(diff, ".4f"), f_num(t, ".3f"), f_num(p, ".3g"), f_num(g, ".3f"),
-                     verdict])
-    return out + table(["optimizer", "n", f"n {REFERENCE}", f"mean − {REFERENCE}", "t", "p", "Hedges' g", "verdict"],
-                       rows)
+    for t in mine:
+        d = t.diff
+        rows.append([t.optimizer, t.seeds, d.method, d.n, f_num(d.mean, ".4f"), _interval(d), _interval(t.holm),
+                     f_num(d.p, ".3g"), f_num(t.holm_p, ".3g"), t.verdict])
+    out += table(["optimizer", "seeds", "test", "n", f"mean − {REFERENCE}", f"{1 - ALPHA:.0%} CI", "Holm interval",
+                  "p", "Holm p", "verdict"], rows)
+    if w.evaluation:
+        out += ["Evaluation seeds per budget: the setting the tuning seeds chose at each budget (lr and swept "
+                "values), its final val/loss on the evaluation seeds, mean ± std (ddof=1), n seeds.", ""]
+        rows = []
+        for o in w.optimizers:
+            cells = []
+            for bud in w.budgets:
+                res = w.evaluation.get((o, bud), [])
+                if not res:
+                    cells.append("–")
+                    continue
+                swept = "".join(f", {k}={v}" for k, v in res[0].run.setting)
+                cells.append(f"lr {f_lr(res[0].run.lr)}{swept}: {f_loss(*stats.mean_std([r.loss for r in res]))} "
+                             f"(n={len(res)})")
+            rows.append([o, *cells])
+        out += table(["optimizer", *(f"S={bud}" for bud in w.budgets)], rows)
+    return out
 
 
 def cost(w: Workload, optimizer: str) -> tuple[float, float]:
@@ -614,10 +740,19 @@ def _load(compare_dir: str, target: float | None) -> tuple[dict[str, Run], dict[
     names = sorted({r.workload for r in runs.values()})
     fingerprints = {}
     for name in names:
+        # Runs of one workload train on one dataset; with seeds.vary_data each data_seed is its own order.
+        orders: dict[str | None, dict[str, Run]] = defaultdict(dict)
+        for k, r in runs.items():
+            if r.workload == name:
+                orders[r.seed_key[1]][k] = r
         try:
-            fingerprints[name] = check_fingerprints({k: r for k, r in runs.items() if r.workload == name})
+            found = {seed: check_fingerprints(group) for seed, group in orders.items()}
         except DataError as e:
             raise DataError(f"workload {name}: {e}" if len(names) > 1 else str(e)) from None
+        logged = sorted({fp for fp in found.values() if fp is not None})
+        fingerprints[name] = logged[0] if len(logged) <= 1 else (
+            f"{len(logged)} data orders (seeds.vary_data), e.g. {logged[0]}")
+        fingerprints[name] = fingerprints[name] if logged else None
     results: dict[str, Result] = {}
     for run in runs.values():
         if run.kind == "branch":
@@ -637,7 +772,9 @@ def _load(compare_dir: str, target: float | None) -> tuple[dict[str, Run], dict[
 
 def knob_name(key: str) -> str:
     """compare.json's field -> the knob a user types (lr_points -> lr.points)."""
-    for group in ("lr_", "cooldown_"):
+    if key == "seeds":
+        return "seeds.tune"
+    for group in ("lr_", "cooldown_", "seeds_"):
         if key.startswith(group):
             return f"{group[:-1]}.{key[len(group):]}"
     return key
@@ -668,6 +805,7 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
     compare_dir = os.path.abspath(compare_dir)
     runs, results, workloads, fingerprints = _load(compare_dir, target)
     write_csv(compare_dir, runs, results)
+    tests = significance_tests(workloads)
     knobs, sessions = {}, []
     if os.path.isfile(os.path.join(compare_dir, "compare.json")):
         with open(os.path.join(compare_dir, "compare.json"), encoding="utf-8") as f:
@@ -711,7 +849,7 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
                   f"![vs seconds]({sec})", ""]
         lines += section_ttt(w, h, target is not None)
         lines += section_speedup(w, h)
-        lines += section_significance(w, h)
+        lines += section_significance(w, h, tests, int(knobs.get("seeds_eval") or 0))
         lines += section_cost(w, h)
     lines += section_profiles(workloads, compare_dir)
     path = os.path.join(compare_dir, "report.md")

@@ -1,20 +1,24 @@
 """Compare optimizers: per-optimizer lr sweeps at several budgets from one trunk run each, then a report.
 
     python scripts/compare.py optimizers=[adamw,muon] budgets=[100,200,400] lr.points=4 seeds=2
+    python scripts/compare.py optimizers=[adamw,muon] budgets=[100,200,400] seeds.tune=2 seeds.eval=5
     python scripts/compare.py optimizers=[adamw,sgdm] budgets=[20,40] lr.points=2 warmup=4 \\
         model.dim=32 dataset.batch_size=8          # any other override goes to every run
     python scripts/compare.py ... dir=comparisons/2026-12-01_10-00-00   # continue an interrupted comparison
     python scripts/compare.py --report comparisons/2026-12-01_10-00-00  # rebuild the report from the runs
 
 The comparison's knobs are the top-level keys of conf/compare.yaml (optimizers, budgets, lr.points,
-lr.factor, lr.grid.<optimizer>, seeds, data_seed, warmup, cooldown.fraction, cooldown.shape, dir),
+lr.factor, lr.grid.<optimizer>, seeds.tune, seeds.eval, seeds.vary_data, data_seed, warmup,
+cooldown.fraction, cooldown.shape, dir),
 documented there; every other argument is a Hydra override passed to every run, as to
 `train_jax.py`. Per (optimizer, lr, seed) a trunk trains warmup + constant lr and saves at
 0.8·S for each budget S; each budget's branch resumes from that save and decays over the last 0.2·S
 (compare/plan.py). The runs train in this process, one after another, into
 {dir}/runs/<run_id>/ (compare/launch.py); the same command with the same dir= skips the
 finished runs and resumes interrupted ones from their checkpoints. Then the report is built
-from the directory alone (compare/report.py).
+from the directory alone (compare/report.py). With seeds.eval=M, once the tuning runs (and
+lr.extend's) are done, the setting each optimizer's tuning seeds chose per workload and budget runs
+on M fresh seeds (the evaluation phase, recorded in compare.json's "evaluation").
 
 Exit codes: 0 when every run finished or diverged (a diverged run is a result: loss inf in the
 report), 2 for a bad knob (one line, before anything trains) or a run that failed on another
@@ -57,6 +61,8 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
             launcher.append(arg)
         elif key.split(".")[0].split("/")[0] in COMPARE_KEYS:
             value = arg.split("=", 1)[1] if "=" in arg else ""
+            if key == "seeds":  # seeds=K: an alias of seeds.tune=K (so seeds.eval=M may come before or after)
+                arg = f"seeds.tune={value}"
             if key.startswith("workloads.") and not value.startswith(("[", "'", '"')):
                 # `workloads.small=model.dim=32 dataset.batch_size=8` (one shell word): a string to Hydra
                 arg = f"{arg.split('=', 1)[0]}='{value.replace(chr(39), chr(92) + chr(39))}'"
@@ -139,6 +145,16 @@ def compare(argv: list[str]) -> int:
     while knobs.lr_extend and (extra := extension(plan, compare_dir)):
         print(f"compare: lr.extend: {len(extra)} more runs beyond the edge of a grid")
         summaries.append(execute(plan, extra))
+    if knobs.seeds_eval and any(s.interrupted for s in summaries):
+        print("compare: seeds.eval: the evaluation phase waits until every tuning run has finished; rerun the "
+              f"command with dir={compare_dir} to continue")
+    elif knobs.seeds_eval:
+        from compare.launch import record_evaluation
+
+        runs = record_evaluation(plan, compare_dir, *evaluation(plan, compare_dir))
+        print(f"compare: seeds.eval: {len(runs)} runs of the chosen settings on evaluation seeds "
+              f"{knobs.seeds}..{knobs.seeds + knobs.seeds_eval - 1}")
+        summaries.append(execute(plan, runs))
     build_report(compare_dir)
     return 2 if any(s.user_errors for s in summaries) else 0
 
@@ -181,6 +197,22 @@ def extension(plan, compare_dir: str):
             if lr is not None:
                 new[(w.name, opt)] = lr
     return extension_runs(plan, new)
+
+
+def evaluation(plan, compare_dir: str):
+    """seeds.eval: (the setting the tuning seeds chose per (workload, optimizer) and budget, the
+    runs of those settings on the evaluation seeds). Nothing is chosen for a budget where every
+    setting failed (the report then shows that optimizer without an evaluation there)."""
+    from compare.plan import evaluation_runs
+    from compare.report import load_workloads
+
+    chosen = {}
+    for w in load_workloads(compare_dir):
+        for opt in w.optimizers:
+            per_budget = {b: c for b in w.budgets if (c := w.chosen(opt, b)) is not None}
+            if per_budget:
+                chosen[(w.name, opt)] = per_budget
+    return chosen, evaluation_runs(plan, chosen)
 
 
 def run_one(compare_dir: str, run_id: str, rest: list[str]) -> int:

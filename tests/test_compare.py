@@ -143,7 +143,10 @@ def test_diverged_run_fails_its_branches_and_the_comparison_goes_on(tmp_path):
     ({"lr": {"factor": 1.0}}, "lr.factor=1.0 must be > 1"),
     ({"lr": {"points": 1, "grid": {"sgdm": [0.1]}}}, "lr.grid.sgdm: 'sgdm' is not in optimizers"),
     ({"lr": {"points": 2, "grid": {"adamw": [1e-3]}}}, "lr.grid.adamw has 1 lrs but lr.points=2"),
-    ({"seeds": 0}, "seeds=0 must be an integer >= 1"),
+    ({"seeds": 0}, r"seeds.tune=0 must be an integer >= 1"),  # seeds=K is seeds.tune=K
+    ({"seeds": {"tune": 2, "eval": -1}}, r"seeds.eval=-1 must be an integer >= 0"),
+    ({"seeds": {"vary_data": "yes"}}, "seeds.vary_data='yes' must be true or false"),
+    ({"seeds": {"evaluate": 3}}, "unknown comparison knob 'seeds.evaluate': the seed knobs are"),
     ({"cooldown": {"shape": "cosine"}}, "cooldown.shape='cosine' must be one of linear, 1-sqrt"),
     ({"cooldown": {"fraction": 1.0}}, r"cooldown.fraction=1.0 must be in \(0, 1\)"),
     ({"seed": 3}, "unknown comparison knob 'seed'"),
@@ -155,7 +158,8 @@ def test_bad_knobs_are_one_line_config_errors(change, knob):
 
 
 @pytest.mark.parametrize("override, knob", [
-    ("optimizer=sgdm", "optimizers="), ("optimizer.lr_config.lr=1", "lr.points"), ("random_seed=1", "seeds=K"),
+    ("optimizer=sgdm", "optimizers="), ("optimizer.lr_config.lr=1", "lr.points"),
+    ("random_seed=1", "seeds.tune=K seeds.eval=M"),
     ("train.max_steps=9", "budgets="), ("checkpoint.save_path=x", "checkpoint.save_path"),
     ("hydra/launcher=slurm", "hydra/launcher"),
 ])

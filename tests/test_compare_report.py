@@ -349,20 +349,31 @@ def test_report_tables_are_recomputed_from_the_metrics(comparison):
             else:
                 assert value.startswith("≤ " if flag == "≤" else "") and close(value.lstrip("≤ "), d_eff / (b * TOK))
 
+    # significance: no evaluation seeds here, so the tuning seeds at the best lr, paired by seed
+    # (the synthetic runs share their seed's noise), Holm over muon and shampoo, verdict from the interval
     sig = t["Significance vs adamw"]
-    ref = [x for x in losses[("adamw", best["adamw"], top)] if math.isfinite(x)]
-    for o, n, n_ref, diff, tt, p, g, verdict in sig[1:]:
-        mine = [x for x in losses[(o, best[o], top)] if math.isfinite(x)]
-        res = sps.ttest_ind(mine, ref, equal_var=False)
-        s = math.sqrt(((len(mine) - 1) * np.var(mine, ddof=1) + (len(ref) - 1) * np.var(ref, ddof=1))
-                      / (len(mine) + len(ref) - 2))
-        hedges = (np.mean(mine) - np.mean(ref)) / s * (1 - 3 / (4 * (len(mine) + len(ref)) - 9))
-        assert (int(n), int(n_ref)) == (len(mine), len(ref))
-        assert close(diff, np.mean(mine) - np.mean(ref)) and close(tt, res.statistic)
-        assert close(p, res.pvalue) and close(g, hedges)
-        if res.pvalue < 0.05:
-            assert verdict == ("lower loss" if np.mean(mine) < np.mean(ref) else "higher loss")
-    assert dict((row[0], row[-1]) for row in sig[1:])["muon"] == "lower loss"
+    assert sig[0] == ["optimizer", "seeds", "test", "n", "mean − adamw", "95% CI", "Holm interval", "p", "Holm p",
+                      "verdict"]
+    assert "**These tests use the tuning seeds**" in md and "biased toward the winner" in md
+    ref = losses[("adamw", best["adamw"], top)]
+    rows = {row[0]: row for row in sig[1:]}
+    res = {o: sps.ttest_rel(losses[(o, best[o], top)], ref) for o in rows}
+    ps = sorted((r.pvalue, o) for o, r in res.items())
+    holm = {ps[0][1]: min(1, 2 * ps[0][0])}
+    holm[ps[1][1]] = max(holm[ps[0][1]], ps[1][0])  # m = 2: 2·p_(1), then max(that, 1·p_(2))
+    for o, (_, seeds, test, n, diff, ci, hi, p, hp, verdict) in rows.items():
+        mine = losses[(o, best[o], top)]
+        assert (seeds, test, int(n)) == ("tuning", "paired", len(ref))
+        assert close(diff, np.mean(mine) - np.mean(ref)) and close(p, res[o].pvalue) and close(hp, holm[o])
+        low, high = (num(c) for c in ci.strip("[]").split(", "))
+        want = res[o].confidence_interval(0.95)
+        assert close(f"{low:.4f}", want.low) and close(f"{high:.4f}", want.high)
+        hlow, hhigh = (num(c) for c in hi.strip("[]").split(", "))
+        assert hlow <= low and hhigh >= high  # the Holm interval is at least as wide as the 95% one
+        assert verdict == ("better" if hhigh < 0 else "worse" if hlow > 0 else "inconclusive")
+        assert (verdict != "inconclusive") == (holm[o] < 0.05)  # the interval and Holm's decision agree
+    assert rows["muon"][-1] == "better" and rows["shampoo"][-1] == "worse"
+    assert "m = 2: muon in w, shampoo in w" in md
 
     cost = t["Cost"]
     med = {o: float(np.median([r["time/step_sec"] for run in runs.values() if run["optimizer"] == o
@@ -432,7 +443,7 @@ def test_two_budgets_and_two_seeds_make_no_fit_and_claim_nothing(tmp_path):
     md = Path(build_report(str(tmp_path))).read_text()
     assert "2 budgets: a power law's 3 parameters would pass through every point" in md  # read between budgets only
     verdicts = [row[-1] for row in tables(md)["Significance vs adamw"][1:]]
-    assert verdicts == ["needs ≥ 3 seeds"] * 2
+    assert verdicts == ["inconclusive (n=2)"] * 2  # too few seeds to claim anything, either way
 
 
 def test_several_workloads_give_performance_profiles(tmp_path):
