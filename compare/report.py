@@ -335,7 +335,21 @@ class Workload:
         return [] if lr is None else self.losses[(optimizer, lr, budget)]
 
 
-def section_summary(w: Workload, h: str) -> list[str]:
+def extension_note(w: Workload, o: str, extend: dict | None) -> str:
+    """What to do about a best lr at the edge of its grid, given how far lr.extend already went
+    (`extend`: compare.json's lr_extend and lr_extend_max, and the plan's own grid per optimizer)."""
+    if not extend or not extend.get("on"):
+        return "rerun with lr.extend=true (adds lrs past that edge) or extend the grid"
+    base = extend.get("base", {}).get((w.name, o), set())
+    best, grid = w.best[o], w.grid[o]
+    beyond = [lr for lr in grid if (lr > max(base) if best == grid[-1] else lr < min(base))] if base else []
+    if len(beyond) >= extend.get("max", 0):
+        return (f"lr.extend already added {len(beyond)} lr(s) on that side, its lr.extend_max: rerun with a larger "
+                "lr.extend_max, or extend the grid")
+    return "lr.extend has not finished extending it (rerun the command to continue), or extend the grid"
+
+
+def section_summary(w: Workload, h: str, extend: dict | None = None) -> list[str]:
     out = [f"{h} Results per optimizer", "",
            f"Final val/loss at the best lr, mean ± std over seeds (ddof=1), per budget (steps). Best lr: the lowest "
            f"mean final val/loss at the largest budget ({w.largest}). Runs: run directories (trunks and branches); "
@@ -357,8 +371,8 @@ def section_summary(w: Workload, h: str) -> list[str]:
         elif best in (grid[0], grid[-1]):
             side = "smallest" if best == grid[0] else "largest"
             notes.append(f"- {o}: best lr {f_lr(best)} is the {side} of its grid ({', '.join(map(f_lr, grid))}): "
-                         "the optimum may lie beyond it: rerun with lr.extend=true (adds lrs past that edge) "
-                         f"or extend the grid (lr.grid.{o}=[...], a larger lr.factor).")
+                         f"the optimum may lie beyond it: {extension_note(w, o, extend)} "
+                         f"(lr.grid.{o}=[...], a larger lr.factor).")
     out += table(["optimizer", "best lr", *(f"best {k}" for k in w.knobs), "runs", "failed", "diverged",
                   *(f"S={b}" for b in w.budgets)], rows)
     if notes:
@@ -806,11 +820,15 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
     runs, results, workloads, fingerprints = _load(compare_dir, target)
     write_csv(compare_dir, runs, results)
     tests = significance_tests(workloads)
-    knobs, sessions = {}, []
+    knobs, sessions, extend = {}, [], None
     if os.path.isfile(os.path.join(compare_dir, "compare.json")):
         with open(os.path.join(compare_dir, "compare.json"), encoding="utf-8") as f:
             recorded = json.load(f)
         knobs, sessions = recorded.get("knobs", {}), recorded.get("provenance", [])
+        base: dict[tuple[str, str], set[float]] = defaultdict(set)
+        for r in recorded.get("runs", []):  # the plan's own lrs: lr.extend's are not in it
+            base[(r.get("workload"), r.get("optimizer"))].add(float(r.get("lr")))
+        extend = {"on": knobs.get("lr_extend"), "max": knobs.get("lr_extend_max", 0), "base": dict(base)}
     names = [w.name for w in workloads]
     fingerprint = ", ".join(f"{n}: {fingerprints[n] or 'not logged'}" for n in names) if len(names) > 1 else (
         fingerprints[names[0]] or "not logged")
@@ -841,7 +859,7 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
         plot_sensitivity(w, os.path.join(compare_dir, sens))
         plot_curves(w, "tokens", os.path.join(compare_dir, tok))
         plot_curves(w, "seconds", os.path.join(compare_dir, sec))
-        lines += section_summary(w, h)
+        lines += section_summary(w, h, extend)
         lines += section_sweep(w, h)
         lines += section_sensitivity(w, h, sens)
         lines += [f"{h} Curves at the best lr", "", "val/loss of every seed at each optimizer's best lr and the "

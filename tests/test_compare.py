@@ -363,6 +363,9 @@ def test_lr_extend_runs_lrs_past_the_edge_until_the_best_is_inside(tmp_path, mon
     assert [float(r[3].rstrip(" |")) for r in rows] == [round(expect(2.7e-3, 0.0), 4), round(expect(2.7e-3, 0.1), 4)]
     summary = md.split("## Results per optimizer")[1].split("\n## ")[0]
     assert "| optimizer | best lr | best weight_decay | runs |" in summary
+    # the best lr still sits at the edge, but lr.extend has used up its lr.extend_max (2): say so
+    assert "lr.extend already added 2 lr(s) on that side, its lr.extend_max" in summary
+    assert "rerun with lr.extend=true" not in summary
     assert f"| adamw | 0.0027 | 0.0 | 16 | 0 | 0 | {expect(2.7e-3, 0.0):.4f} |" in summary
 
 
