@@ -287,6 +287,10 @@ class Workload:
                                 and r.setting == self.best_setting[o]}) for o in self.optimizers}
         self.best = {o: self._best_lr(o) for o in self.optimizers}
 
+    def losses_at(self, optimizer: str, budget: int) -> list[float]:
+        """Every finished result (finite or not) of `optimizer` at `budget`, over lrs and seeds."""
+        return [x for (o, _, b), v in self.losses.items() if o == optimizer and b == budget for x in v]
+
     def _index(self, results: list[Result]) -> tuple[dict, dict]:
         losses: dict[tuple, list[float]] = defaultdict(list)
         by_key: dict[tuple, list[Result]] = defaultdict(list)
@@ -362,9 +366,13 @@ def section_summary(w: Workload, h: str, extend: dict | None = None) -> list[str
         rows.append([o, f_lr(w.best[o]), *(best.get(k, "–") for k in w.knobs), len(mine),
                      sum(r.status == "failed" for r in mine), sum(bool(r.info.get("diverged")) for r in mine), *cells])
         grid, best = w.grid[o], w.best[o]
-        if best is None:
-            notes.append(f"- {o}: no lr has a finite mean at budget {w.largest} (every seed failed at some lr): "
-                         "no best lr.")
+        pending = sum(res.why == "pending" for res in w.results
+                      if res.run.optimizer == o and int(res.run.budget) == w.largest)
+        if best is None and not w.losses_at(o, w.largest):
+            notes.append(f"- {o}: no run at budget {w.largest} has finished yet ({pending} pending): no best lr.")
+        elif best is None:
+            notes.append(f"- {o}: no lr has a finite mean at budget {w.largest} (every lr has a failed or diverged "
+                         f"seed{f'; {pending} pending' if pending else ''}): no best lr.")
         elif len(grid) == 1:
             notes.append(f"- {o}: a grid of one lr ({f_lr(best)}): nothing to say it is the best; "
                          "rerun with lr.points > 1.")
@@ -653,6 +661,31 @@ def _save(fig, path: str) -> None:
         fig.savefig(tmp, format="png", dpi=100)
 
 
+def _legend_or_note(ax, empty: str) -> bool:
+    """The legend when something was drawn; else `empty` written across the axes (no legend, so
+    matplotlib has nothing to warn about). True when something was drawn."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+        return True
+    ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, color="grey")
+    return False
+
+
+def _lr_ticks(ax, lrs) -> None:
+    """A log lr axis labelled at the lrs that were run (at most 8, thinned evenly), not at every
+    minor tick: grids of factor 2 or 3 put minor labels on top of each other."""
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
+    lrs = sorted(set(lrs))
+    if not lrs:
+        return
+    step = max(1, math.ceil(len(lrs) / 8))
+    ax.xaxis.set_major_locator(FixedLocator(lrs[::step]))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticklabels([f_lr(lr) for lr in lrs[::step]], rotation=30, ha="right", fontsize="small")
+
+
 def _colours(names: list[str]) -> dict:
     import matplotlib
 
@@ -662,17 +695,24 @@ def _colours(names: list[str]) -> dict:
 
 def plot_sensitivity(w: Workload, path: str) -> None:
     fig, ax = _figure()
+    fig.subplots_adjust(bottom=0.18)  # room for the slanted lr labels
     colour = _colours(w.optimizers)
+    drawn = []
     for o in w.optimizers:
-        pts = [(lr, *stats.mean_std(w.losses[(o, lr, w.largest)])) for lr in w.grid[o]]
-        pts = [(lr, m, 0.0 if math.isnan(s) else s) for lr, m, s in pts if math.isfinite(m)]
+        pts = [(lr, *stats.mean_std(w.losses[(o, lr, w.largest)]), len(w.losses[(o, lr, w.largest)]))
+               for lr in w.grid[o]]
+        pts = [(lr, m, 0.0 if math.isnan(s) else s, n) for lr, m, s, n in pts if math.isfinite(m)]
         if pts:
-            lr, m, s = zip(*pts)
-            ax.errorbar(lr, m, yerr=s, marker="o", capsize=3, color=colour[o], label=o)
+            lr, m, s, n = zip(*pts)
+            seeds = f"{min(n)}" if min(n) == max(n) else f"{min(n)}-{max(n)}"
+            ax.errorbar(lr, m, yerr=s, marker="o", capsize=3, color=colour[o], label=f"{o} (± std, {seeds} seeds)")
+            drawn += lr
     ax.set_xscale("log")
-    ax.set(xlabel="learning rate", ylabel="final val/loss", title=f"final val/loss vs lr (budget {w.largest})")
+    _lr_ticks(ax, drawn)
+    ax.set(xlabel="learning rate", ylabel="final val/loss (mean over seeds)",
+           title=f"final val/loss vs lr (budget {w.largest}; bars: ± one std over seeds)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    _legend_or_note(ax, "no finished run with a finite loss yet")
     _save(fig, path)
 
 
@@ -692,7 +732,7 @@ def plot_curves(w: Workload, x: str, path: str) -> None:
     ax.set(xlabel="training tokens" if x == "tokens" else "wall-clock seconds", ylabel="val/loss",
            title=f"val/loss at the best lr (budget {w.largest}, every seed)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    _legend_or_note(ax, "no finished curve yet")
     _save(fig, path)
 
 
@@ -704,7 +744,7 @@ def plot_profiles(curves: dict[str, np.ndarray], taus: np.ndarray, path: str) ->
     ax.set(xlabel="τ (time to target within τ × the best)", ylabel="share of workloads", ylim=(-0.02, 1.02),
            title="performance profiles (wall-clock time to target)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    _legend_or_note(ax, "no optimizer reached the target yet")
     _save(fig, path)
 
 
@@ -764,9 +804,8 @@ def _load(compare_dir: str, target: float | None) -> tuple[dict[str, Run], dict[
         except DataError as e:
             raise DataError(f"workload {name}: {e}" if len(names) > 1 else str(e)) from None
         logged = sorted({fp for fp in found.values() if fp is not None})
-        fingerprints[name] = logged[0] if len(logged) <= 1 else (
+        fingerprints[name] = None if not logged else logged[0] if len(logged) == 1 else (
             f"{len(logged)} data orders (seeds.vary_data), e.g. {logged[0]}")
-        fingerprints[name] = fingerprints[name] if logged else None
     results: dict[str, Result] = {}
     for run in runs.values():
         if run.kind == "branch":

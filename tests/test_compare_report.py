@@ -496,3 +496,41 @@ def test_a_directory_without_runs_is_one_line_data_error(tmp_path):
     with pytest.raises(DataError, match=r"no runs \(no runs/<id>/run.json\)") as e:
         build_report(str(tmp_path))
     assert "\n" not in str(e.value)
+
+
+def test_a_comparison_with_nothing_finished_reports_pending_without_warnings(tmp_path):
+    """Every run only planned (the state right after the command starts): the report builds, says
+    pending (not 'failed'), and its plots draw a note instead of an empty legend, which matplotlib
+    warns about."""
+    import warnings
+
+    from compare import launch
+    from compare.plan import compare_config, make_plan
+
+    knobs = {"optimizers": ["adamw", "muon"], "budgets": [10, 20], "lr": {"points": 2}, "seeds": 1, "warmup": 2}
+    launch.open_dir(make_plan(compare_config(knobs), ("model.dim=32",), {"adamw": 3e-3, "muon": 0.02}),
+                    str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        md = Path(build_report(str(tmp_path))).read_text()
+    assert "- adamw: no run at budget 20 has finished yet (2 pending): no best lr." in md
+    assert "failed" not in md.split("## Results per optimizer")[1].split("\n## ")[0].split("Edge of the grid")[1]
+    for png in ("lr_sensitivity.png", "curves_tokens.png", "curves_seconds.png"):
+        assert (tmp_path / png).stat().st_size > 0
+
+
+def test_the_lr_axis_is_labelled_at_the_lrs_run_and_the_bars_say_what_they_are():
+    from compare import report
+
+    fig, ax = report._figure()
+    ax.errorbar([1e-3, 2e-3, 4e-3], [3.0, 2.9, 3.1], yerr=[0.1, 0.1, 0.1], label="adamw (± std, 2 seeds)")
+    ax.set_xscale("log")
+    report._lr_ticks(ax, [1e-3, 2e-3, 4e-3])
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.001", "0.002", "0.004"]
+    assert not [t for t in ax.xaxis.get_minor_ticks() if t.label1.get_text()]  # no minor labels to overlap
+    report._lr_ticks(ax, [1e-4 * 2**k for k in range(20)])  # a long grid: at most 8 labels
+    assert len(ax.get_xticks()) <= 8
+    assert report._legend_or_note(ax, "nothing") is True
+    fig2, ax2 = report._figure()
+    assert report._legend_or_note(ax2, "nothing yet") is False and ax2.get_legend() is None
