@@ -177,7 +177,7 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
                                         peak_flops(t.compute_dtype, run.cache_dir),
                                         resumed.get("metrics", {}).get("time/elapsed_sec", 0.0))]
     if not t.skip_validation:
-        hooks.append(H.Evaluation(trainer.evaluate, t.val_freq, t.max_steps, t.val_at_start))
+        hooks.append(H.Evaluation(trainer.evaluate, t.val_freq, t.max_steps, t.val_at_start, t.val_at))
     saver = (Checkpointer(ck, run.config_dict, dataclasses.asdict(run.model), warn, trainer.eval_view,
                           frozen_base(trainer, source)) if ck.save else None)
     # Opened last, so a hook that fails to build leaves no open file, bar or wandb run behind.
@@ -223,6 +223,7 @@ def train_loop(trainer: Trainer, hooks: H.Hooks, ctx: H.LoopContext) -> None:
 def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> dict[str, float]:
     """Train from step 0 or `source` to train.max_steps (or checkpoint.num_steps more); the latest value of
     every metric comes back (handy for tests). Raises Preempted after saving on SIGTERM/SIGUSR1/SIGINT."""
+    began = H.clock()  # start-up: from here to the loop's start (building, restoring; not the imports)
     trainer = build_trainer(run, source)
     run, ck = trainer.run, run.checkpoint
     start = int(trainer.state.step)
@@ -233,11 +234,13 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
         return dict(source.manifest.get("metrics", {})) if source else {}
     precompile.compile_ahead(trainer, start, end)  # in a background thread, while the start hooks run
     ctx = H.LoopContext(start, end, trainer.state, trainer.data.train, eval_view=trainer.eval_view)
-    # Logged once, with the first record: the data stream's fingerprint and what the source counted.
+    # Logged once, with the first record: the data stream's fingerprint and what the source counted, the
+    # device the step times were measured on, and the start-up time (below).
     ctx.add({**diagnostics.state_bytes_metric(trainer.state.opt_state), "data/fingerprint": trainer.data.fingerprint,
-             **trainer.data.info})
+             **trainer.data.info, "time/device": jax.devices()[0].device_kind})
     with StopSignals(catch_interrupt=ck.save_on_interrupt) if ck.save else contextlib.nullcontext() as stop_signals:
         hooks = make_hooks(run, trainer, run_dir, stop_signals, source)
+        ctx.add({"time/startup_sec": H.clock() - began})
         try:
             train_loop(trainer, hooks, ctx)
         finally:  # inside the handlers: a second SIGTERM cannot kill a save that is still being written

@@ -64,6 +64,7 @@ CONTROLLED = {
     "checkpoint.overwrite_optimizer": "nothing: a branch continues its trunk's optimizer state",
     "checkpoint.overwrite_data": "nothing: a branch continues its trunk's data stream",
     "logging.metrics_file": "nothing: the report reads metrics.jsonl",
+    "train.val_at": "val_every=N (every run also evaluates at its branch points and budget)",
 }
 # Knobs of how a comparison runs, not of what it compares: a rerun may change them (not in compare.json).
 EXECUTION = ("dir", "save_every", "parallel")
@@ -92,6 +93,7 @@ class CompareConfig:
     lr_extend_max: int = 2  # at most this many added lrs per optimizer and workload
     sweep: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # (optimizer knob, its values), crossed with the lrs
     workloads: tuple[tuple[str, tuple[str, ...]], ...] = ((WORKLOAD, ()),)  # (name, its run overrides)
+    val_every: int | None = None  # train.val_freq of every run; None: the runs' own (conf/train.yaml's)
 
     def branch_step(self, budget: int) -> int:
         """round((1 - cooldown.fraction)·S): the trunk's step a budget's branch starts from."""
@@ -174,7 +176,7 @@ def compare_config(node: dict) -> CompareConfig:
     """conf/compare.yaml's composed knobs -> CompareConfig, or one ConfigError line naming the knob."""
     node = dict(node)
     known = {"optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
-             *EXECUTION}
+             "val_every", *EXECUTION}
     unknown = sorted(set(node) - known)
     if unknown:
         raise ConfigError(f"unknown comparison knob {unknown[0]!r}: the knobs are {', '.join(sorted(known))}")
@@ -229,7 +231,9 @@ def compare_config(node: dict) -> CompareConfig:
         warmup=_int(node.get("warmup", 0), "warmup", 0, "linear warmup steps of every run"),
         cooldown_fraction=fraction, cooldown_shape=shape, lr_extend=extend,
         lr_extend_max=_int(lr.get("extend_max", 2), "lr.extend_max", 1, "lrs lr.extend may add per optimizer"),
-        sweep=_sweep(node.get("sweep") or {}), workloads=_workloads(node.get("workloads") or {}))
+        sweep=_sweep(node.get("sweep") or {}), workloads=_workloads(node.get("workloads") or {}),
+        val_every=None if node.get("val_every") is None else _int(
+            node["val_every"], "val_every", 1, "evaluate every N steps besides the branch points and budgets"))
     for budget in budgets:
         b = knobs.branch_step(budget)
         if budget - b < 1:
@@ -374,11 +378,6 @@ def data_seed(knobs: CompareConfig, seed: int) -> int:
     return knobs.data_seed + seed if knobs.seeds_vary_data else knobs.data_seed
 
 
-def _val_freq(knobs: CompareConfig) -> int:
-    """Evaluations at every branch point and budget (every run also evaluates at its last step)."""
-    return math.gcd(*knobs.budgets, *(knobs.branch_step(b) for b in knobs.budgets))
-
-
 def _setting_runs(knobs: CompareConfig, workload: str, optimizer: str, lr: float, overrides: tuple[str, ...],
                   defaults: list[str], sweeps: list[tuple] | None = None, seeds: range | None = None,
                   budgets: tuple[int, ...] | None = None, phase: str = "tune") -> list[PlannedRun]:
@@ -407,7 +406,8 @@ def _setting_runs(knobs: CompareConfig, workload: str, optimizer: str, lr: float
             runs.append(PlannedRun(
                 trunk, workload, optimizer, lr, seed, "trunk", None, None, None,
                 ("optimizer/lr_config=constant", *common, f"train.max_steps={steps[-1]}",
-                 f"checkpoint.save_steps=[{','.join(map(str, steps))}]"), sweep, phase))
+                 f"checkpoint.save_steps=[{','.join(map(str, steps))}]",
+                 f"train.val_at=[{','.join(map(str, steps))}]"), sweep, phase))
             for budget in budgets:
                 b = knobs.branch_step(budget)
                 schedule = ("optimizer/lr_config=trapezoid", *common, f"train.max_steps={budget}",
@@ -415,6 +415,7 @@ def _setting_runs(knobs: CompareConfig, workload: str, optimizer: str, lr: float
                             f"optimizer.lr_config.decay_shape={knobs.cooldown_shape}",
                             "optimizer.lr_config.min_lr=0.0", "optimizer.lr_config.max_steps=null") if cooldown else (
                     "optimizer/lr_config=constant", *common, f"train.max_steps={budget}")
+                schedule = (*schedule, f"train.val_at=[{budget}]")  # explicit; the last step evaluates anyway
                 runs.append(PlannedRun(
                     run_id(optimizer, lr, seed, budget, workload, sweep, phase), workload, optimizer, lr, seed,
                     "branch", budget, trunk, b, schedule, sweep, phase))
@@ -425,7 +426,11 @@ def _workload_overrides(knobs: CompareConfig, run_overrides: tuple[str, ...], wo
     """(the defaults a workload's runs get, the user's run overrides then the workload's)."""
     overrides = (*run_overrides, *dict(knobs.workloads)[workload])
     given = {override_key(o) for o in overrides}
-    defaults = [o for o in (*QUIET, f"train.val_freq={_val_freq(knobs)}") if override_key(o) not in given]
+    if knobs.val_every is not None and "train.val_freq" in given:
+        raise ConfigError(f"val_every={knobs.val_every} and the run override train.val_freq both set how often runs "
+                          "evaluate: give only val_every")
+    every = () if knobs.val_every is None else (f"train.val_freq={knobs.val_every}",)
+    defaults = [o for o in (*QUIET, *every) if override_key(o) not in given]
     return defaults, overrides
 
 

@@ -9,9 +9,9 @@ Reads only what the runs wrote (`runs/<id>/run.json`, `runs/<id>/metrics.jsonl`,
 
 - A result (optimizer, lr, seed, budget S) is the cooldown branch with budget S: its val/loss
   at its last evaluation (step S). Its curve is the trunk's records up to the branch step, then
-  the branch's; tokens are `data/tokens` as logged (absolute); seconds are the trunk's
-  `time/elapsed_sec` at the branch step plus the branch's own `time/elapsed_sec` (a branch is
-  loaded from the trunk's checkpoint, not resumed, so its clock starts at 0).
+  the branch's; tokens are `data/tokens` as logged (absolute); seconds are training seconds: the
+  step times the clean step time (the median `time/step_sec` the trunk and the branch logged:
+  compilation, evaluation, saves and start-up left out; those are reported apart, in Cost).
 - A failed or diverged branch, or one whose trunk failed before it could start, is a result with
   loss = inf: it appears in the tables and makes its mean inf. A branch not yet run (its trunk
   fine) is pending: left out, and counted in the header.
@@ -43,8 +43,10 @@ TAUS = (1.0, 1.5, 2.0, 3.0, 4.0)  # performance-profile points printed in the ta
 ALPHA = 0.05  # family-wise error level of the verdicts (Holm), and 1 - the coverage of the printed CI
 MIN_SEEDS = 3  # fewer seeds (pairs): the verdict is "inconclusive (n=k)"
 CSV_FIELDS = ("id", "workload", "optimizer", "lr", "sweep", "seed", "budget", "kind", "status", "diverged",
-              "final_val_loss", "steps", "tokens", "seconds", "step_sec", "state_bytes")
+              "final_val_loss", "steps", "tokens", "seconds", "step_sec", "state_bytes", "elapsed_sec", "compile_sec",
+              "eval_sec", "startup_sec", "device")
 VAL, TOKENS, ELAPSED, STEP_SEC = "val/loss", "data/tokens", "time/elapsed_sec", "time/step_sec"
+COMPILE, EVAL, STARTUP, DEVICE = "time/compile_sec", "time/eval_sec", "time/startup_sec", "time/device"
 FINGERPRINT, STATE_BYTES = "data/fingerprint", "optim/state_bytes"
 RUN_KEYS = ("id", "workload", "optimizer", "lr", "seed", "kind", "budget", "trunk", "branch_step", "overrides",
             "status", "error", "diverged")  # run.json's fields, the engine's contract (and "phase", below)
@@ -154,12 +156,26 @@ def _column(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.array([p[0] for p in pairs], dtype=float), np.array([p[1] for p in pairs], dtype=float)
 
 
-def _at(records: list[dict], key: str, steps: np.ndarray) -> np.ndarray:
-    """`key` at each step, linearly interpolated between the records that logged it (from 0 at
-    step 0); nan beyond the last."""
+def _at(records: list[dict], key: str, steps: np.ndarray, origin: bool = True) -> np.ndarray:
+    """`key` at each step, linearly interpolated between the records that logged it (`origin`: from
+    0 at step 0, true of tokens; else nan before the first); nan beyond the last."""
     s, v = _column(records, key)
-    s, v = np.concatenate([[0.0], s]), np.concatenate([[0.0], v])
-    return np.interp(steps, s, v, right=np.nan)
+    if origin:
+        s, v = np.concatenate([[0.0], s]), np.concatenate([[0.0], v])
+    return np.interp(steps, s, v, left=np.nan, right=np.nan) if len(s) else np.full(np.shape(steps), np.nan)
+
+
+def step_time(*runs: Run | None) -> float:
+    """The clean step time of a history: the median of every `time/step_sec` its runs logged (each
+    a running median of clean intervals: trainer/hooks.Throughput); nan when none did."""
+    values = np.concatenate([_column(r.records, STEP_SEC)[1] for r in runs if r is not None] or [np.array([])])
+    return float(np.median(values)) if len(values) else math.nan
+
+
+def _total(run: Run, key: str) -> float:
+    """The sum of `key` over the run's records (nan when it never logged it)."""
+    values = _column(run.records, key)[1]
+    return float(values.sum()) if len(values) else math.nan
 
 
 def combined_records(branch: Run, trunk: Run | None) -> list[dict]:
@@ -169,7 +185,7 @@ def combined_records(branch: Run, trunk: Run | None) -> list[dict]:
         return branch.records
     at = float(branch.info.get("branch_step") or 0)
     before = [r for r in trunk.records if r["step"] <= at]
-    offset = float(_at(trunk.records, ELAPSED, np.array([at]))[0]) if before else 0.0
+    offset = float(_at(trunk.records, ELAPSED, np.array([at]), origin=False)[0]) if before else 0.0
     offset = 0.0 if math.isnan(offset) else offset
     after = [{**r, ELAPSED: r[ELAPSED] + offset} if math.isfinite(_number(r.get(ELAPSED))) else r
              for r in branch.records if r["step"] > at]
@@ -179,7 +195,7 @@ def combined_records(branch: Run, trunk: Run | None) -> list[dict]:
 def make_result(branch: Run, trunk: Run | None) -> Result:
     records = combined_records(branch, trunk)
     steps, loss = _column(records, VAL)
-    curve = {"step": steps, "tokens": _at(records, TOKENS, steps), "seconds": _at(records, ELAPSED, steps),
+    curve = {"step": steps, "tokens": _at(records, TOKENS, steps), "seconds": steps * step_time(branch, trunk),
              "loss": loss}
     own = [r for r in branch.records if r["step"] > float(branch.info.get("branch_step") or 0)]
     last_val = [_number(r.get(VAL)) for r in own if VAL in r]
@@ -198,8 +214,11 @@ def make_result(branch: Run, trunk: Run | None) -> Result:
 
 def csv_row(run: Run, result: Result | None, trunk: Run | None) -> dict:
     """results.csv's row of a run: the final val/loss is the result's (a branch) or the last
-    logged (a trunk); steps, tokens, seconds at the last record of the (combined) history; step_sec
-    the median of the run's own `time/step_sec`; state_bytes its `optim/state_bytes`."""
+    logged (a trunk); steps and tokens at the last record of the (combined) history, seconds those
+    steps times the history's clean step time (step_time), elapsed_sec the wall clock there (the
+    trunk's at the branch point plus the branch's own); step_sec the median of the run's own
+    `time/step_sec`; state_bytes its `optim/state_bytes`; compile_sec and eval_sec the run's own
+    summed, startup_sec its `time/startup_sec`, device its `time/device`."""
     records = combined_records(run, trunk) if result is not None else run.records
     if result is not None:
         final = result.loss
@@ -208,15 +227,18 @@ def csv_row(run: Run, result: Result | None, trunk: Run | None) -> dict:
         final = float(vals[-1]) if len(vals) else (math.inf if run.failed else math.nan)
     last = lambda key: (_column(records, key)[1][-1:] if records else np.array([]))
     pick = lambda a: float(a[0]) if len(a) else math.nan
-    own_step = _column(run.records, STEP_SEC)[1]
     state = _column(run.records, STATE_BYTES)[1]
+    steps = records[-1]["step"] if records else 0
+    devices = [r[DEVICE] for r in run.records if isinstance(r.get(DEVICE), str)]
     return {"id": run.id, "workload": run.workload, "optimizer": run.optimizer, "lr": run.lr,
             "sweep": ";".join(f"{k}={v}" for k, v in run.setting), "seed": run.seed,
             "budget": run.info.get("budget"), "kind": run.kind, "status": run.status,
             "diverged": bool(run.info.get("diverged")), "final_val_loss": final,
-            "steps": records[-1]["step"] if records else 0, "tokens": pick(last(TOKENS)),
-            "seconds": pick(last(ELAPSED)), "step_sec": float(np.median(own_step)) if len(own_step) else math.nan,
-            "state_bytes": int(state[0]) if len(state) else ""}
+            "steps": steps, "tokens": pick(last(TOKENS)),
+            "seconds": steps * step_time(run, trunk if result is not None else None), "step_sec": step_time(run),
+            "state_bytes": int(state[0]) if len(state) else "", "elapsed_sec": pick(last(ELAPSED)),
+            "compile_sec": _total(run, COMPILE), "eval_sec": _total(run, EVAL), "startup_sec": _total(run, STARTUP),
+            "device": devices[0] if devices else ""}
 
 
 # --------------------------------------------------------------------------------------------
@@ -625,21 +647,51 @@ def cost(w: Workload, optimizer: str) -> tuple[float, float]:
     """(median time/step_sec over every record of the optimizer's runs, median optim/state_bytes
     over its runs)."""
     mine = [r for r in w.runs if r.optimizer == optimizer]
-    steps = np.concatenate([_column(r.records, STEP_SEC)[1] for r in mine] or [np.array([])])
     state = [v for r in mine for v in _column(r.records, STATE_BYTES)[1][:1]]
-    return (float(np.median(steps)) if len(steps) else math.nan, float(np.median(state)) if state else math.nan)
+    return step_time(*mine), float(np.median(state)) if state else math.nan
+
+
+def overheads(w: Workload, optimizer: str) -> dict[str, float]:
+    """Per run of the optimizer, medians over its runs: compilation (`time/compile_sec` summed),
+    evaluation (`time/eval_sec` summed), start-up (`time/startup_sec`), wall clock (the last
+    `time/elapsed_sec`), and how many evaluations a run made."""
+    mine = [r for r in w.runs if r.optimizer == optimizer]
+
+    def med(xs):
+        xs = [x for x in xs if math.isfinite(x)]
+        return float(np.median(xs)) if xs else math.nan
+
+    return {"compile": med([_total(r, COMPILE) for r in mine]), "eval": med([_total(r, EVAL) for r in mine]),
+            "startup": med([_total(r, STARTUP) for r in mine]),
+            "elapsed": med([float(v[-1]) for r in mine if len(v := _column(r.records, ELAPSED)[1])]),
+            "evals": med([float(len(_column(r.records, EVAL)[1])) for r in mine])}
 
 
 def section_cost(w: Workload, h: str) -> list[str]:
+    devices = sorted({r[DEVICE] for run in w.runs for r in run.records if isinstance(r.get(DEVICE), str)})
     out = [f"{h} Cost", "", "Step time: the median `time/step_sec` over every logged record of the optimizer's "
-           "runs in this comparison (trunks and branches); state: the median `optim/state_bytes` over its runs. "
-           f"Relative: divided by {REFERENCE}'s.", ""]
+           "runs in this comparison (trunks and branches): each a running median of clean intervals, from which "
+           "compilation, evaluation and saves are left out (docs/metrics.md); the curves' and time to target's "
+           "seconds are steps × this. State: the median `optim/state_bytes` over its runs. "
+           f"Relative: divided by {REFERENCE}'s. Measured on: {', '.join(devices) or 'not logged'}.", ""]
     ref_t, ref_b = cost(w, REFERENCE) if REFERENCE in w.optimizers else (math.nan, math.nan)
     rows = []
     for o in w.optimizers:
         t, b = cost(w, o)
         rows.append([o, f_num(t, ".6g"), f_num(t / ref_t, ".3f"), f_num(b, ".0f"), f_num(b / ref_b, ".3f")])
-    return out + table(["optimizer", "step time (s)", f"× {REFERENCE}", "state bytes", f"× {REFERENCE}"], rows)
+    out += table(["optimizer", "step time (s)", f"× {REFERENCE}", "state bytes", f"× {REFERENCE}"], rows)
+    out += ["Overheads, apart from the step time, per run (the median over the optimizer's runs): compilation "
+            "(`time/compile_sec` summed: each run, trunk or branch, compiles in a run of its own), "
+            "evaluation (`time/eval_sec` summed, over that many evaluations), start-up before the first step "
+            "(`time/startup_sec`: building, restoring) and the wall clock at the run's end (`time/elapsed_sec`, "
+            "which holds all of these).", ""]
+    rows = []
+    for o in w.optimizers:
+        x = overheads(w, o)
+        rows.append([o, f_num(x["compile"], ".3g"), f_num(x["eval"], ".3g"), f_num(x["evals"], ".3g"),
+                     f_num(x["startup"], ".3g"), f_num(x["elapsed"], ".3g")])
+    return out + table(["optimizer", "compile (s)", "evaluation (s)", "evaluations", "start-up (s)", "elapsed (s)"],
+                       rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -729,7 +781,8 @@ def plot_curves(w: Workload, x: str, path: str) -> None:
                         label=f"{o} lr={f_lr(lr)}" if i == 0 else None)
     if w.target is not None:
         ax.axhline(w.target, color="grey", linestyle=":", label="target")
-    ax.set(xlabel="training tokens" if x == "tokens" else "wall-clock seconds", ylabel="val/loss",
+    ax.set(xlabel="training tokens" if x == "tokens" else "training seconds (steps × clean step time)",
+           ylabel="val/loss",
            title=f"val/loss at the best lr (budget {w.largest}, every seed)")
     ax.grid(alpha=0.3)
     _legend_or_note(ax, "no finished curve yet")

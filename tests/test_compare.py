@@ -74,7 +74,9 @@ def test_branch_equals_a_from_scratch_wsd_run(reference, tmp_path):
     assert (branch["kind"], branch["budget"], branch["branch_step"], branch["trunk"]) == ("branch", 20, 16, TRUNK)
     assert json.loads((reference / "compare.json").read_text())["knobs"]["cooldown_shape"] == "1-sqrt"
     # From scratch: the branch's own overrides (trapezoid, decay 4, 1-sqrt, the seeds), no checkpoint.
-    overrides = [o for o in branch["overrides"] if not o.startswith("checkpoint.")]
+    # It evaluates where the trunk (its branch points) and the branch (its budget) did, to compare each.
+    overrides = [o for o in branch["overrides"] if not o.startswith(("checkpoint.", "train.val_at="))]
+    overrides.append("train.val_at=[8,16,20]")
     T.train(compose_overrides(overrides, job_name="test"), str(tmp_path))
     scratch = losses(tmp_path)
     trunk, cooled = losses(runs / TRUNK), losses(runs / S20)
@@ -177,7 +179,8 @@ def test_plan_grid_and_schedules():
     trunk, b100, b250 = p.runs[:3]
     assert trunk.id == "default__adamw__lr0.00025__seed0__trunk" and b250.id == "default__adamw__lr0.00025__seed0__S250"
     assert {"optimizer/lr_config=constant", "train.max_steps=200", "checkpoint.save_steps=[80,200]",
-            "data_seed=0", "model.dim=32", "train.val_freq=10"} <= set(trunk.overrides)
+            "data_seed=0", "model.dim=32", "train.val_at=[80,200]"} <= set(trunk.overrides)
+    assert not any(o.startswith("train.val_freq=") for o in trunk.overrides)  # val_every=null: the runs' own
     assert (b100.branch_step, b250.branch_step) == (80, 200)
     assert {"optimizer/lr_config=trapezoid", "train.max_steps=100", "optimizer.lr_config.decay=20",
             "optimizer.lr_config.decay_shape=1-sqrt", "optimizer.lr_config.warmup=10"} <= set(b100.overrides)
@@ -319,11 +322,14 @@ def test_save_every_adds_interval_saves_and_keeps_the_branch_points(tmp_path):
 
 def fake_train(cfg, run_dir):
     """A stand-in for train_jax.train: val/loss = 3 + (log10(lr) + 2.5)² (best lr 10^-2.5 ≈ 3.2e-3)
-    + 0.1·weight_decay + 1/step, logged every train.val_freq steps from the branch point on."""
+    + 0.1·weight_decay + 1/step, logged where train_jax evaluates (every train.val_freq steps, at train.val_at
+    and at train.max_steps) from the branch point on."""
     lr, wd = float(cfg.optimizer.lr_config.lr), float(cfg.optimizer.get("weight_decay", 0.0))
     start = int(cfg.checkpoint.load_file.split("_")[1]) if cfg.checkpoint.load else 0
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-        for step in range(start + cfg.train.val_freq, cfg.train.max_steps + 1, cfg.train.val_freq):
+        t = cfg.train
+        evaluated = {*range(t.val_freq, t.max_steps + 1, t.val_freq), *t.get("val_at", ()), t.max_steps}
+        for step in sorted(s for s in evaluated if s > start):
             loss = 3 + (math.log10(lr) + 2.5) ** 2 + 0.1 * wd + 1 / step
             f.write(json.dumps({"step": step, "val/loss": loss, "data/tokens": step * 64, "data/fingerprint": "fp",
                                 "time/elapsed_sec": step * 0.01}) + "\n")
@@ -480,7 +486,8 @@ def test_branches_of_length_aware_optimizers_equal_from_scratch_runs(optimizer, 
     run_id = next(r.id for r in p.runs if r.budget == 20)
     branch = json.loads((tmp_path / "c" / "runs" / run_id / "run.json").read_text())
     (tmp_path / "scratch").mkdir()
-    T.train(compose_overrides([o for o in branch["overrides"] if not o.startswith("checkpoint.")], job_name="test"),
+    scratch_overrides = [o for o in branch["overrides"] if not o.startswith(("checkpoint.", "train.val_at="))]
+    T.train(compose_overrides([*scratch_overrides, "train.val_at=[8,16,20]"], job_name="test"),  # the runs' evaluations
             str(tmp_path / "scratch"))
     scratch, cooled = losses(tmp_path / "scratch"), losses(tmp_path / "c" / "runs" / run_id)
     trunk = losses(tmp_path / "c" / "runs" / run_id.replace("__S20", "__trunk"))
@@ -491,3 +498,46 @@ def test_branches_of_length_aware_optimizers_equal_from_scratch_runs(optimizer, 
     assert {"schedule_free_adamw": "- schedule_free_adamw needs no cooldown",
             "ademamix": "- ademamix reads the run's length through optimizer.alpha_b3_warmup: set to 20 for every"
             }[optimizer] in md
+
+
+def _evaluated_steps(run, yaml_val_freq: int) -> list[int]:
+    """The steps train_jax's Evaluation hook evaluates a planned run at, from its overrides (a branch
+    starts at its branch point: loaded, not resumed, so no baseline)."""
+    from trainer import hooks as H
+
+    values = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in run.overrides}
+    at = tuple(int(s) for s in values.get("train.val_at", "[]").strip("[]").split(",") if s)
+    end, start = int(values["train.max_steps"]), run.branch_step or 0
+    evaluation = H.Evaluation(None, int(values.get("train.val_freq", yaml_val_freq)), end, True, at)
+    ctx = H.LoopContext(start, end, state=None, data=None)
+    steps = []
+    for step in range(start, end + 1):
+        ctx.step = step
+        if evaluation.due(ctx):
+            steps.append(step)
+    return steps
+
+
+@pytest.mark.parametrize("budgets, val_every", [((10, 21), None), ((10, 21), 4), ((1000, 2500, 7001), None),
+                                                 ((1000, 2500, 7001), 300)])
+def test_runs_evaluate_at_branch_points_budgets_and_val_every_only(budgets, val_every):
+    """The old plan set train.val_freq to the gcd of budgets and branch points: 1 for [10,21] and
+    [1000,2500,7001], an evaluation at every step. Now a trunk evaluates at step 0, its branch points
+    and every val_every steps (null: the runs' own train.val_freq, the yaml's), a branch at its budget
+    and every val_every steps after its branch point; the report's val/loss at each is there."""
+    import yaml
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "conf", "train.yaml")) as f:
+        yaml_val_freq = yaml.safe_load(f)["train"]["val_freq"]
+    every = val_every or yaml_val_freq
+    knobs = {**KNOBS, "budgets": list(budgets), **({"val_every": val_every} if val_every else {})}
+    k = compare_config(knobs)
+    points = [k.branch_step(b) for b in budgets]
+    trunk, *branches = make_plan(k, ["model.dim=32"], {"adamw": 3e-3}).runs
+    assert _evaluated_steps(trunk, yaml_val_freq) == sorted({0, *points, *range(every, points[-1] + 1, every)})
+    for run, budget, point in zip(branches, budgets, points):
+        assert _evaluated_steps(run, yaml_val_freq) == sorted({budget, *range(every, budget + 1, every)} - set(
+            range(point + 1))), run.id
+    if val_every:  # and a run override of train.val_freq beside val_every is refused, naming both
+        with pytest.raises(ConfigError, match=r"val_every=.*train\.val_freq.*give only val_every"):
+            make_plan(k, ["train.val_freq=7"], {"adamw": 3e-3})

@@ -185,13 +185,14 @@ def result(run: dict, runs: dict) -> float | None:
 
 
 def curve(run: dict, runs: dict) -> np.ndarray:
-    """(step, tokens, seconds, val/loss) at each evaluation of trunk-then-branch."""
+    """(step, tokens, seconds, val/loss) at each evaluation of trunk-then-branch; seconds: the step
+    times the median time/step_sec of the trunk's and the branch's records (the clean step time)."""
     trunk = runs[run["trunk"]]
     bs = run["branch_step"]
-    offset = next(r["time/elapsed_sec"] for r in trunk["records"] if r["step"] == bs)
-    rows = [(r["step"], r["data/tokens"], r["time/elapsed_sec"], r["val/loss"]) for r in trunk["records"]
+    sec = float(np.median([r["time/step_sec"] for r in (*trunk["records"], *run["records"]) if "time/step_sec" in r]))
+    rows = [(r["step"], r["data/tokens"], r["step"] * sec, r["val/loss"]) for r in trunk["records"]
             if r["step"] <= bs and "val/loss" in r]
-    rows += [(r["step"], r["data/tokens"], r["time/elapsed_sec"] + offset, r["val/loss"]) for r in run["records"]
+    rows += [(r["step"], r["data/tokens"], r["step"] * sec, r["val/loss"]) for r in run["records"]
              if r["step"] > bs and "val/loss" in r]
     return np.array(rows, dtype=float)
 
@@ -427,7 +428,9 @@ def test_results_csv_has_a_row_per_run(comparison):
     done = rows["w-adamw-lr0.002-s0-b400"]
     assert float(done["final_val_loss"]) == pytest.approx(base_loss("adamw", 2e-3, 0, 400) - COOL)
     assert int(done["steps"]) == 400 and float(done["tokens"]) == 400 * TOK
-    assert float(done["seconds"]) == pytest.approx((1.0 + 0.01 * 320) + (0.5 + 0.01 * 80))
+    # seconds: 400 steps x the median step time of the trunk's 32 records (0.010 s) and the branch's 8 (0.011 s)
+    assert float(done["seconds"]) == pytest.approx(400 * 0.010)
+    assert float(done["elapsed_sec"]) == pytest.approx((1.0 + 0.01 * 320) + (0.5 + 0.01 * 80))  # the wall clock
     assert float(done["step_sec"]) == pytest.approx(0.011) and int(done["state_bytes"]) == 2000
     assert rows["w-muon-lr0.04-s1-b100"]["final_val_loss"] == "inf"  # its trunk failed
 
@@ -468,11 +471,13 @@ def test_several_workloads_give_performance_profiles(tmp_path):
     # every budget), so its seconds are the fewest on both, though its steps are slower on "small"
     assert [row[1] for row in profile[1:]] == ["0.000", "1.000", "0.000"]
     for o, cell in _rows_after(md, "Geometric-mean speedup")[1:]:
-        ratios = [a / b if math.isfinite(b) else 0.0 for a, b in zip(seconds["adamw"], seconds[o])]
-        # the seconds are read back from cells printed to 0.01: each ratio off by at most the two cells'
-        # printed_atol relative to their values, and the geometric mean of such ratios by the largest of those
-        printed = max((2 * 0.005 / s for x in ("adamw", o) for s in seconds[x] if math.isfinite(s)), default=0.0)
-        assert close(cell, math.exp(np.mean(np.log(ratios))) if min(ratios) > 0 else 0.0, rel=printed)
+        pairs = list(zip(seconds["adamw"], seconds[o]))
+        ratios = [a / b if math.isfinite(b) else 0.0 for a, b in pairs]
+        # the seconds read back are printed to 2 decimals (within 0.005 each): a ratio a/b is then off by
+        # at most 0.005/a + 0.005/b relative (first order), the geometric mean by the mean of those
+        errs = [printed_atol("0.00") * (1 / a + 1 / b) for a, b in pairs if math.isfinite(b)]
+        rel = float(np.mean(errs)) if errs else 0.0  # no finite pair: the cell is exactly 0
+        assert close(cell, math.exp(np.mean(np.log(ratios))) if min(ratios) > 0 else 0.0, rel=rel)
     assert (tmp_path / "performance_profile.png").is_file() and (tmp_path / "lr_sensitivity_big.png").is_file()
 
 
@@ -534,3 +539,47 @@ def test_the_lr_axis_is_labelled_at_the_lrs_run_and_the_bars_say_what_they_are()
     assert report._legend_or_note(ax, "nothing") is True
     fig2, ax2 = report._figure()
     assert report._legend_or_note(ax2, "nothing yet") is False and ax2.get_legend() is None
+
+
+def test_seconds_and_cost_use_the_clean_step_time_not_the_wall_clock(tmp_path):
+    """AdamW's runs spend 30 s compiling, Muon's 5 s; their clean steps take 0.01 s and 0.02 s. The
+    wall clock (time/elapsed_sec) says Muon is the faster; the report's cost ratio, curve seconds and
+    results.csv's seconds must say 2x slower per step (steps x time/step_sec, from 0 at step 0),
+    with compilation, evaluation and start-up reported apart."""
+    from compare.report import load_workloads
+
+    sec, compile_sec = {"adamw": 0.01, "muon": 0.02}, {"adamw": 30.0, "muon": 5.0}
+    (tmp_path / "compare.json").write_text(json.dumps({"knobs": {"budgets": [100]}, "run_overrides": []}))
+    for opt in sec:
+        common = {"workload": "w", "optimizer": opt, "lr": 1e-3, "seed": 0, "overrides": [], "diverged": False,
+                  "error": None, "status": "done"}
+        for kind, steps in (("trunk", range(10, 81, 10)), ("branch", range(90, 101, 10))):
+            recs = []
+            for step in steps:
+                first = step in (10, 90)
+                r = {"step": step, "time/step_sec": sec[opt], "data/tokens": float(step * TOK),
+                     "time/elapsed_sec": compile_sec[opt] + 2.0 * first + sec[opt] * step}
+                if step % 20 == 0 or step == 100:
+                    r.update({"val/loss": 3.0 - step / 1000, "time/eval_sec": 0.5})
+                if first:
+                    r.update({"time/compile_sec": compile_sec[opt], "time/startup_sec": 2.0, "time/device": "cpu",
+                              "data/fingerprint": FP})
+                recs.append(r)
+            branch = kind == "branch"
+            info = {**common, "id": f"{opt}-{kind}", "kind": kind, "budget": 100 if branch else None,
+                    "trunk": f"{opt}-trunk" if branch else None, "branch_step": 80 if branch else None}
+            write_run(tmp_path, info, recs)
+    md = Path(build_report(str(tmp_path))).read_text()
+    cost = {row[0]: row for row in tables(md)["Cost"][1:]}
+    assert close(cost["muon"][2], 2.0) and close(cost["adamw"][1], 0.01)
+    over = {row[0]: row for row in _rows_after(md, "Overheads, apart from the step time")[1:]}
+    # per run: compile as logged, 4 (trunk) or 1 (branch) evaluations of 0.5 s: median over 2 runs 1.25 s
+    assert [over["adamw"][1:], over["muon"][1]] == [["30", "1.25", "2.5", "2", "30.9"], "5"]  # 30.8, 31.0: 30.9
+    assert "Measured on: cpu." in md
+    (w,) = load_workloads(str(tmp_path))
+    for res in w.results:
+        assert res.curve["seconds"].tolist() == (res.curve["step"] * sec[res.run.optimizer]).tolist()
+    with open(tmp_path / "results.csv") as f:
+        rows = {r["id"]: r for r in csv.DictReader(f)}
+    assert float(rows["muon-branch"]["seconds"]) == 100 * 0.02 and float(rows["adamw-branch"]["seconds"]) == 100 * 0.01
+    assert float(rows["adamw-trunk"]["compile_sec"]) == 30.0 and rows["adamw-trunk"]["device"] == "cpu"

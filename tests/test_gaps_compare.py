@@ -137,6 +137,5 @@ def test_budgets_whose_branch_point_is_not_an_integer_round_to_the_nearest_step(
     assert [(r.budget, r.branch_step) for r in branches] == list(zip(budgets, steps))
     for r, b, s in zip(branches, budgets, steps):
         assert f"optimizer.lr_config.decay={b - s}" in r.overrides and f"train.max_steps={b}" in r.overrides
-    val_freq = math.gcd(*budgets, *steps)
-    assert f"train.val_freq={val_freq}" in trunk.overrides
-    assert all(x % val_freq == 0 for x in (*budgets, *steps))
+    assert f"train.val_at=[{','.join(map(str, steps))}]" in trunk.overrides
+    assert all(f"train.val_at=[{b}]" in r.overrides for r, b in zip(branches, budgets))

@@ -278,3 +278,38 @@ def test_every_hooks_saved_state_round_trips_from_its_initial_value():
         saved = json.loads(json.dumps(initial, allow_nan=False))  # as the manifest stores it: no NaN/Infinity
         assert make(saved).state_dict() == initial, name
         assert make(json.loads(json.dumps(make(saved).state_dict(), allow_nan=False))).state_dict() == initial, name
+
+
+def test_step_time_is_the_median_of_clean_intervals(monkeypatch):
+    """A fake clock: every step takes 1 s, a step that waits for a compilation 50 s more, and an
+    off-the-clock hook (an evaluation, a save) 100 s. time/step_sec, logged every 2 steps, must be
+    exactly 1 s, and absent until a clean interval (not the first, no compilation in it) ended:
+    a median that took in the slow intervals would read 26 s at step 6 and 8."""
+    now = [0.0]
+    monkeypatch.setattr(H, "clock", lambda: now[0])
+    compiling, slow_at = {3, 12}, {7, 10}
+
+    class OffTheClock(H.Hook):  # an evaluation at steps 7 (between logging steps) and 10 (at one)
+        off_the_clock = True
+
+        def due(self, ctx):
+            return ctx.step in slow_at
+
+        def __call__(self, ctx):
+            now[0] += 100.0
+
+    throughput = H.Throughput(log_every=2, tokens_per_step=10, flops_per_step=1.0, peak=None)
+    ctx = H.LoopContext(0, 16, state=None, data=None)
+    runner = H.Hooks([throughput, OffTheClock()])
+    runner.run(ctx)
+    timed = {}
+    for step in range(1, 17):
+        ctx.compile_sec = 50.0 if step in compiling else 0.0
+        now[0] += 1.0 + ctx.compile_sec
+        ctx.advance(step, None, {})
+        runner.run(ctx)
+        if "time/elapsed_sec" in ctx.record:
+            timed[step] = ctx.record.get("time/step_sec")
+    # step 2: the segment's first interval; 4: compiled at 3; 12: waited at 12; 8: the evaluation at 7 restarted it
+    assert timed == {2: None, 4: None, 6: 1.0, 8: 1.0, 10: 1.0, 12: 1.0, 14: 1.0, 16: 1.0}
+    assert list(throughput.clean) == [1.0] * 5  # the intervals ending at 6, 8, 10, 14, 16 (12 compiled)

@@ -57,8 +57,9 @@ def test_step_time_leaves_out_evaluations_inside_a_logging_interval(tmp_path, mo
                                    "logging.optim_diagnostics=false"),
                     str(tmp_path))  # diagnostics on: two step variants
     timed = {r["step"]: r["time/step_sec"] for r in records(tmp_path) if "time/step_sec" in r}
-    # The interval that holds compilation (steps 1-2) ends in an evaluation, so step 4 is timed too.
-    assert timed == {4: pytest.approx(1.0), 8: pytest.approx(1.0), 12: pytest.approx(1.0)}
+    # Steps 1-2 hold the start (and the plain variant's compilation), steps 3-4 the logging variant's
+    # compilation at step 4: neither interval is clean, so step 8 is the first with a step time.
+    assert timed == {8: pytest.approx(1.0), 12: pytest.approx(1.0)}
     tokens = {r["step"]: r["train/tokens_per_sec"] for r in records(tmp_path) if "train/tokens_per_sec" in r}
     assert tokens[8] == pytest.approx(8 * 16)  # batch 8 x context 16 tokens per 1-s step
     # The two variants compiled at steps 1 and 4 (1 s each on this clock); batches never waited.
@@ -86,3 +87,32 @@ def test_a_diverged_state_is_never_saved(tmp_path, monkeypatch):
         for item in ("model", "opt_state"):
             leaves = jax.tree.leaves(restore_item(tmp_path / "ck" / f"iter_{step}" / item))
             assert all(np.isfinite(np.asarray(x)).all() for x in leaves), f"iter_{step}/{item} holds NaN/inf"
+
+
+@pytest.mark.parametrize("val_at, message", [
+    ("[5,3]", r"train\.val_at=\[5, 3\] must list positive steps in increasing order.*e\.g\. train\.val_at=\[3, 5\]"),
+    ("[0,4]", r"train\.val_at=\[0, 4\] must list positive steps"),
+    ("[4,4]", r"train\.val_at=\[4, 4\] must list positive steps .*without repeats"),
+    ("[4,30]", r"train\.val_at=\[4, 30\] lists steps beyond train\.max_steps=20: drop them or raise"),
+    ("[2.5]", r"train\.val_at\[0\]=2\.5 must be a int"),
+])
+def test_val_at_is_checked_naming_the_knob(val_at, message):
+    from utils.config import validate
+    from utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(compose_config(f"train.val_at={val_at}"))
+    assert "\n" not in str(e.value)
+
+
+def test_val_at_evaluates_at_each_listed_step_once_across_a_resume(tmp_path, monkeypatch):
+    """train.val_at=[3,4,7] beside val_freq 100 and max_steps 10: a first segment stops at step 4
+    (checkpoint.num_steps), the resume trains to 10. Evaluations (raw metrics.jsonl lines, both
+    segments appended) at 3, 4, 7 and max_steps 10, each exactly once."""
+    monkeypatch.chdir(tmp_path)
+    run = (*RUN, "train.max_steps=10", "train.val_freq=100", "train.val_at=[3,4,7]", "train.val_at_start=false",
+           "checkpoint.save=true", "checkpoint.save_path=ck", "checkpoint.save_steps=[4]", "checkpoint.num_steps=4")
+    train_jax.train(compose_config(*run), str(tmp_path))
+    assert [r["step"] for r in records(tmp_path) if "val/loss" in r] == [3, 4]
+    train_jax.train(compose_config(*run, "checkpoint.resume=auto", "checkpoint.num_steps=null"), str(tmp_path))
+    assert [r["step"] for r in records(tmp_path) if "val/loss" in r] == [3, 4, 7, 10]

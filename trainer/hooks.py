@@ -17,14 +17,17 @@ A hook declares what it puts into `record` that other hooks read (`produces`) an
 (`needs`): `Hooks` checks at construction that every producer of a need runs before the hook
 that needs it, and names both when one does not (a need nobody produces is fine: e.g. no
 Evaluation hook, so no val/loss). A hook that spends wall time that is not training (an
-evaluation, sampling) says so with `off_the_clock`: the hooks that time training are told
-(`restart_clock`) once it has run.
+evaluation, sampling, a save) says so with `off_the_clock` (read after each call: the
+checkpointer sets it when it saved): the hooks that time training are told (`restart_clock`)
+once it has run.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -202,27 +205,36 @@ def check_finite(values: dict[str, float], step: int, names: Sequence[str] = VOU
 
 
 class Throughput(Hook):
-    """On logging steps: pull the step's metrics and add step time, tokens/s, MFU and the time
-    spent waiting for data, averaged over the steps since the last mark, plus the tokens consumed
-    and the wall time since the run began (`elapsed` carries earlier segments' over a resume).
-    The first interval holds compilation, so it is not reported unless it is all there is. Called
-    every step: it sums the loop's per-step data waits and compilation waits itself."""
+    """On logging steps: pull the step's metrics and add the clean step time with tokens/s and MFU
+    from it, the time spent waiting for data (averaged over the steps since the last mark), the
+    tokens consumed and the wall time since the run began (`elapsed` carries earlier segments' over a
+    resume). Called every step: it sums the loop's per-step data waits and compilation waits itself.
+
+    The clean step time (`time/step_sec`) is the median of the last `window` clean intervals' wall
+    time per step. An interval runs from one logging step (where the metrics pull syncs with the
+    device) to the next; an off-the-clock hook (an evaluation, samples, a save) restarts it once it
+    has run (its own wait synced), so its time is never in one. An interval is clean unless a
+    step in it waited for a compilation, and it is not the segment's first (that holds the start:
+    the first dispatches, the data pipeline warming up). No clean interval yet: no step time."""
 
     at_start = at_end = True
     every = 1
     produces = (STEP_VALUES,)
+    WINDOW = 20  # clean intervals the running median is taken over
 
     def __init__(self, log_every: int, tokens_per_step: int, flops_per_step: float, peak: float | None,
-                 elapsed: float = 0.0):
+                 elapsed: float = 0.0, window: int = WINDOW):
         self.log_every, self.tokens_per_step = log_every, tokens_per_step
         self.flops_per_step, self.peak = flops_per_step, peak
         self.elapsed, self.began = elapsed, 0.0
         self.mark: tuple[float, int] = (0.0, 0)  # (time, step) the current interval starts from
         self.data_wait = 0.0  # seconds waited for batches since the mark
         self.compile_sec = 0.0  # seconds waited for compilations not yet logged
+        self.compiled = False  # a step of the current interval waited for a compilation
+        self.clean: deque[float] = deque(maxlen=window)  # seconds per step of the latest clean intervals
 
     def restart_clock(self, ctx: LoopContext) -> None:
-        self.mark, self.data_wait = (clock(), ctx.step), 0.0
+        self.mark, self.data_wait, self.compiled = (clock(), ctx.step), 0.0, False
 
     def __call__(self, ctx: LoopContext) -> None:
         if ctx.step == ctx.start:
@@ -231,22 +243,26 @@ class Throughput(Hook):
             return
         self.data_wait += ctx.data_wait
         self.compile_sec += ctx.compile_sec
+        self.compiled = self.compiled or ctx.compile_sec > 0
         if ctx.step % self.log_every and ctx.step != ctx.end:
             return
         ctx.pull()
         now, (then, step_then) = clock(), self.mark
-        if step_then > ctx.start or ctx.step == ctx.end:
-            steps = ctx.step - step_then
-            seconds = (now - then) / steps
+        steps = ctx.step - step_then
+        if step_then > ctx.start and not self.compiled and steps > 0:
+            self.clean.append((now - then) / steps)
+        if steps > 0:
+            ctx.add({"time/data_wait_sec": self.data_wait / steps})
+        if self.clean:
+            seconds = statistics.median(self.clean)
             ctx.add({"time/step_sec": seconds, "train/tokens_per_sec": self.tokens_per_step / seconds,
-                     "train/mfu": self.flops_per_step / seconds / self.peak if self.peak else float("nan"),
-                     "time/data_wait_sec": self.data_wait / steps})
+                     "train/mfu": self.flops_per_step / seconds / self.peak if self.peak else float("nan")})
         ctx.add({"data/tokens": float(ctx.step * self.tokens_per_step),
                  "time/elapsed_sec": self.elapsed + now - self.began})
         if self.compile_sec:
             ctx.add({"time/compile_sec": self.compile_sec})
             self.compile_sec = 0.0
-        self.mark, self.data_wait = (now, ctx.step), 0.0
+        self.mark, self.data_wait, self.compiled = (now, ctx.step), 0.0, False
 
 
 def evaluate(eval_step: Callable, model: Any, batches: Iterable[tuple]) -> dict[str, float]:
@@ -276,19 +292,22 @@ def evaluator(eval_step: Callable, mesh, batches: Callable[[], Iterable[tuple]])
 
 
 class Evaluation(Hook):
-    """Every `val_freq` steps and at train.max_steps (not at a segment's end: a resumed run
-    evaluates where an unbroken one would), plus the untrained baseline at step 0."""
+    """Every `val_freq` steps, at each step of `val_at` (train.val_at) and at train.max_steps (not at
+    a segment's end: a resumed run evaluates where an unbroken one would, so each listed step once),
+    plus the untrained baseline at step 0."""
 
     produces = ("val/loss",)
     off_the_clock = True  # evaluation time is not training throughput
 
-    def __init__(self, evaluate: Callable[[Any], dict[str, float]], val_freq: int, max_steps: int, at_start: bool):
+    def __init__(self, evaluate: Callable[[Any], dict[str, float]], val_freq: int, max_steps: int, at_start: bool,
+                 val_at: Sequence[int] = ()):
         self.evaluate, self.every, self.max_steps, self.at_start = evaluate, val_freq, max_steps, at_start
+        self.val_at = frozenset(val_at)
 
     def due(self, ctx: LoopContext) -> bool:
         if ctx.step == ctx.start:
             return self.at_start and ctx.start == 0
-        return ctx.step % self.every == 0 or ctx.step == self.max_steps
+        return ctx.step % self.every == 0 or ctx.step == self.max_steps or ctx.step in self.val_at
 
     def __call__(self, ctx: LoopContext) -> None:
         began = clock()
@@ -344,6 +363,7 @@ class Checkpoint(Hook):
 
     at_end = True
     needs = ("val/loss",)  # the best-checkpoint policy ranks by it
+    off_the_clock = False  # true after a call that saved (the save synced): its time is not training
 
     def __init__(self, saver, save_path: str, vouchers: Sequence[str] = VOUCHERS):
         self.saver, self.save_path, self.vouchers = saver, save_path, vouchers
@@ -352,9 +372,11 @@ class Checkpoint(Hook):
         return ctx.step > ctx.start and (self.saver.due(ctx.step) or ctx.ending or "val/loss" in ctx.record)
 
     def __call__(self, ctx: LoopContext) -> None:
+        self.off_the_clock = False
         best = "val/loss" in ctx.record and self.saver.maybe_save_best(ctx.step, ctx.state, ctx.data.state_dict(),
                                                                        ctx.last)
         if best:
+            self.off_the_clock = True
             say(f"checkpoint: new best val/loss {ctx.record['val/loss']:.4f}, saving {self.save_path}/best")
         if self.saver.due(ctx.step) or ctx.ending:
             self.save(ctx, "end" if ctx.step == ctx.end else "early stop" if ctx.finished else "scheduled")
@@ -367,6 +389,7 @@ class Checkpoint(Hook):
         began = clock()
         if self.saver.save(ctx.step, ctx.state, ctx.data.state_dict(), ctx.last, reason):
             ctx.add({"time/save_sec": clock() - began})  # until the arrays are off the device; files follow
+            self.off_the_clock = True
             say(f"checkpoint: saving {step_path(self.save_path, ctx.step)} ({reason})")
 
     def close(self) -> None:

@@ -49,6 +49,7 @@ class TrainConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"  # bfloat16 (or float16, loss-scaled) for GPUs; no faster on CPU
     val_freq: int = 100
+    val_at: tuple[int, ...] = ()  # also evaluate at these steps (increasing, <= max_steps)
     max_val_steps: int = 20
     skip_validation: bool = False
     val_at_start: bool = True
@@ -66,6 +67,13 @@ class TrainConfig:
         for knob in ("max_steps", "val_freq", "max_val_steps"):
             if getattr(self, knob) <= 0:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be a positive integer")
+        at = list(self.val_at)
+        if any(s <= 0 for s in at) or any(b <= a for a, b in zip(at, at[1:])):
+            raise ConfigError(f"{prefix}.val_at={at} must list positive steps in increasing order without repeats, "
+                              f"e.g. {prefix}.val_at={sorted({s for s in at if s > 0})}")
+        if at and at[-1] > self.max_steps:
+            raise ConfigError(f"{prefix}.val_at={at} lists steps beyond {prefix}.max_steps={self.max_steps}: "
+                              f"drop them or raise {prefix}.max_steps")
         if self.gradient_clip_val is not None and self.gradient_clip_val < 0:
             raise ConfigError(f"{prefix}.gradient_clip_val={self.gradient_clip_val} must be >= 0 or null")
         if self.param_dtype == "float16":  # no float32 master copy: loss scaling could not help
