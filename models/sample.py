@@ -115,8 +115,10 @@ def sample_text(model, tokenizer, prompt: str, num_tokens: int, key: jax.Array, 
                 context_length: int | None = None, generate_fn=generate) -> str:
     """Decoded, printable text of `generate_fn` (the objective's: `generate` or `unmask`) from
     `prompt` (text) with `tokenizer` (anything with encode/decode/eot_id). An empty prompt starts
-    after an end-of-text, as every document does."""
-    prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
+    after an end-of-text, as every document does; a prompt starts as every training document did,
+    with the marks the tokenizer puts before a text (`doc_prefix`: a Llama tokenizer's BOS)."""
+    prefix = [int(i) for i in getattr(tokenizer, "doc_prefix", ())]
+    prompt_ids = [*prefix, *tokenizer.encode(prompt)] if prompt else [tokenizer.eot_id, *prefix]
     ids = generate_fn(model, prompt_ids, num_tokens, key, temperature, stop_id=tokenizer.eot_id,
                       context_length=context_length)
     return printable(tokenizer.decode(ids))

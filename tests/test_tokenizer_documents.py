@@ -121,3 +121,22 @@ def test_byte_and_bpe_documents_are_unmarked():
     assert [x.tolist() for x in bpe.encode_documents(docs)] == [x.tolist() for x in bpe.encode_batch(docs)]
     want = [t for ids in bpe.encode_batch(docs) for t in (*ids.tolist(), bpe.eot_id)]
     assert tokenize_documents(docs, bpe).tolist() == want
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_sample_prompt_starts_as_a_training_document_does(tmp_path, kind):
+    """Sampling (train.sample_tokens, scripts/sample.py) prompts the model with the ids a document
+    of that text had in training: a Llama tokenizer's BOS first; an empty prompt after an eot."""
+    from models.sample import sample_text
+
+    tok = build(tmp_path, kind)
+    eot, _, ours = KINDS[kind]
+    prompts = []
+
+    def generate(model, prompt_ids, num_tokens, key, temperature, stop_id, context_length):
+        prompts.append([int(i) for i in prompt_ids])
+        return list(prompt_ids)
+
+    for text in ("hello world", ""):
+        sample_text(None, tok, text, 4, None, 1.0, generate_fn=generate)
+    assert prompts == [ours(PLAIN[0]), [eot, *ours([])]]
