@@ -60,6 +60,9 @@ RUN_KEYS = ("id", "workload", "optimizer", "lr", "seed", "kind", "budget", "trun
 class Run:
     info: dict  # run.json
     records: list[dict]  # metrics.jsonl, one merged record per step, ascending
+    has_metrics: bool = True  # metrics.jsonl exists (a run.json "done" without it is missing)
+    state: str = ""  # finished | diverged | failed | missing | pending (classify); "": no plan to check
+    missing_why: str = ""  # what is gone, for a missing run
 
     def __getattr__(self, key):  # run.optimizer, run.lr, ... from run.json (None when absent)
         if key in RUN_KEYS and "info" in self.__dict__:
@@ -93,8 +96,13 @@ class Result:
     """One (optimizer, lr, seed, budget) branch, its trunk's records before it."""
     run: Run
     loss: float  # final val/loss; inf: failed or diverged; nan: pending
-    why: str  # "", "failed", "diverged", "trunk failed", "pending", "no val/loss"
+    why: str  # "", "failed", "diverged", "trunk failed", "pending", "no val/loss", "missing"
     curve: dict[str, np.ndarray] = field(default_factory=dict)  # step, tokens, seconds, loss at each evaluation
+
+    @property
+    def counted(self) -> bool:
+        """A result the tables count (finite or ∞); a pending or missing one is left out of every mean."""
+        return self.why not in ("pending", "missing")
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -121,8 +129,88 @@ def load_runs(compare_dir: str) -> dict[str, Run]:
             raise DataError(f"{path}: cannot read it as JSON ({e}); rerun the comparison to rewrite it") from None
         info.setdefault("id", run_id)
         info.setdefault("workload", "default")
-        runs[run_id] = Run(info, read_metrics(os.path.join(runs_dir, run_id, "metrics.jsonl")))
+        metrics = os.path.join(runs_dir, run_id, "metrics.jsonl")
+        runs[run_id] = Run(info, read_metrics(metrics), os.path.isfile(metrics))
     return runs
+
+
+# --------------------------------------------------------------------------------------------
+# Completeness: every planned run is finished, diverged, failed, missing or pending
+
+STATES = ("finished", "diverged", "failed", "missing", "pending")
+
+
+def read_plan(compare_dir: str) -> list[dict] | None:
+    """compare.json's planned runs: `runs` (the tuning runs) and `evaluation.runs`; None without a
+    compare.json that holds a plan (a directory from before it did, or an unreadable one)."""
+    path = os.path.join(compare_dir, "compare.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            recorded = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("runs"), list) or not recorded["runs"]:
+        return None
+    evaluation = recorded.get("evaluation") if isinstance(recorded.get("evaluation"), dict) else {}
+    planned = [*recorded["runs"], *(evaluation.get("runs") or [])]
+    return [r for r in planned if isinstance(r, dict) and isinstance(r.get("id"), str)]
+
+
+def _own_val(run: Run) -> list[float]:
+    """The val/losses a branch logged after its branch point (a trunk: all it logged)."""
+    at = float(run.info.get("branch_step") or 0) if run.kind == "branch" else -math.inf
+    return [_number(r.get(VAL)) for r in run.records if VAL in r and r["step"] > at]
+
+
+def classify(runs: dict[str, Run], plan: list[dict]) -> None:
+    """Set every run's state, adding a placeholder Run (status "missing", no records) for each
+    planned run whose run.json is gone. The runs on disk that the plan does not hold (lr.extend's,
+    each with its run.json) are planned by that run.json. Missing: its directory, run.json or (a
+    run done) metrics.jsonl is gone, it is done without a final val/loss, or its trunk is missing.
+    Pending: not started (run.json "planned"; also "running"). A branch whose trunk failed: failed."""
+    for entry in plan:
+        if entry["id"] not in runs:
+            info = {**{k: entry.get(k) for k in (*RUN_KEYS, "sweep", "phase")}, "status": "missing",
+                    "diverged": False}
+            info["workload"] = info.get("workload") or "default"
+            runs[entry["id"]] = Run(info, [], False, "missing", "its directory or run.json is gone")
+    for run in runs.values():  # trunks first: a branch's state reads its trunk's
+        if run.state:
+            continue
+        if run.info.get("diverged"):
+            run.state = "diverged"
+        elif run.status == "failed":
+            run.state = "failed"
+        elif run.status == "done" and not run.has_metrics:
+            run.state, run.missing_why = "missing", "metrics.jsonl is gone"
+        elif run.status == "done" and run.kind == "branch" and not _own_val(run):
+            run.state, run.missing_why = "missing", "done, but no final val/loss logged"
+        elif run.status == "done" and not run.records:
+            run.state, run.missing_why = "missing", "done, but metrics.jsonl is empty"
+        else:
+            run.state = "finished" if run.status == "done" else "pending"
+    for run in runs.values():
+        trunk = runs.get(run.info.get("trunk") or "") if run.kind == "branch" else None
+        if run.kind != "branch" or run.state in ("diverged", "failed", "missing"):
+            continue
+        if trunk is None or trunk.state == "missing":
+            run.state, run.missing_why = "missing", f"its trunk {run.info.get('trunk')} is missing"
+        elif trunk.state in ("failed", "diverged") and run.state == "pending":
+            run.state = "failed"
+
+
+def completeness(runs: dict[str, Run]) -> dict[tuple[str, str], dict]:
+    """(workload, optimizer) -> {"planned", each state's count, "missing_ids"}: every run, trunks
+    and branches, tuning and evaluation."""
+    out: dict[tuple[str, str], dict] = {}
+    for run in sorted(runs.values(), key=lambda r: r.id):
+        row = out.setdefault((run.workload, run.optimizer),
+                             {"planned": 0, **{s: 0 for s in STATES}, "missing_ids": []})
+        row["planned"] += 1
+        row[run.state or "finished"] += 1
+        if run.state == "missing":
+            row["missing_ids"].append(run.id)
+    return out
 
 
 def check_fingerprints(runs: dict[str, Run]) -> str | None:
@@ -193,6 +281,8 @@ def combined_records(branch: Run, trunk: Run | None) -> list[dict]:
 
 
 def make_result(branch: Run, trunk: Run | None) -> Result:
+    if branch.state == "missing":  # never ∞: left out of every mean, and counted as missing
+        return Result(branch, math.nan, "missing", {k: np.array([]) for k in ("step", "tokens", "seconds", "loss")})
     records = combined_records(branch, trunk)
     steps, loss = _column(records, VAL)
     curve = {"step": steps, "tokens": _at(records, TOKENS, steps), "seconds": steps * step_time(branch, trunk),
@@ -253,6 +343,12 @@ def f_loss(mean: float, std: float = math.nan) -> str:
     return f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}"
 
 
+def f_mean(values: list[float], planned: int = 0) -> str:
+    """mean ± std of `values`, and "(n=k of N)" when fewer than the N planned seeds have a result."""
+    text = f_loss(*stats.mean_std(values))
+    return f"{text} (n={len(values)} of {planned})" if len(values) < planned else text
+
+
 def f_num(x: float, spec: str) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -287,14 +383,17 @@ class Workload:
         evaluation = [res for res in self.results if res.run.phase == "eval"]
         self.results = [res for res in self.results if res.run.phase != "eval"]
         self.evaluation: dict[tuple, list[Result]] = defaultdict(list)  # (optimizer, budget) -> per seed
+        self.evaluation_planned: dict[tuple, int] = defaultdict(int)
         for res in sorted(evaluation, key=lambda r: (r.run.seed, r.run.id)):
-            if res.why != "pending":
+            self.evaluation_planned[(res.run.optimizer, int(res.run.budget))] += 1
+            if res.counted:
                 self.evaluation[(res.run.optimizer, int(res.run.budget))].append(res)
         self.evaluation_pending = sum(res.why == "pending" for res in evaluation)
         self.optimizers = _order(r.optimizer for r in self.runs)
         self.budgets = sorted({int(r.run.budget) for r in self.results})
         self.largest = self.budgets[-1] if self.budgets else None
         self.knobs = sorted({k for r in self.runs for k, _ in r.setting})  # the swept optimizer knobs
+        self.planned: dict[tuple, int] = {}  # (optimizer, lr, budget) -> seeds planned at the best setting
         # With a sweep, each optimizer is shown at its best setting (sweep values): every lr-level
         # table below reads only that setting's runs; section_sweep shows the others.
         self.settings = {o: sorted({r.setting for r in self.runs if r.optimizer == o}, key=repr)
@@ -304,6 +403,7 @@ class Workload:
                             for o in self.optimizers}
         self.best_setting = {o: self._best_setting(o) for o in self.optimizers}
         chosen = [res for res in self.results if res.run.setting == self.best_setting[res.run.optimizer]]
+        self.planned = {}  # the sweep tables' counts above are not the chosen setting's
         self.losses, self.by_key = self._index(chosen)  # (optimizer, lr, budget) -> per seed
         self.grid = {o: sorted({float(r.lr) for r in self.runs if r.optimizer == o and r.phase != "eval"
                                 and r.setting == self.best_setting[o]}) for o in self.optimizers}
@@ -317,7 +417,9 @@ class Workload:
         losses: dict[tuple, list[float]] = defaultdict(list)
         by_key: dict[tuple, list[Result]] = defaultdict(list)
         for res in sorted(results, key=lambda r: (r.run.seed, r.run.id)):
-            if res.why != "pending":
+            key = (res.run.optimizer, float(res.run.lr), int(res.run.budget))
+            self.planned[key] = self.planned.get(key, 0) + 1
+            if res.counted:
                 key = (res.run.optimizer, float(res.run.lr), int(res.run.budget))
                 losses[key].append(res.loss)
                 by_key[key].append(res)
@@ -383,9 +485,10 @@ def section_summary(w: Workload, h: str, extend: dict | None = None) -> list[str
     rows, notes = [], []
     for o in w.optimizers:
         mine = [r for r in w.runs if r.optimizer == o]
-        cells = [f_loss(*stats.mean_std(w.at_best(o, b))) for b in w.budgets]
+        cells = [f_mean(w.at_best(o, b), w.planned.get((o, w.best[o], b), 0)) if w.best[o] is not None
+                 else f_loss(math.nan) for b in w.budgets]
         best = dict(w.best_setting[o])
-        rows.append([o, f_lr(w.best[o]), *(best.get(k, "–") for k in w.knobs), len(mine),
+        rows.append([o, f_lr(w.best[o]), *(best.get(k, "–") for k in w.knobs), sum(r.status != "missing" for r in mine),
                      sum(r.status == "failed" for r in mine), sum(bool(r.info.get("diverged")) for r in mine), *cells])
         grid, best = w.grid[o], w.best[o]
         pending = sum(res.why == "pending" for res in w.results
@@ -455,7 +558,7 @@ def section_sensitivity(w: Workload, h: str, png: str) -> list[str]:
     for o in w.optimizers:
         for lr in w.grid[o]:
             vals = w.losses[(o, lr, w.largest)]
-            rows.append([o, f_lr(lr), len(vals), f_loss(*stats.mean_std(vals))])
+            rows.append([o, f_lr(lr), len(vals), f_mean(vals, w.planned.get((o, lr, w.largest), 0))])
     return out + table(["optimizer", "lr", "n", "final val/loss"], rows)
 
 
@@ -636,8 +739,9 @@ def section_significance(w: Workload, h: str, tests: dict[tuple[str, str], Test]
                     cells.append("–")
                     continue
                 swept = "".join(f", {k}={v}" for k, v in res[0].run.setting)
+                planned = max(w.evaluation_planned.get((o, bud), 0), len(res))
                 cells.append(f"lr {f_lr(res[0].run.lr)}{swept}: {f_loss(*stats.mean_std([r.loss for r in res]))} "
-                             f"(n={len(res)})")
+                             f"(n={len(res)}" + (f" of {planned})" if len(res) < planned else ")"))
             rows.append([o, *cells])
         out += table(["optimizer", *(f"S={bud}" for bud in w.budgets)], rows)
     return out
@@ -844,6 +948,9 @@ def load_workloads(compare_dir: str, target: float | None = None) -> list[Worklo
 def _load(compare_dir: str, target: float | None) -> tuple[dict[str, Run], dict[str, Result], list[Workload],
                                                           dict[str, str | None]]:
     runs = load_runs(compare_dir)
+    plan = read_plan(compare_dir)
+    if plan is not None:
+        classify(runs, plan)
     names = sorted({r.workload for r in runs.values()})
     fingerprints = {}
     for name in names:
@@ -905,11 +1012,40 @@ def section_provenance(sessions: list[dict]) -> list[str]:
             "or machine): results may not compare.", "", *(f"- {describe_session(s)}" for s in sessions), ""]
 
 
+MISSING_LISTED = 5  # missing run ids the completeness table names per optimizer
+
+
+def section_completeness(runs: dict[str, Run], planned: bool) -> list[str]:
+    """Every planned run of compare.json (and lr.extend's on disk) counted per optimizer as finished,
+    diverged, failed, missing or pending; without a plan, one line saying nothing was checked."""
+    if not planned:
+        return ["Completeness: not checked (no plan in compare.json: a directory from before it held one); "
+                "the tables read whatever runs are on disk.", ""]
+    rows_of = completeness(runs)
+    several = len({w for w, _ in rows_of}) > 1
+    rows = []
+    for (workload, o), c in sorted(rows_of.items(), key=lambda kv: (kv[0][0], kv[0][1] != REFERENCE, kv[0][1])):
+        ids = c["missing_ids"]
+        listed = ", ".join(ids[:MISSING_LISTED]) + (f" (+{len(ids) - MISSING_LISTED} more)"
+                                                    if len(ids) > MISSING_LISTED else "")
+        rows.append([*([workload] if several else []), o, c["planned"], *(c[st] for st in STATES), listed or "–"])
+    out = ["Completeness: every run of the plan (compare.json's runs and evaluation runs, and lr.extend's "
+           "on disk), trunks and branches. Missing: planned, but its directory, run.json or metrics.jsonl is gone, "
+           "or it is done without a final val/loss, or its trunk is missing: left out of every mean (never ∞), "
+           "and a mean over fewer seeds than planned says \"(n=k of N)\". Pending: not run yet.", ""]
+    missing = sum(c["missing"] for c in rows_of.values())
+    if missing:
+        out += [f"**{missing} planned runs are missing**: their results are left out (rerun the comparison with "
+                "the same dir= after deleting the broken run directories to run them again).", ""]
+    return out + table([*(["workload"] if several else []), "optimizer", "planned", *STATES, "missing runs"], rows)
+
+
 def build_report(compare_dir: str, target: float | None = None) -> str:
     """Read the runs under `compare_dir`, write results.csv, the PNGs and report.md there;
     return report.md's path. DataError: no runs, or runs whose data fingerprints differ."""
     compare_dir = os.path.abspath(compare_dir)
     runs, results, workloads, fingerprints = _load(compare_dir, target)
+    planned = any(r.state for r in runs.values())  # _load checked the runs against compare.json's plan
     write_csv(compare_dir, runs, results)
     tests = significance_tests(workloads)
     knobs, sessions, extend = {}, [], None
@@ -933,6 +1069,7 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
     if knobs:
         lines += ["Knobs: " + ", ".join(f"`{knob_name(k)}={v}`" for k, v in knobs.items()), ""]
     lines += section_provenance(sessions)
+    lines += section_completeness(runs, planned)
     if pending:
         lines += [f"Pending (not run yet, left out of every table): {len(pending)} branches "
                   f"({', '.join(pending[:5])}{' …' if len(pending) > 5 else ''}).", ""]
