@@ -85,7 +85,7 @@ class Ladder:
     tokens: list[np.ndarray]  # per budget: per cell, mean final tokens over its seeds
     seconds: list[np.ndarray]
     choice: list[int] = field(default_factory=list)  # per budget: the frontier's row (-1: none)
-    planned: list[np.ndarray] = field(default_factory=list)  # per budget: per cell, seeds planned (missing, pending too)
+    planned: list[np.ndarray] = field(default_factory=list)  # per budget: per cell, seeds planned (any state)
     mean: np.ndarray = None
     se: np.ndarray = None
 
