@@ -322,7 +322,8 @@ def csv_row(run: Run, result: Result | None, trunk: Run | None) -> dict:
     devices = [r[DEVICE] for r in run.records if isinstance(r.get(DEVICE), str)]
     return {"id": run.id, "workload": run.workload, "optimizer": run.optimizer, "lr": run.lr,
             "sweep": ";".join(f"{k}={v}" for k, v in run.setting), "seed": run.seed,
-            "budget": run.info.get("budget"), "kind": run.kind, "status": run.status,
+            "budget": run.info.get("budget"), "kind": run.kind,
+            "status": "missing" if run.state == "missing" else run.status,
             "diverged": bool(run.info.get("diverged")), "final_val_loss": final,
             "steps": steps, "tokens": pick(last(TOKENS)),
             "seconds": steps * step_time(run, trunk if result is not None else None), "step_sec": step_time(run),
