@@ -130,7 +130,7 @@ def test_a_branch_not_started_is_pending_not_missing(tmp_path, drop_metrics):
     assert (adamw["pending"], adamw["missing"], adamw["missing runs"]) == ("1", "0", "–")
     summary = {row[0]: row for row in t["Results per optimizer"][1:]}
     assert cell_matches(summary["adamw"][-1], losses[("adamw", 2e-3, 400)], 3)
-    assert "(n=2 of 3)" in summary["adamw"][-1] and f"Pending (not run yet, left out of every table): 1" in md
+    assert "(n=2 of 3)" in summary["adamw"][-1] and "Pending (not run yet, left out of every table): 1" in md
 
 
 def test_without_a_plan_the_report_says_it_did_not_check(tmp_path):
