@@ -458,6 +458,7 @@ def deff_lines(w, reference: str) -> list[str]:
         rows.append([o, *cells])
     out += _table(["optimizer", *(f"S={b}" for b in w.budgets)], rows)
     table = deff_table(w.ladders, w.reps, reference)
+    w.deff = table  # the summary (report.summary_of) reads the same cells
     sh, law, why = table["shape"], table["law"], table["why"]
     if table["reader"] is None:
         return out + [f"No D_eff/D: {reference}'s frontier is {sh.label} ({sh.why}); every cell reads "

@@ -910,7 +910,9 @@ def plot_profiles(curves: dict[str, np.ndarray], taus: np.ndarray, path: str) ->
 # The report
 
 
-def section_profiles(workloads: list[Workload], compare_dir: str) -> list[str]:
+def section_profiles(workloads: list[Workload], compare_dir: str, into: dict | None = None) -> list[str]:
+    """The profiles section; `into` (a dict) gets the printed numbers (summary.json's "profiles")."""
+    into = {} if into is None else into
     out = ["## Across workloads", ""]
     if len(workloads) < 2:
         return out + ["Performance profiles and the geometric-mean speedup need ≥ 2 workloads (run.json "
@@ -920,6 +922,7 @@ def section_profiles(workloads: list[Workload], compare_dir: str) -> list[str]:
     grid = np.linspace(1.0, 4.0, 301)
     plot_profiles(stats.performance_profile(times, grid), grid, os.path.join(compare_dir, "performance_profile.png"))
     printed = stats.performance_profile(times, TAUS)
+    into.update(taus=list(TAUS), share={o: [float(v) for v in printed[o]] for o in names}, geometric_mean_speedup={})
     out += ["Performance profiles (AlgoPerf): for each τ, the share of workloads on which the optimizer's "
             "wall-clock seconds to its workload's target on the budget ladder (the time-to-target tables) are within "
             "τ × the best optimizer's; '> S_max' (not reached) counts as never within, '≤ S_min' at the smallest "
@@ -935,6 +938,7 @@ def section_profiles(workloads: list[Workload], compare_dir: str) -> list[str]:
         for o in names:
             ratios = [a / b if math.isfinite(b) else 0.0 for a, b in zip(times[REFERENCE], times[o])
                       if math.isfinite(a) or math.isfinite(b)]
+            into["geometric_mean_speedup"][o] = stats.geometric_mean(ratios)
             rows.append([o, f_num(stats.geometric_mean(ratios), ".3f")])
         out += table(["optimizer", "geometric-mean speedup"], rows)
     return out
@@ -1099,11 +1103,149 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
         lines += section_speedup(w, h)
         lines += section_significance(w, h, tests, int(knobs.get("seeds_eval") or 0))
         lines += section_cost(w, h)
-    lines += section_profiles(workloads, compare_dir)
+    profiles: dict = {}
+    lines += section_profiles(workloads, compare_dir, profiles)
+    write_summary(compare_dir, summary_of(runs, workloads, tests, planned, profiles))
     path = os.path.join(compare_dir, "report.md")
     with atomic_write(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write("\n".join(lines).rstrip() + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# summary.json: every derived number the report prints, from the same values
+
+
+def _jsonable(x):
+    """JSON without NaN/Infinity: nan -> null, ±inf -> "inf"/"-inf"; numpy scalars -> Python; tuple keys joined."""
+    if isinstance(x, dict):
+        return {(k if isinstance(k, str) else str(k)): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf") if math.isinf(x) else x
+    return x
+
+
+def _interval_json(iv) -> dict | None:
+    """ladder.interval's (low, low flag, high, high flag, resamples without a number)."""
+    if not iv:
+        return None
+    lo, lf, hi, hf, unknown = iv
+    return {"low": lo, "low_flag": lf, "high": hi, "high_flag": hf, "resamples_without": unknown}
+
+
+def _mean_json(values: list[float], planned: int) -> dict:
+    m, sd = stats.mean_std(values)
+    return {"mean": m, "std": sd, "n": len(values), "planned": max(planned, len(values))}
+
+
+def _diff_json(d: significance.Difference | None) -> dict | None:
+    return None if d is None else {"method": d.method, "n": d.n, "mean": d.mean, "se": d.se, "df": d.df, "t": d.t,
+                                   "p": d.p, "level": d.level, "low": d.low, "high": d.high}
+
+
+def workload_summary(w: Workload, tests: dict[tuple[str, str], Test]) -> dict:
+    """One workload's numbers, each the value its report section prints."""
+    deff = getattr(w, "deff", None)
+    out = {"budgets": list(w.budgets), "largest": w.largest, "target": w.target, "optimizers": {}}
+    if deff is not None:
+        law = deff["law"]
+        out["d_eff_fit"] = {"shape": deff["shape"].label or "ok", "why": deff["why"],
+                            "alpha": law.alpha if law else None, "beta": law.beta if law else None,
+                            "gamma": law.gamma if law else None,
+                            "residuals": ({str(b): float(r) for b, r in zip(
+                                w.budgets, law.loss(deff["reader"].tokens) - deff["reader"].mean)}
+                                if law is not None and deff["reader"] is not None else None)}
+    ref_t, ref_b = cost(w, REFERENCE) if REFERENCE in w.optimizers else (math.nan, math.nan)
+    for o in w.optimizers:
+        mine = [r for r in w.runs if r.optimizer == o]
+        best = w.best[o]
+        x: dict = {"best_lr": best, "best_setting": dict(w.best_setting[o]),
+                   "runs": sum(r.status != "missing" for r in mine), "failed": sum(r.status == "failed" for r in mine),
+                   "diverged": sum(bool(r.info.get("diverged")) for r in mine)}
+        x["at_best"] = {str(b): _mean_json(w.at_best(o, b), w.planned.get((o, best, b), 0)) for b in w.budgets} \
+            if best is not None else {}
+        x["sensitivity"] = [{"lr": lr, **_mean_json(w.losses[(o, lr, w.largest)], w.planned.get((o, lr, w.largest), 0))}
+                            for lr in w.grid[o]]
+        if w.knobs:
+            x["sweep"] = [{"setting": dict(st), "best_lr": w.setting_best(o, st)[1], "loss": w.setting_best(o, st)[0]}
+                          for st in w.settings[o]]
+        t = getattr(w, "ladder", {}).get(o)
+        if t is not None:
+            x["time_to_target"] = {"steps": t["steps"], "tokens": t["tokens"], "seconds": t["seconds"],
+                                   "flag": t["flag"], "steps_interval": _interval_json(t["steps_ci"]),
+                                   "speedup": t["speedup"][0], "speedup_flag": t["speedup"][1],
+                                   "speedup_interval": _interval_json(t["speedup_ci"])}
+        if o in w.ttt:
+            x["time_to_target_secondary"] = dict(w.ttt[o])
+        lad = getattr(w, "ladders", {}).get(o)
+        if lad is not None:
+            x["frontier"] = {}
+            for j, b in enumerate(lad.budgets):
+                c = lad.choice[j]
+                if c < 0:
+                    continue
+                setting, lr = lad.cells[j][c]
+                x["frontier"][str(b)] = {"mean": lad.mean[j], "se": lad.se[j], "lr": lr, "setting": dict(setting),
+                                         "n": int((~np.isnan(lad.losses[j][c])).sum()),
+                                         "planned": int(lad.planned[j][c])}
+        if deff is not None and o in deff["cells"]:
+            x["d_eff_over_d"] = {str(b): {"value": v, "flag": f, "label": ladder.short(deff["why"]) if f == ">" else "",
+                                          "interval": _interval_json(iv)}
+                                 for b, (v, f, iv) in zip(w.budgets, deff["cells"][o]) if f != "?"}
+        elif deff is not None and deff["reader"] is None and o != REFERENCE:
+            x["d_eff_over_d"] = {str(b): {"value": None, "flag": "?", "label": f"fit: {deff['shape'].label}",
+                                          "interval": None} for b in w.budgets}
+        test = tests.get((w.name, o))
+        if test is not None:
+            x["significance"] = {"seeds": test.seeds, "test": test.diff.method, "n": test.diff.n,
+                                 "mean_diff": test.diff.mean, "ci": _diff_json(test.diff), "p": test.diff.p,
+                                 "holm_p": test.holm_p, "holm": _diff_json(test.holm), "verdict": test.verdict}
+        evaluation = {}
+        for b in w.budgets:
+            res = w.evaluation.get((o, b), [])
+            if res:
+                evaluation[str(b)] = {"lr": float(res[0].run.lr), "setting": dict(res[0].run.setting),
+                                      **_mean_json([r.loss for r in res], w.evaluation_planned.get((o, b), 0))}
+        if evaluation:
+            x["evaluation"] = evaluation
+        step, state = cost(w, o)
+        x["cost"] = {"step_sec": step, "step_sec_vs_reference": step / ref_t if ref_t else math.nan,
+                     "state_bytes": state, "state_bytes_vs_reference": state / ref_b if ref_b else math.nan,
+                     **{f"{k}_per_run": v for k, v in overheads(w, o).items()}}
+        out["optimizers"][o] = x
+    return out
+
+
+def summary_of(runs: dict[str, Run], workloads: list[Workload], tests: dict[tuple[str, str], Test], planned: bool,
+               profiles: dict) -> dict:
+    """summary.json's content: what report.md prints, as numbers (docs/compare.md lists the fields)."""
+    rows = completeness(runs) if planned else {}
+    return _jsonable({
+        "reference": REFERENCE,
+        "bootstrap": {"resamples": ladder.BOOTSTRAP, "seed": ladder.BOOTSTRAP_SEED, "level": ladder.LEVEL},
+        "alpha": ALPHA,
+        "completeness": {"checked": planned, "per_optimizer": [
+            {"workload": wl, "optimizer": o, **c} for (wl, o), c in sorted(rows.items())]},
+        "workloads": {w.name: workload_summary(w, tests) for w in workloads},
+        "significance_family": [f"{o} in {n}" for (n, o), t in tests.items() if t.holm is not None],
+        "profiles": profiles,
+    })
+
+
+def write_summary(compare_dir: str, summary: dict) -> str:
+    path = os.path.join(compare_dir, "summary.json")
+    with atomic_write(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1, allow_nan=False)
+            f.write("\n")
     return path
 
 
