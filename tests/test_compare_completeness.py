@@ -4,7 +4,9 @@ as a divergence (∞) nor read as a truncated curve. Synthetic directories of te
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -137,3 +139,68 @@ def test_without_a_plan_the_report_says_it_did_not_check(tmp_path):
     tcr.make_comparison(tmp_path, plan=False)
     md = Path(build_report(str(tmp_path))).read_text()
     assert "Completeness: not checked" in md and "missing runs" not in md
+
+
+# --- summary.json ---------------------------------------------------------------------------------
+
+NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![\w.])")
+
+
+def numbers_of(x) -> list[float]:
+    """Every number in summary.json: its values, and its keys that are numbers (the budgets)."""
+    if isinstance(x, dict):
+        return [v for k, val in x.items() for v in (numbers_of(k) if NUMBER.fullmatch(k) else []) + numbers_of(val)]
+    if isinstance(x, list):
+        return [v for val in x for v in numbers_of(val)]
+    if isinstance(x, str):
+        return [float(x)] if NUMBER.fullmatch(x) else []
+    return [float(x)] if isinstance(x, (int, float)) and not isinstance(x, bool) else []
+
+
+def test_summary_json_holds_every_number_the_tables_print_and_recomputes(tmp_path):
+    fast_muon = {**tcr.OPTS, "muon": ((0.01, 0.02, 0.04), 0.02, 10.0, 0.012, 1000)}
+    tcr.make_comparison(tmp_path, workload="small")
+    tcr.make_comparison(tmp_path, workload="big", opts=fast_muon, diverged=(), failed_trunk=())
+    runs = tcr.read(tmp_path)
+    shutil.rmtree(tmp_path / "runs" / "small-adamw-lr0.002-s0-b400")  # a missing run, (n=2 of 3) cells
+    md = Path(build_report(str(tmp_path))).read_text()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    known = np.array(numbers_of(summary))
+    unmatched = []
+    for heading, rows in tcr.tables(md).items():
+        for row in rows[1:]:
+            for cell in row:
+                for token in NUMBER.findall(cell):
+                    v = float(token)
+                    tol = tcr.printed_atol(token) + tcr.F64_RTOL * abs(v)
+                    if not np.any(np.abs(known - v) <= tol):
+                        unmatched.append((heading, cell, token))
+    assert not unmatched, unmatched[:10]
+    assert summary["completeness"]["checked"] and set(summary["workloads"]) == {"small", "big"}
+    assert len(summary["profiles"]["share"]) == 3
+
+    # its key numbers recomputed from the runs' files by test_compare_report's helpers
+    for name in ("small", "big"):
+        mine = {k: r for k, r in runs.items() if r["workload"] == name}
+        gone = {"small-adamw-lr0.002-s0-b400"} if name == "small" else set()
+        losses, planned, best = expected(mine, gone)
+        top = max(b for _, _, b in planned)
+        w = summary["workloads"][name]
+        for o, x in w["optimizers"].items():
+            assert x["best_lr"] == pytest.approx(best[o], rel=tcr.F64_RTOL)
+            for b, cell in x["at_best"].items():
+                vals = losses[(o, best[o], int(b))]
+                assert (cell["n"], cell["planned"]) == (len(vals), planned[(o, best[o], int(b))])
+                if any(math.isinf(v) for v in vals):
+                    assert cell["mean"] == "inf"
+                    continue
+                assert cell["mean"] == pytest.approx(float(np.mean(vals)), rel=tcr.F64_RTOL)
+                if len(vals) > 1:
+                    assert cell["std"] == pytest.approx(float(np.std(vals, ddof=1)), rel=tcr.F64_RTOL)
+            step = [r["time/step_sec"] for r in mine.values() if r["optimizer"] == o and r["id"] not in gone
+                    for r in r["records"] if "time/step_sec" in r]
+            assert x["cost"]["step_sec"] == pytest.approx(float(np.median(step)), rel=tcr.F64_RTOL)
+        assert w["target"] == pytest.approx(float(np.mean(losses[("adamw", best["adamw"], top)])), rel=tcr.F64_RTOL)
+    comp = {(c["workload"], c["optimizer"]): c for c in summary["completeness"]["per_optimizer"]}
+    assert comp[("small", "adamw")]["missing_ids"] == ["small-adamw-lr0.002-s0-b400"]
+    assert comp[("small", "adamw")]["planned"] == 36 and comp[("small", "adamw")]["missing"] == 1
