@@ -15,6 +15,11 @@ Reads only what the runs wrote (`runs/<id>/run.json`, `runs/<id>/metrics.jsonl`,
 - A failed or diverged branch, or one whose trunk failed before it could start, is a result with
   loss = inf: it appears in the tables and makes its mean inf. A branch not yet run (its trunk
   fine) is pending: left out, and counted in the header.
+- Every planned run (compare.json's runs and evaluation runs, and lr.extend's on disk) is
+  finished, diverged, failed, missing (its directory, run.json or metrics.jsonl gone, done
+  without a final val/loss, or its trunk missing) or pending (classify); a missing result is
+  never inf: it is left out and a mean over fewer seeds than planned says "(n=k of N)".
+- summary.json, beside report.md, holds every number the tables print (summary_of).
 - The best lr of an optimizer: the lowest mean final loss over seeds at the largest budget,
   on the tuning seeds (run.json "phase": "tune"); runs of phase "eval" (seeds.eval) are the
   chosen settings on fresh seeds, read only by the significance section.
@@ -1078,7 +1083,8 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
     if pending:
         lines += [f"Pending (not run yet, left out of every table): {len(pending)} branches "
                   f"({', '.join(pending[:5])}{' …' if len(pending) > 5 else ''}).", ""]
-    lines += ["A result is a cooldown branch's final val/loss; failed and diverged runs count as ∞. "
+    lines += ["A result is a cooldown branch's final val/loss; failed and diverged runs count as ∞, missing ones "
+              "are left out (n=k of N). Every number of the tables: `summary.json`. "
               "Every run: `results.csv`. What each number means: docs/compare.md.", ""]
     lines += section_special(runs)
     for w in workloads:
