@@ -159,6 +159,7 @@ def read_plan(compare_dir: str) -> list[dict] | None:
     evaluation = recorded.get("evaluation") if isinstance(recorded.get("evaluation"), dict) else {}
     planned = [*recorded["runs"], *(evaluation.get("runs") or [])]
     ok = lambda r: (isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("optimizer"), str)
+                    and isinstance(r.get("lr"), (int, float))
                     and (r.get("kind") != "branch" or isinstance(r.get("budget"), int)))
     return [r for r in planned if ok(r)]  # an entry the report could not place is not checked
 
