@@ -26,6 +26,7 @@ counts at its bound, and an interval end that is a bound prints as one (e.g. "> 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -84,6 +85,7 @@ class Ladder:
     tokens: list[np.ndarray]  # per budget: per cell, mean final tokens over its seeds
     seconds: list[np.ndarray]
     choice: list[int] = field(default_factory=list)  # per budget: the frontier's row (-1: none)
+    planned: list[np.ndarray] = field(default_factory=list)  # per budget: per cell, seeds planned (any state)
     mean: np.ndarray = None
     se: np.ndarray = None
 
@@ -114,15 +116,19 @@ def _frontier(means: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def build(w) -> tuple[dict[str, Ladder], list[int]]:
     """Every optimizer's ladder of workload `w` (compare.report.Workload), and the seed axis."""
-    seeds = sorted({int(r.run.seed) for r in w.results if r.why != "pending"})
+    seeds = sorted({int(r.run.seed) for r in w.results if r.counted})
     col = {s: j for j, s in enumerate(seeds)}
     out = {}
     for o in w.optimizers:
-        cells, losses, tokens, seconds = [], [], [], []
+        cells, losses, tokens, seconds, planned = [], [], [], [], []
         for b in w.budgets:
             mine: dict[tuple, list] = {}
+            every: dict[tuple, int] = defaultdict(int)
             for r in w.results:
-                if r.why != "pending" and r.run.optimizer == o and int(r.run.budget) == b:
+                if r.run.optimizer == o and int(r.run.budget) == b:
+                    every[(r.run.setting, float(r.run.lr))] += 1
+            for r in w.results:
+                if r.counted and r.run.optimizer == o and int(r.run.budget) == b:
                     mine.setdefault((r.run.setting, float(r.run.lr)), []).append(r)
             keys = sorted(mine, key=lambda k: (repr(k[0]), k[1]))  # ties: the first setting, the smaller lr
             mat = np.full((len(keys), len(seeds)), np.nan)
@@ -133,10 +139,11 @@ def build(w) -> tuple[dict[str, Ladder], list[int]]:
                 tok[i] = _last_mean(mine[k], "tokens")
                 sec[i] = _last_mean(mine[k], "seconds")
             cells.append(keys)
+            planned.append(np.array([every[k] for k in keys], dtype=int))
             losses.append(mat)
             tokens.append(tok)
             seconds.append(sec)
-        lad = Ladder(list(w.budgets), cells, losses, tokens, seconds)
+        lad = Ladder(list(w.budgets), cells, losses, tokens, seconds, planned=planned)
         mean, choice, se = [], [], []
         for mat in losses:
             if mat.shape[0] == 0:
@@ -446,10 +453,12 @@ def deff_lines(w, reference: str) -> list[str]:
             sweep = "".join(f", {k}={v}" for k, v in setting)
             m, se = lad.mean[j], lad.se[j]
             loss = "∞" if math.isinf(m) else f"{m:.4f}" + ("" if math.isnan(se) else f" ± {se:.4f}")
-            cells.append(f"{loss} (lr {lr:.4g}{sweep})")
+            n, planned = int((~np.isnan(lad.losses[j][c])).sum()), int(lad.planned[j][c])
+            cells.append(f"{loss} (lr {lr:.4g}{sweep}" + (f"; n={n} of {planned})" if n < planned else ")"))
         rows.append([o, *cells])
     out += _table(["optimizer", *(f"S={b}" for b in w.budgets)], rows)
     table = deff_table(w.ladders, w.reps, reference)
+    w.deff = table  # the summary (report.summary_of) reads the same cells
     sh, law, why = table["shape"], table["law"], table["why"]
     if table["reader"] is None:
         return out + [f"No D_eff/D: {reference}'s frontier is {sh.label} ({sh.why}); every cell reads "

@@ -15,6 +15,11 @@ Reads only what the runs wrote (`runs/<id>/run.json`, `runs/<id>/metrics.jsonl`,
 - A failed or diverged branch, or one whose trunk failed before it could start, is a result with
   loss = inf: it appears in the tables and makes its mean inf. A branch not yet run (its trunk
   fine) is pending: left out, and counted in the header.
+- Every planned run (compare.json's runs and evaluation runs, and lr.extend's on disk) is
+  finished, diverged, failed, missing (its directory, run.json or metrics.jsonl gone, done
+  without a final val/loss, or its trunk missing) or pending (classify); a missing result is
+  never inf: it is left out and a mean over fewer seeds than planned says "(n=k of N)".
+- summary.json, beside report.md, holds every number the tables print (summary_of).
 - The best lr of an optimizer: the lowest mean final loss over seeds at the largest budget,
   on the tuning seeds (run.json "phase": "tune"); runs of phase "eval" (seeds.eval) are the
   chosen settings on fresh seeds, read only by the significance section.
@@ -60,6 +65,9 @@ RUN_KEYS = ("id", "workload", "optimizer", "lr", "seed", "kind", "budget", "trun
 class Run:
     info: dict  # run.json
     records: list[dict]  # metrics.jsonl, one merged record per step, ascending
+    has_metrics: bool = True  # metrics.jsonl exists (a run.json "done" without it is missing)
+    state: str = ""  # finished | diverged | failed | missing | pending (classify); "": no plan to check
+    missing_why: str = ""  # what is gone, for a missing run
 
     def __getattr__(self, key):  # run.optimizer, run.lr, ... from run.json (None when absent)
         if key in RUN_KEYS and "info" in self.__dict__:
@@ -93,8 +101,13 @@ class Result:
     """One (optimizer, lr, seed, budget) branch, its trunk's records before it."""
     run: Run
     loss: float  # final val/loss; inf: failed or diverged; nan: pending
-    why: str  # "", "failed", "diverged", "trunk failed", "pending", "no val/loss"
+    why: str  # "", "failed", "diverged", "trunk failed", "pending", "no val/loss", "missing"
     curve: dict[str, np.ndarray] = field(default_factory=dict)  # step, tokens, seconds, loss at each evaluation
+
+    @property
+    def counted(self) -> bool:
+        """A result the tables count (finite or ∞); a pending or missing one is left out of every mean."""
+        return self.why not in ("pending", "missing")
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -121,8 +134,91 @@ def load_runs(compare_dir: str) -> dict[str, Run]:
             raise DataError(f"{path}: cannot read it as JSON ({e}); rerun the comparison to rewrite it") from None
         info.setdefault("id", run_id)
         info.setdefault("workload", "default")
-        runs[run_id] = Run(info, read_metrics(os.path.join(runs_dir, run_id, "metrics.jsonl")))
+        metrics = os.path.join(runs_dir, run_id, "metrics.jsonl")
+        runs[run_id] = Run(info, read_metrics(metrics), os.path.isfile(metrics))
     return runs
+
+
+# --------------------------------------------------------------------------------------------
+# Completeness: every planned run is finished, diverged, failed, missing or pending
+
+STATES = ("finished", "diverged", "failed", "missing", "pending")
+
+
+def read_plan(compare_dir: str) -> list[dict] | None:
+    """compare.json's planned runs: `runs` (the tuning runs) and `evaluation.runs`; None without a
+    compare.json that holds a plan (a directory from before it did, or an unreadable one)."""
+    path = os.path.join(compare_dir, "compare.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            recorded = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("runs"), list) or not recorded["runs"]:
+        return None
+    evaluation = recorded.get("evaluation") if isinstance(recorded.get("evaluation"), dict) else {}
+    planned = [*recorded["runs"], *(evaluation.get("runs") or [])]
+    ok = lambda r: (isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("optimizer"), str)
+                    and isinstance(r.get("lr"), (int, float))
+                    and (r.get("kind") != "branch" or isinstance(r.get("budget"), int)))
+    return [r for r in planned if ok(r)]  # an entry the report could not place is not checked
+
+
+def _own_val(run: Run) -> list[float]:
+    """The val/losses a branch logged after its branch point (a trunk: all it logged)."""
+    at = float(run.info.get("branch_step") or 0) if run.kind == "branch" else -math.inf
+    return [_number(r.get(VAL)) for r in run.records if VAL in r and r["step"] > at]
+
+
+def classify(runs: dict[str, Run], plan: list[dict]) -> None:
+    """Set every run's state, adding a placeholder Run (status "missing", no records) for each
+    planned run whose run.json is gone. The runs on disk that the plan does not hold (lr.extend's,
+    each with its run.json) are planned by that run.json. Missing: its directory, run.json or (a
+    run done) metrics.jsonl is gone, it is done without a final val/loss, or its trunk is missing.
+    Pending: not started (run.json "planned"; also "running"). A branch whose trunk failed: failed."""
+    for entry in plan:
+        if entry["id"] not in runs:
+            info = {**{k: entry.get(k) for k in (*RUN_KEYS, "sweep", "phase")}, "status": "missing",
+                    "diverged": False}
+            info["workload"] = info.get("workload") or "default"
+            runs[entry["id"]] = Run(info, [], False, "missing", "its directory or run.json is gone")
+    for run in runs.values():  # trunks first: a branch's state reads its trunk's
+        if run.state:
+            continue
+        if run.info.get("diverged"):
+            run.state = "diverged"
+        elif run.status == "failed":
+            run.state = "failed"
+        elif run.status == "done" and not run.has_metrics:
+            run.state, run.missing_why = "missing", "metrics.jsonl is gone"
+        elif run.status == "done" and run.kind == "branch" and not _own_val(run):
+            run.state, run.missing_why = "missing", "done, but no final val/loss logged"
+        elif run.status == "done" and not run.records:
+            run.state, run.missing_why = "missing", "done, but metrics.jsonl is empty"
+        else:
+            run.state = "finished" if run.status == "done" else "pending"
+    for run in runs.values():
+        trunk = runs.get(run.info.get("trunk") or "") if run.kind == "branch" else None
+        if run.kind != "branch" or run.state in ("diverged", "failed", "missing"):
+            continue
+        if trunk is None or trunk.state == "missing":
+            run.state, run.missing_why = "missing", f"its trunk {run.info.get('trunk')} is missing"
+        elif trunk.state in ("failed", "diverged") and run.state == "pending":
+            run.state = "failed"
+
+
+def completeness(runs: dict[str, Run]) -> dict[tuple[str, str], dict]:
+    """(workload, optimizer) -> {"planned", each state's count, "missing_ids"}: every run, trunks
+    and branches, tuning and evaluation."""
+    out: dict[tuple[str, str], dict] = {}
+    for run in sorted(runs.values(), key=lambda r: r.id):
+        row = out.setdefault((run.workload, run.optimizer),
+                             {"planned": 0, **{s: 0 for s in STATES}, "missing_ids": []})
+        row["planned"] += 1
+        row[run.state or "finished"] += 1
+        if run.state == "missing":
+            row["missing_ids"].append(run.id)
+    return out
 
 
 def check_fingerprints(runs: dict[str, Run]) -> str | None:
@@ -193,6 +289,8 @@ def combined_records(branch: Run, trunk: Run | None) -> list[dict]:
 
 
 def make_result(branch: Run, trunk: Run | None) -> Result:
+    if branch.state == "missing":  # never ∞: left out of every mean, and counted as missing
+        return Result(branch, math.nan, "missing", {k: np.array([]) for k in ("step", "tokens", "seconds", "loss")})
     records = combined_records(branch, trunk)
     steps, loss = _column(records, VAL)
     curve = {"step": steps, "tokens": _at(records, TOKENS, steps), "seconds": steps * step_time(branch, trunk),
@@ -232,7 +330,8 @@ def csv_row(run: Run, result: Result | None, trunk: Run | None) -> dict:
     devices = [r[DEVICE] for r in run.records if isinstance(r.get(DEVICE), str)]
     return {"id": run.id, "workload": run.workload, "optimizer": run.optimizer, "lr": run.lr,
             "sweep": ";".join(f"{k}={v}" for k, v in run.setting), "seed": run.seed,
-            "budget": run.info.get("budget"), "kind": run.kind, "status": run.status,
+            "budget": run.info.get("budget"), "kind": run.kind,
+            "status": "missing" if run.state == "missing" else run.status,
             "diverged": bool(run.info.get("diverged")), "final_val_loss": final,
             "steps": steps, "tokens": pick(last(TOKENS)),
             "seconds": steps * step_time(run, trunk if result is not None else None), "step_sec": step_time(run),
@@ -251,6 +350,12 @@ def f_loss(mean: float, std: float = math.nan) -> str:
     if math.isinf(mean):
         return "∞"
     return f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}"
+
+
+def f_mean(values: list[float], planned: int = 0) -> str:
+    """mean ± std of `values`, and "(n=k of N)" when fewer than the N planned seeds have a result."""
+    text = f_loss(*stats.mean_std(values))
+    return f"{text} (n={len(values)} of {planned})" if len(values) < planned else text
 
 
 def f_num(x: float, spec: str) -> str:
@@ -287,14 +392,17 @@ class Workload:
         evaluation = [res for res in self.results if res.run.phase == "eval"]
         self.results = [res for res in self.results if res.run.phase != "eval"]
         self.evaluation: dict[tuple, list[Result]] = defaultdict(list)  # (optimizer, budget) -> per seed
+        self.evaluation_planned: dict[tuple, int] = defaultdict(int)
         for res in sorted(evaluation, key=lambda r: (r.run.seed, r.run.id)):
-            if res.why != "pending":
+            self.evaluation_planned[(res.run.optimizer, int(res.run.budget))] += 1
+            if res.counted:
                 self.evaluation[(res.run.optimizer, int(res.run.budget))].append(res)
         self.evaluation_pending = sum(res.why == "pending" for res in evaluation)
         self.optimizers = _order(r.optimizer for r in self.runs)
         self.budgets = sorted({int(r.run.budget) for r in self.results})
         self.largest = self.budgets[-1] if self.budgets else None
         self.knobs = sorted({k for r in self.runs for k, _ in r.setting})  # the swept optimizer knobs
+        self.planned: dict[tuple, int] = {}  # (optimizer, lr, budget) -> seeds planned at the best setting
         # With a sweep, each optimizer is shown at its best setting (sweep values): every lr-level
         # table below reads only that setting's runs; section_sweep shows the others.
         self.settings = {o: sorted({r.setting for r in self.runs if r.optimizer == o}, key=repr)
@@ -304,6 +412,7 @@ class Workload:
                             for o in self.optimizers}
         self.best_setting = {o: self._best_setting(o) for o in self.optimizers}
         chosen = [res for res in self.results if res.run.setting == self.best_setting[res.run.optimizer]]
+        self.planned = {}  # the sweep tables' counts above are not the chosen setting's
         self.losses, self.by_key = self._index(chosen)  # (optimizer, lr, budget) -> per seed
         self.grid = {o: sorted({float(r.lr) for r in self.runs if r.optimizer == o and r.phase != "eval"
                                 and r.setting == self.best_setting[o]}) for o in self.optimizers}
@@ -317,7 +426,9 @@ class Workload:
         losses: dict[tuple, list[float]] = defaultdict(list)
         by_key: dict[tuple, list[Result]] = defaultdict(list)
         for res in sorted(results, key=lambda r: (r.run.seed, r.run.id)):
-            if res.why != "pending":
+            key = (res.run.optimizer, float(res.run.lr), int(res.run.budget))
+            self.planned[key] = self.planned.get(key, 0) + 1
+            if res.counted:
                 key = (res.run.optimizer, float(res.run.lr), int(res.run.budget))
                 losses[key].append(res.loss)
                 by_key[key].append(res)
@@ -383,9 +494,10 @@ def section_summary(w: Workload, h: str, extend: dict | None = None) -> list[str
     rows, notes = [], []
     for o in w.optimizers:
         mine = [r for r in w.runs if r.optimizer == o]
-        cells = [f_loss(*stats.mean_std(w.at_best(o, b))) for b in w.budgets]
+        cells = [f_mean(w.at_best(o, b), w.planned.get((o, w.best[o], b), 0)) if w.best[o] is not None
+                 else f_loss(math.nan) for b in w.budgets]
         best = dict(w.best_setting[o])
-        rows.append([o, f_lr(w.best[o]), *(best.get(k, "–") for k in w.knobs), len(mine),
+        rows.append([o, f_lr(w.best[o]), *(best.get(k, "–") for k in w.knobs), sum(r.status != "missing" for r in mine),
                      sum(r.status == "failed" for r in mine), sum(bool(r.info.get("diverged")) for r in mine), *cells])
         grid, best = w.grid[o], w.best[o]
         pending = sum(res.why == "pending" for res in w.results
@@ -455,7 +567,7 @@ def section_sensitivity(w: Workload, h: str, png: str) -> list[str]:
     for o in w.optimizers:
         for lr in w.grid[o]:
             vals = w.losses[(o, lr, w.largest)]
-            rows.append([o, f_lr(lr), len(vals), f_loss(*stats.mean_std(vals))])
+            rows.append([o, f_lr(lr), len(vals), f_mean(vals, w.planned.get((o, lr, w.largest), 0))])
     return out + table(["optimizer", "lr", "n", "final val/loss"], rows)
 
 
@@ -636,8 +748,9 @@ def section_significance(w: Workload, h: str, tests: dict[tuple[str, str], Test]
                     cells.append("–")
                     continue
                 swept = "".join(f", {k}={v}" for k, v in res[0].run.setting)
+                planned = max(w.evaluation_planned.get((o, bud), 0), len(res))
                 cells.append(f"lr {f_lr(res[0].run.lr)}{swept}: {f_loss(*stats.mean_std([r.loss for r in res]))} "
-                             f"(n={len(res)})")
+                             f"(n={len(res)}" + (f" of {planned})" if len(res) < planned else ")"))
             rows.append([o, *cells])
         out += table(["optimizer", *(f"S={bud}" for bud in w.budgets)], rows)
     return out
@@ -805,7 +918,9 @@ def plot_profiles(curves: dict[str, np.ndarray], taus: np.ndarray, path: str) ->
 # The report
 
 
-def section_profiles(workloads: list[Workload], compare_dir: str) -> list[str]:
+def section_profiles(workloads: list[Workload], compare_dir: str, into: dict | None = None) -> list[str]:
+    """The profiles section; `into` (a dict) gets the printed numbers (summary.json's "profiles")."""
+    into = {} if into is None else into
     out = ["## Across workloads", ""]
     if len(workloads) < 2:
         return out + ["Performance profiles and the geometric-mean speedup need ≥ 2 workloads (run.json "
@@ -815,6 +930,7 @@ def section_profiles(workloads: list[Workload], compare_dir: str) -> list[str]:
     grid = np.linspace(1.0, 4.0, 301)
     plot_profiles(stats.performance_profile(times, grid), grid, os.path.join(compare_dir, "performance_profile.png"))
     printed = stats.performance_profile(times, TAUS)
+    into.update(taus=list(TAUS), share={o: [float(v) for v in printed[o]] for o in names}, geometric_mean_speedup={})
     out += ["Performance profiles (AlgoPerf): for each τ, the share of workloads on which the optimizer's "
             "wall-clock seconds to its workload's target on the budget ladder (the time-to-target tables) are within "
             "τ × the best optimizer's; '> S_max' (not reached) counts as never within, '≤ S_min' at the smallest "
@@ -830,6 +946,7 @@ def section_profiles(workloads: list[Workload], compare_dir: str) -> list[str]:
         for o in names:
             ratios = [a / b if math.isfinite(b) else 0.0 for a, b in zip(times[REFERENCE], times[o])
                       if math.isfinite(a) or math.isfinite(b)]
+            into["geometric_mean_speedup"][o] = stats.geometric_mean(ratios)
             rows.append([o, f_num(stats.geometric_mean(ratios), ".3f")])
         out += table(["optimizer", "geometric-mean speedup"], rows)
     return out
@@ -844,6 +961,9 @@ def load_workloads(compare_dir: str, target: float | None = None) -> list[Worklo
 def _load(compare_dir: str, target: float | None) -> tuple[dict[str, Run], dict[str, Result], list[Workload],
                                                           dict[str, str | None]]:
     runs = load_runs(compare_dir)
+    plan = read_plan(compare_dir)
+    if plan is not None:
+        classify(runs, plan)
     names = sorted({r.workload for r in runs.values()})
     fingerprints = {}
     for name in names:
@@ -905,11 +1025,40 @@ def section_provenance(sessions: list[dict]) -> list[str]:
             "or machine): results may not compare.", "", *(f"- {describe_session(s)}" for s in sessions), ""]
 
 
+MISSING_LISTED = 5  # missing run ids the completeness table names per optimizer
+
+
+def section_completeness(runs: dict[str, Run], planned: bool) -> list[str]:
+    """Every planned run of compare.json (and lr.extend's on disk) counted per optimizer as finished,
+    diverged, failed, missing or pending; without a plan, one line saying nothing was checked."""
+    if not planned:
+        return ["Completeness: not checked (no plan in compare.json: a directory from before it held one); "
+                "the tables read whatever runs are on disk.", ""]
+    rows_of = completeness(runs)
+    several = len({w for w, _ in rows_of}) > 1
+    rows = []
+    for (workload, o), c in sorted(rows_of.items(), key=lambda kv: (kv[0][0], kv[0][1] != REFERENCE, kv[0][1])):
+        ids = c["missing_ids"]
+        listed = ", ".join(ids[:MISSING_LISTED]) + (f" (+{len(ids) - MISSING_LISTED} more)"
+                                                    if len(ids) > MISSING_LISTED else "")
+        rows.append([*([workload] if several else []), o, c["planned"], *(c[st] for st in STATES), listed or "–"])
+    out = ["Completeness: every run of the plan (compare.json's runs and evaluation runs, and lr.extend's "
+           "on disk), trunks and branches. Missing: planned, but its directory, run.json or metrics.jsonl is gone, "
+           "or it is done without a final val/loss, or its trunk is missing: left out of every mean (never ∞), "
+           "and a mean over fewer seeds than planned says \"(n=k of N)\". Pending: not run yet.", ""]
+    missing = sum(c["missing"] for c in rows_of.values())
+    if missing:
+        out += [f"**{missing} planned runs are missing**: their results are left out (rerun the comparison with "
+                "the same dir= after deleting the broken run directories to run them again).", ""]
+    return out + table([*(["workload"] if several else []), "optimizer", "planned", *STATES, "missing runs"], rows)
+
+
 def build_report(compare_dir: str, target: float | None = None) -> str:
     """Read the runs under `compare_dir`, write results.csv, the PNGs and report.md there;
     return report.md's path. DataError: no runs, or runs whose data fingerprints differ."""
     compare_dir = os.path.abspath(compare_dir)
     runs, results, workloads, fingerprints = _load(compare_dir, target)
+    planned = any(r.state for r in runs.values())  # _load checked the runs against compare.json's plan
     write_csv(compare_dir, runs, results)
     tests = significance_tests(workloads)
     knobs, sessions, extend = {}, [], None
@@ -933,10 +1082,12 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
     if knobs:
         lines += ["Knobs: " + ", ".join(f"`{knob_name(k)}={v}`" for k, v in knobs.items()), ""]
     lines += section_provenance(sessions)
+    lines += section_completeness(runs, planned)
     if pending:
         lines += [f"Pending (not run yet, left out of every table): {len(pending)} branches "
                   f"({', '.join(pending[:5])}{' …' if len(pending) > 5 else ''}).", ""]
-    lines += ["A result is a cooldown branch's final val/loss; failed and diverged runs count as ∞. "
+    lines += ["A result is a cooldown branch's final val/loss; failed and diverged runs count as ∞, missing ones "
+              "are left out (n=k of N). Every number of the tables: `summary.json`. "
               "Every run: `results.csv`. What each number means: docs/compare.md.", ""]
     lines += section_special(runs)
     for w in workloads:
@@ -961,11 +1112,149 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
         lines += section_speedup(w, h)
         lines += section_significance(w, h, tests, int(knobs.get("seeds_eval") or 0))
         lines += section_cost(w, h)
-    lines += section_profiles(workloads, compare_dir)
+    profiles: dict = {}
+    lines += section_profiles(workloads, compare_dir, profiles)
+    write_summary(compare_dir, summary_of(runs, workloads, tests, planned, profiles))
     path = os.path.join(compare_dir, "report.md")
     with atomic_write(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write("\n".join(lines).rstrip() + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# summary.json: every derived number the report prints, from the same values
+
+
+def _jsonable(x):
+    """JSON without NaN/Infinity: nan -> null, ±inf -> "inf"/"-inf"; numpy scalars -> Python; tuple keys joined."""
+    if isinstance(x, dict):
+        return {(k if isinstance(k, str) else str(k)): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf") if math.isinf(x) else x
+    return x
+
+
+def _interval_json(iv) -> dict | None:
+    """ladder.interval's (low, low flag, high, high flag, resamples without a number)."""
+    if not iv:
+        return None
+    lo, lf, hi, hf, unknown = iv
+    return {"low": lo, "low_flag": lf, "high": hi, "high_flag": hf, "resamples_without": unknown}
+
+
+def _mean_json(values: list[float], planned: int) -> dict:
+    m, sd = stats.mean_std(values)
+    return {"mean": m, "std": sd, "n": len(values), "planned": max(planned, len(values))}
+
+
+def _diff_json(d: significance.Difference | None) -> dict | None:
+    return None if d is None else {"method": d.method, "n": d.n, "mean": d.mean, "se": d.se, "df": d.df, "t": d.t,
+                                   "p": d.p, "level": d.level, "low": d.low, "high": d.high}
+
+
+def workload_summary(w: Workload, tests: dict[tuple[str, str], Test]) -> dict:
+    """One workload's numbers, each the value its report section prints."""
+    deff = getattr(w, "deff", None)
+    out = {"budgets": list(w.budgets), "largest": w.largest, "target": w.target, "optimizers": {}}
+    if deff is not None:
+        law = deff["law"]
+        out["d_eff_fit"] = {"shape": deff["shape"].label or "ok", "why": deff["why"],
+                            "alpha": law.alpha if law else None, "beta": law.beta if law else None,
+                            "gamma": law.gamma if law else None,
+                            "residuals": ({str(b): float(r) for b, r in zip(
+                                w.budgets, law.loss(deff["reader"].tokens) - deff["reader"].mean)}
+                                if law is not None and deff["reader"] is not None else None)}
+    ref_t, ref_b = cost(w, REFERENCE) if REFERENCE in w.optimizers else (math.nan, math.nan)
+    for o in w.optimizers:
+        mine = [r for r in w.runs if r.optimizer == o]
+        best = w.best[o]
+        x: dict = {"best_lr": best, "best_setting": dict(w.best_setting[o]),
+                   "runs": sum(r.status != "missing" for r in mine), "failed": sum(r.status == "failed" for r in mine),
+                   "diverged": sum(bool(r.info.get("diverged")) for r in mine)}
+        x["at_best"] = {str(b): _mean_json(w.at_best(o, b), w.planned.get((o, best, b), 0)) for b in w.budgets} \
+            if best is not None else {}
+        x["sensitivity"] = [{"lr": lr, **_mean_json(w.losses[(o, lr, w.largest)], w.planned.get((o, lr, w.largest), 0))}
+                            for lr in w.grid[o]]
+        if w.knobs:
+            x["sweep"] = [{"setting": dict(st), "best_lr": w.setting_best(o, st)[1], "loss": w.setting_best(o, st)[0]}
+                          for st in w.settings[o]]
+        t = getattr(w, "ladder", {}).get(o)
+        if t is not None:
+            x["time_to_target"] = {"steps": t["steps"], "tokens": t["tokens"], "seconds": t["seconds"],
+                                   "flag": t["flag"], "steps_interval": _interval_json(t["steps_ci"]),
+                                   "speedup": t["speedup"][0], "speedup_flag": t["speedup"][1],
+                                   "speedup_interval": _interval_json(t["speedup_ci"])}
+        if o in w.ttt:
+            x["time_to_target_secondary"] = dict(w.ttt[o])
+        lad = getattr(w, "ladders", {}).get(o)
+        if lad is not None:
+            x["frontier"] = {}
+            for j, b in enumerate(lad.budgets):
+                c = lad.choice[j]
+                if c < 0:
+                    continue
+                setting, lr = lad.cells[j][c]
+                x["frontier"][str(b)] = {"mean": lad.mean[j], "se": lad.se[j], "lr": lr, "setting": dict(setting),
+                                         "n": int((~np.isnan(lad.losses[j][c])).sum()),
+                                         "planned": int(lad.planned[j][c])}
+        if deff is not None and o in deff["cells"]:
+            x["d_eff_over_d"] = {str(b): {"value": v, "flag": f, "label": ladder.short(deff["why"]) if f == ">" else "",
+                                          "interval": _interval_json(iv)}
+                                 for b, (v, f, iv) in zip(w.budgets, deff["cells"][o]) if f != "?"}
+        elif deff is not None and deff["reader"] is None and o != REFERENCE:
+            x["d_eff_over_d"] = {str(b): {"value": None, "flag": "?", "label": f"fit: {deff['shape'].label}",
+                                          "interval": None} for b in w.budgets}
+        test = tests.get((w.name, o))
+        if test is not None:
+            x["significance"] = {"seeds": test.seeds, "test": test.diff.method, "n": test.diff.n,
+                                 "mean_diff": test.diff.mean, "ci": _diff_json(test.diff), "p": test.diff.p,
+                                 "holm_p": test.holm_p, "holm": _diff_json(test.holm), "verdict": test.verdict}
+        evaluation = {}
+        for b in w.budgets:
+            res = w.evaluation.get((o, b), [])
+            if res:
+                evaluation[str(b)] = {"lr": float(res[0].run.lr), "setting": dict(res[0].run.setting),
+                                      **_mean_json([r.loss for r in res], w.evaluation_planned.get((o, b), 0))}
+        if evaluation:
+            x["evaluation"] = evaluation
+        step, state = cost(w, o)
+        x["cost"] = {"step_sec": step, "step_sec_vs_reference": step / ref_t if ref_t else math.nan,
+                     "state_bytes": state, "state_bytes_vs_reference": state / ref_b if ref_b else math.nan,
+                     **{f"{k}_per_run": v for k, v in overheads(w, o).items()}}
+        out["optimizers"][o] = x
+    return out
+
+
+def summary_of(runs: dict[str, Run], workloads: list[Workload], tests: dict[tuple[str, str], Test], planned: bool,
+               profiles: dict) -> dict:
+    """summary.json's content: what report.md prints, as numbers (docs/compare.md lists the fields)."""
+    rows = completeness(runs) if planned else {}
+    return _jsonable({
+        "reference": REFERENCE,
+        "bootstrap": {"resamples": ladder.BOOTSTRAP, "seed": ladder.BOOTSTRAP_SEED, "level": ladder.LEVEL},
+        "alpha": ALPHA,
+        "completeness": {"checked": planned, "per_optimizer": [
+            {"workload": wl, "optimizer": o, **c} for (wl, o), c in sorted(rows.items())]},
+        "workloads": {w.name: workload_summary(w, tests) for w in workloads},
+        "significance_family": [f"{o} in {n}" for (n, o), t in tests.items() if t.holm is not None],
+        "profiles": profiles,
+    })
+
+
+def write_summary(compare_dir: str, summary: dict) -> str:
+    path = os.path.join(compare_dir, "summary.json")
+    with atomic_write(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1, allow_nan=False)
+            f.write("\n")
     return path
 
 

@@ -48,11 +48,16 @@ def write_run(root: Path, info: dict, records: list[dict]) -> None:
 
 
 def make_comparison(root: Path, budgets=(100, 200, 400), seeds=3, opts=OPTS, workload="w", fingerprint=FP,
-                    diverged=("shampoo", 4e-3, 2, 400), failed_trunk=("muon", 0.04, 1)) -> None:
+                    diverged=("shampoo", 4e-3, 2, 400), failed_trunk=("muon", 0.04, 1), plan=True) -> None:
     """Trunks (warmup-free constant lr, saving at 0.8 S) and cooldown branches for every
-    (optimizer, lr, seed, budget); one branch diverged, one trunk failed (its branches never ran)."""
-    (root / "compare.json").write_text(json.dumps({"knobs": {"budgets": list(budgets)}, "run_overrides": [],
-                                                   "plan": []}))
+    (optimizer, lr, seed, budget); one branch diverged, one trunk failed (its branches never ran).
+    compare.json holds every run as its plan (`plan=False`: none, as a directory from before it did)."""
+    planned = []
+
+    def put(info, records):  # writes the run, and records it into the plan
+        planned.append({k: v for k, v in info.items() if k not in ("status", "error", "diverged")})
+        write_run(root, info, records)
+
     for opt, (lrs, _, _, sec, state) in opts.items():
         for lr in lrs:
             for seed in range(seeds):
@@ -70,7 +75,7 @@ def make_comparison(root: Path, budgets=(100, 200, 400), seeds=3, opts=OPTS, wor
                     recs.append(r)
                 common = {"workload": workload, "optimizer": opt, "lr": lr, "seed": seed, "overrides": [],
                           "diverged": False, "error": None}
-                write_run(root, {**common, "id": trunk_id, "kind": "trunk", "budget": None, "trunk": None,
+                put({**common, "id": trunk_id, "kind": "trunk", "budget": None, "trunk": None,
                                  "branch_step": None, "status": "failed" if fail else "done",
                                  "error": "boom" if fail else None}, recs)
                 for budget in budgets:
@@ -78,7 +83,7 @@ def make_comparison(root: Path, budgets=(100, 200, 400), seeds=3, opts=OPTS, wor
                     info = {**common, "id": f"{workload}-{opt}-lr{lr:g}-s{seed}-b{budget}", "kind": "branch",
                             "budget": budget, "trunk": trunk_id, "branch_step": bs, "status": "done"}
                     if fail:
-                        write_run(root, {**info, "status": "planned"}, [])
+                        put({**info, "status": "planned"}, [])
                         continue
                     recs = []
                     for step in range(bs + EVERY, budget + 1, EVERY):
@@ -93,7 +98,14 @@ def make_comparison(root: Path, budgets=(100, 200, 400), seeds=3, opts=OPTS, wor
                     if (opt, lr, seed, budget) == diverged:
                         recs[-1]["val/loss"] = float("nan")
                         info.update(status="failed", diverged=True, error="the loss became nan")
-                    write_run(root, info, recs)
+                    put(info, recs)
+    compare = {"knobs": {"budgets": list(budgets)}, "run_overrides": []}
+    if plan:
+        compare["runs"] = planned
+    if (root / "compare.json").exists():  # a second workload in the same directory: one plan for both
+        before = json.loads((root / "compare.json").read_text())
+        compare["runs"] = [*before.get("runs", []), *compare.get("runs", [])] if plan else before.get("runs", [])
+    (root / "compare.json").write_text(json.dumps(compare))
 
 
 # --- reading report.md ----------------------------------------------------------------------------
