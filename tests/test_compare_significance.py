@@ -176,8 +176,10 @@ def fake_train(cfg, run_dir):
     opt = -3.0 if cfg.train.max_steps == 10 else -2.5
     start = int(cfg.checkpoint.load_file.split("_")[1]) if cfg.checkpoint.load else 0
     loss = 3 + (math.log10(lr) - opt) ** 2 + 0.1 * wd + 0.001 * cfg.random_seed
+    t = cfg.train  # logged where train_jax evaluates: every val_freq steps, at val_at and at max_steps
+    evaluated = {*range(t.val_freq, t.max_steps + 1, t.val_freq), *t.get("val_at", ()), t.max_steps}
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-        for step in range(start + cfg.train.val_freq, cfg.train.max_steps + 1, cfg.train.val_freq):
+        for step in sorted(s for s in evaluated if s > start):
             f.write(json.dumps({"step": step, "val/loss": loss, "data/tokens": step * 64, "data/fingerprint": "fp",
                                 "time/elapsed_sec": step * 0.01}) + "\n")
 
