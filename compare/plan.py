@@ -189,13 +189,9 @@ def compare_config(node: dict) -> CompareConfig:
         raise ConfigError(f"budgets={budgets} must be strictly increasing (no repeats), e.g. {sorted(set(budgets))}")
     tune, evaluate, vary_data = _seeds(node.get("seeds", 1))
     lr = dict(node.get("lr") or {})
-    unknown = sorted(set(lr) - {"points", "factor", "grid", "extend", "extend_max"})
-    if unknown:
-        raise ConfigError(f"unknown comparison knob 'lr.{unknown[0]}': the lr knobs are lr.points, lr.factor, "
-                          "lr.grid.<optimizer>, lr.extend, lr.extend_max")
-    extend = lr.get("extend", False)
-    if not isinstance(extend, bool):
-        raise ConfigError(f"lr.extend={extend!r} must be true or false")
+    _known(lr, {"points", "factor", "grid", "extend", "extend_max"}, "lr",
+           "lr knobs are lr.points, lr.factor, lr.grid.<optimizer>, lr.extend, lr.extend_max")
+    extend = _bool(lr.get("extend", False), "lr.extend")
     points = _int(lr.get("points", 4), "lr.points", 1, "the number of lrs tried per optimizer")
     factor = _float(lr.get("factor", 2.0), "lr.factor")
     if factor <= 1:
@@ -247,17 +243,26 @@ def compare_config(node: dict) -> CompareConfig:
     return knobs
 
 
+def _known(node: dict, keys: set[str], what: str, names: str) -> None:
+    """Refuse a key of `node` (a knob group) that is not one of `keys`, naming the group's knobs."""
+    unknown = sorted(set(node) - keys)
+    if unknown:
+        raise ConfigError(f"unknown comparison knob '{what}.{unknown[0]}': the {names}")
+
+
+def _bool(value: Any, knob: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{knob}={value!r} must be true or false")
+    return value
+
+
 def _seeds(node: Any) -> tuple[int, int, bool]:
     """seeds=K (an alias of seeds.tune=K) or seeds.{tune,eval,vary_data} -> (tune, eval, vary_data)."""
     if not isinstance(node, dict):
         node = {"tune": node}
-    unknown = sorted(set(node) - {"tune", "eval", "vary_data"})
-    if unknown:
-        raise ConfigError(f"unknown comparison knob 'seeds.{unknown[0]}': the seed knobs are seeds.tune, seeds.eval, "
-                          "seeds.vary_data (seeds=K is seeds.tune=K)")
-    vary_data = node.get("vary_data", False)
-    if not isinstance(vary_data, bool):
-        raise ConfigError(f"seeds.vary_data={vary_data!r} must be true or false")
+    _known(node, {"tune", "eval", "vary_data"}, "seeds",
+           "seed knobs are seeds.tune, seeds.eval, seeds.vary_data (seeds=K is seeds.tune=K)")
+    vary_data = _bool(node.get("vary_data", False), "seeds.vary_data")
     tune = _int(node.get("tune", 1), "seeds.tune", 1, "the seeds (random_seed 0..K-1) every lr and setting is tuned on")
     evaluate = _int(node.get("eval", 0), "seeds.eval", 0, "fresh seeds the chosen settings are tested on (0: none)")
     return tune, evaluate, vary_data
