@@ -1,6 +1,6 @@
 """Code and docs speak to users, who never saw the documents this project grew from: no numbered
 "seed" trainers (a seed followed by a three-digit number, `001_*` and the like), no "the seed's"
-"seed" standing for one of them, no "seed trainer/pipeline/README". Name the behaviour, or the
+standing for one of them, no "seed trainer/pipeline/README". Name the behaviour, or the
 public project (trainit) whose names and commands eqtrain keeps. A random seed is fine.
 """
 
@@ -13,8 +13,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUFFIXES = (".py", ".md", ".yaml", ".yml")
-SKIP_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__", "build", "dist", "outputs", "multirun", "comparisons",
-             "wandb"}
+SKIP_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__", "build", "dist", "outputs", "multirun",
+             "comparisons", "wandb"}
 HISTORY = re.compile(
     r"\bseed[\s_`'-]*0\d\d"  # a numbered trainer, "seed 00N" or "seed `00N_*`"
     r"|\bthe seed(?:'|\u2019)s\b"  # "the seed's ...": a project ("a seed's effect", "each seed's" are random seeds)
