@@ -68,6 +68,7 @@ def test_changing_one_document_leaves_the_other_documents_logits_unchanged(model
     blocked = GPT(dataclasses.replace(TINY, attn_block_size=4), jax.random.PRNGKey(0))  # same weights
     # Query blocks are another computation (softmaxes and products over fewer keys, other shapes):
     # equal up to float32 rounding of the whole forward pass, not bit for bit (here it is exact).
+# atol: logits_atol, mlp_ratio·dim·(blocks+1) float32 terms summed at max|logits| per side, two sides, 2x margin
     np.testing.assert_allclose(jax.jit(lambda t, s: blocked(t, segment_ids_BxT=s))(both_2xT, seg_2xT), logits,
                                rtol=0, atol=logits_atol(TINY, logits))
 
@@ -112,6 +113,7 @@ def test_a_masked_step_loss_is_the_mean_over_every_counted_target_not_of_micro_b
     expected = float((nll_4xT * mask_4xT).sum() / mask_4xT.sum())
     # the step's scanned micro-batches and this eager forward are two programs: rounding of the
     # logits and of the 28 counted targets' mean
+    # atol: mean_loss_atol, 2·logits_atol per token + its logsumexp's (V+1)·u rounding + the 28-term mean's, 2x margin
     np.testing.assert_allclose(float(loss), expected, rtol=0, atol=mean_loss_atol(TINY, logits, expected, 28))
     per_micro = [float((nll_4xT[i:i + 2] * mask_4xT[i:i + 2]).sum() / mask_4xT[i:i + 2].sum()) for i in (0, 2)]
     assert abs(np.mean(per_micro) - expected) > 1e-3  # the naive mean differs: the test can tell them apart

@@ -92,6 +92,7 @@ def test_fewer_windows_than_a_batch_count_each_window_once(tiny_run, eval_step, 
     # A batch wrapped around the 3 windows would weigh them 3:3:2.
     logits = window_logits(model, val, range(3))
     tol = mean_loss_atol(model.cfg, logits, loss)
+    # tol: mean_loss_atol, 2·logits_atol per token + its logsumexp's (V+1)·u rounding + the mean's, 2x margin
     np.testing.assert_allclose(metrics["val/loss"], loss, rtol=0, atol=tol)
     # Accuracy is exact: both sides count the same hits (no top-2 logits closer than the two sides'
     # error, checked here, so no argmax differs), k/48 either way (k/16 per window is exact, their mean
@@ -100,6 +101,7 @@ def test_fewer_windows_than_a_batch_count_each_window_once(tiny_run, eval_step, 
     assert (top2[..., 1] - top2[..., 0]).min() > 2 * logits_atol(model.cfg, logits)  # the premise
     assert metrics["val/accuracy"] == acc
     # exp turns an absolute error δ of the loss into a relative one, e^δ − 1 ≈ δ (δ ≲ 1e-4: 2x covers it)
+    # rtol: e^(loss+δ)/e^loss − 1 ≈ δ ≤ tol (the loss's float32 bound above); 2x for exp's own rounding and δ²
     np.testing.assert_allclose(metrics["val/perplexity"], np.exp(loss), rtol=2 * tol)
 
 
