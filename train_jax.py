@@ -127,7 +127,7 @@ def check_memory(run: RunConfig, mesh) -> None:
     """Refuse a window that the memory estimate (trainer/memory.py: a lower bound) says cannot fit
     one device: a ConfigError naming dataset.context_length and the largest window that fits. The
     state's shapes come from `eval_shape`: nothing is allocated, read or compiled."""
-    model = jax.eval_shape(lambda: init_model(run, jax.random.PRNGKey(0)))
+    model = models.abstract(run.model, run.train.param_dtype)
     params = eqx.filter(model, eqx.is_array)
     labels = models.param_labels(model)
     opt_state = jax.eval_shape(init_optimizer(run, init_scheduler(run), labels).init, params)

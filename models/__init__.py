@@ -77,9 +77,9 @@ def build(cfg, key: jax.Array, param_dtype=None):
     return jax.tree.map(lambda x: x.astype(param_dtype) if eqx.is_inexact_array(x) else x, model)
 
 
-def abstract(cfg):
-    """The model's shapes and dtypes, without allocating it."""
-    return eqx.filter_eval_shape(build, cfg, jax.random.PRNGKey(0))
+def abstract(cfg, param_dtype=None):
+    """The model's shapes and dtypes (in `param_dtype`, as `build` makes them), without allocating it."""
+    return eqx.filter_eval_shape(build, cfg, jax.random.PRNGKey(0), param_dtype)
 
 
 def param_labels(model):
