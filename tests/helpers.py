@@ -277,3 +277,11 @@ def logits_atol(cfg, logits, margin: float = 4) -> float:
 
     n = cfg.mlp_ratio * cfg.dim * (cfg.num_blocks + 1)
     return sum_atol(n, float(np.abs(logits).max()), margin)
+
+
+def evaluated_steps(train_cfg, start: int = 0) -> list[int]:
+    """The steps after `start` at which train_jax evaluates a run of `train_cfg` (the composed
+    `train` section): every val_freq steps, each of val_at, and max_steps. Stand-in trainers log there."""
+    t = train_cfg
+    steps = {*range(t.val_freq, t.max_steps + 1, t.val_freq), *t.get("val_at", ()), t.max_steps}
+    return sorted(s for s in steps if s > start)

@@ -18,7 +18,7 @@ import sys
 import background
 import jax
 import pytest
-from helpers import REPO, TINY_OVERRIDES, BackgroundProcess, load_script
+from helpers import REPO, TINY_OVERRIDES, BackgroundProcess, evaluated_steps, load_script
 
 import train_jax as T
 from compare import launch
@@ -327,9 +327,7 @@ def fake_train(cfg, run_dir):
     lr, wd = float(cfg.optimizer.lr_config.lr), float(cfg.optimizer.get("weight_decay", 0.0))
     start = int(cfg.checkpoint.load_file.split("_")[1]) if cfg.checkpoint.load else 0
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-        t = cfg.train
-        evaluated = {*range(t.val_freq, t.max_steps + 1, t.val_freq), *t.get("val_at", ()), t.max_steps}
-        for step in sorted(s for s in evaluated if s > start):
+        for step in evaluated_steps(cfg.train, start):
             loss = 3 + (math.log10(lr) + 2.5) ** 2 + 0.1 * wd + 1 / step
             f.write(json.dumps({"step": step, "val/loss": loss, "data/tokens": step * 64, "data/fingerprint": "fp",
                                 "time/elapsed_sec": step * 0.01}) + "\n")

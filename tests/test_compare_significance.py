@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TINY_OVERRIDES, load_script
+from helpers import TINY_OVERRIDES, evaluated_steps, load_script
 from scipy import stats as sps
 
 import train_jax as T
@@ -176,10 +176,8 @@ def fake_train(cfg, run_dir):
     opt = -3.0 if cfg.train.max_steps == 10 else -2.5
     start = int(cfg.checkpoint.load_file.split("_")[1]) if cfg.checkpoint.load else 0
     loss = 3 + (math.log10(lr) - opt) ** 2 + 0.1 * wd + 0.001 * cfg.random_seed
-    t = cfg.train  # logged where train_jax evaluates: every val_freq steps, at val_at and at max_steps
-    evaluated = {*range(t.val_freq, t.max_steps + 1, t.val_freq), *t.get("val_at", ()), t.max_steps}
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-        for step in sorted(s for s in evaluated if s > start):
+        for step in evaluated_steps(cfg.train, start):  # where train_jax evaluates
             f.write(json.dumps({"step": step, "val/loss": loss, "data/tokens": step * 64, "data/fingerprint": "fp",
                                 "time/elapsed_sec": step * 0.01}) + "\n")
 
