@@ -28,6 +28,7 @@ from models.layers import (
     dropout,
     layer_norm,
     linear,
+    output_logits,
     rms,
     split_heads,
 )
@@ -250,11 +251,8 @@ class GPT(eqx.Module):
             x_BxTxD, stats_L = apply_blocks(apply, x_BxTxD, self.blocks, key, cfg.num_blocks, cfg.remat,
                                             cfg.scan_blocks, cfg.scan_unroll, collect)
 
-        x_BxTxD = self.ln_f(x_BxTxD).astype(compute_dtype)
         head_DxV = self.wte_VxD.T if self.head_DxV is None else self.head_DxV
-        # float32 accumulation: bfloat16 logits would round the loss's inputs to 3 significant digits.
-        logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(compute_dtype),
-                                  preferred_element_type=jnp.float32)
+        logits_BxTxV = output_logits(self.ln_f(x_BxTxD), head_DxV, compute_dtype)  # float32
         return (logits_BxTxV, stats_L) if collect else logits_BxTxV
 
 

@@ -28,6 +28,7 @@ from models.layers import (
     document_positions,
     dropout,
     linear,
+    output_logits,
     rms,
 )
 from models.lora import LoraConfig, branch, branch_keys
@@ -304,10 +305,8 @@ class Llama(eqx.Module):
         else:
             x_BxTxD, stats_L = apply_blocks(apply, x_BxTxD, self.blocks, key, cfg.num_blocks, cfg.remat,
                                             cfg.scan_blocks, cfg.scan_unroll, collect)
-        x_BxTxD = self.final_norm(x_BxTxD).astype(compute_dtype)
         head_DxV = self.embed_VxD.T if self.head_DxV is None else self.head_DxV
-        logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV.astype(compute_dtype),
-                                  preferred_element_type=jnp.float32)
+        logits_BxTxV = output_logits(self.final_norm(x_BxTxD), head_DxV, compute_dtype)  # float32
         return (logits_BxTxV, stats_L) if collect else logits_BxTxV
 
 

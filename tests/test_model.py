@@ -318,6 +318,47 @@ def test_bfloat16_compute_keeps_the_residual_stream_and_logits_float32():
     assert carry.shape == (2, T, CFG.dim) and str(carry.dtype) == "float32"
 
 
+def test_bfloat16_heads_backward_matmuls_take_bfloat16_operands():
+    """The head's float32 logits must not make its backward float32: JAX's own transpose of the
+    float32-accumulating matmul promotes the gradient's two matmuls to float32 (TF32 on a GPU, 7.6 of
+    GPT-2 124M's 58 ms H100 step). models/layers.output_logits rounds the logits' gradient first."""
+    model, tokens = build(CFG), _tokens((2, T + 1))
+
+    def loss(m):
+        logits = m(tokens[:, :-1], compute_dtype=jnp.bfloat16)
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1).mean()
+
+    eqns = list(_equations(jax.make_jaxpr(eqx.filter_grad(loss))(model).jaxpr))
+    head = [e for e in eqns if e.primitive.name == "dot_general"
+            and any(CFG.vocab_size in v.aval.shape for v in e.invars)]
+    assert len(head) == 3  # the logits, then the gradients of the head's input and of its weights
+    assert all(str(v.aval.dtype) == "bfloat16" for e in head for v in e.invars), \
+        [[str(v.aval.dtype) for v in e.invars] for e in head]
+
+
+def test_bfloat16_heads_gradients_match_float64():
+    """output_logits' backward against float64 on the same bfloat16-rounded inputs and gradient:
+    each result is a float32 sum of n = V (input gradient) or B·T (weight gradient) products of
+    bfloat16 values (exact in float32), then rounded once to bfloat16: 2⁻⁸ relative (half an ulp of its
+    8-bit significand, times a margin of 2) plus the float32 sum's bound (helpers.sum_atol)."""
+    from helpers import sum_atol
+
+    from models.layers import output_logits
+
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(kx, (2, 8, 32)), jax.random.normal(kw, (32, 48))
+    g = jax.random.normal(kg, (2, 8, 48))
+    logits, pullback = jax.vjp(lambda x, w: output_logits(x, w, jnp.bfloat16), x, w)
+    dx, dw = pullback(g)
+    as64 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32), np.float64)
+    xb, wb, gb = as64(x), as64(w), as64(g)
+    np.testing.assert_allclose(np.asarray(logits), xb @ wb, rtol=0, atol=sum_atol(32, scale(np.abs(xb) @ np.abs(wb))))
+    dw_ref, dw_abs = (np.einsum("btd,btv->dv", a, b) for a, b in ((xb, gb), (np.abs(xb), np.abs(gb))))
+    for ours, ref, ref_abs, n in ((dx, gb @ wb.T, np.abs(gb) @ np.abs(wb).T, 48), (dw, dw_ref, dw_abs, 16)):
+        # rtol: one rounding to bfloat16 (8-bit significand: 2⁻⁹ relative), margin 2; atol: the float32 sum
+        np.testing.assert_allclose(np.asarray(ours, np.float64), ref, rtol=2.0**-8, atol=sum_atol(n, scale(ref_abs)))
+
+
 # --- sampling ------------------------------------------------------------------------------------
 
 
