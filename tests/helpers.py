@@ -8,6 +8,7 @@ first, so that happens before anything in the session imports jax.
 
 import copy
 import functools
+import importlib.util
 import json
 import os
 import subprocess
@@ -33,8 +34,16 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # jaxlib, whose XLA may no longer know these CPU flags (an unknown flag aborts the process).
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
                 " --xla_cpu_parallel_codegen_split_count=1") if os.environ.get("EQTRAIN_FAST_COMPILE") != "0" else ""
-if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+# On a GPU, XLA's scatter-adds (an embedding's gradient) and some reductions use atomics: two runs of
+# one program differ in the last bits, and the tests that compare runs bit for bit (a resume against
+# the uninterrupted run, a precompiled step against a lazily compiled twin) failed on an H100
+# (2026-11-27). Deterministic ops make them exact, as docs/checkpoints.md tells users to.
+ON_CUDA = any(importlib.util.find_spec(m) for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+GPU_DETERMINISM = "--xla_gpu_deterministic_ops=true"
+# The suite's XLA flags, this process's and every subprocess run's (helpers.offline_env).
+SUITE_XLA_FLAGS = GPU_DETERMINISM if ON_CUDA else FAST_COMPILE
+if SUITE_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SUITE_XLA_FLAGS}".strip()
 
 # float32's machine epsilon (np.finfo(np.float32).eps): one rounding errs by at most EPS32/2 of its result.
 # Every numeric tolerance of the suite is a multiple of it at the compared values' scale.
@@ -90,7 +99,7 @@ def offline_env(cache_dir) -> dict[str, str]:
     (what conftest's _offline_env gives a test; a background run starts outside any test)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "HYDRA_FULL_ERROR", "SMOKE")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", EQTRAIN_CACHE=str(cache_dir),
-               XLA_FLAGS=FAST_COMPILE)  # no forced device count: each run says how many devices it wants
+               XLA_FLAGS=SUITE_XLA_FLAGS)  # no forced device count: each run says how many devices it wants
     return env
 
 

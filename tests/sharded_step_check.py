@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 # optimisation of the CPU kernels it then emits does not change it, and at level 0 every compile
 # here takes about half the time. (Measured: 1- vs 8-device and golden losses agree as closely as
 # at the default level, <= 2e-5 relative against tolerances of 1e-5 on the first and 2e-4 on the rest.)
-# And the classic CPU emitters, unsplit: under half the compile time again (tests/helpers.py FAST_COMPILE).
+# And the classic CPU emitters, unsplit: under half the compile time again (tests/helpers.py SUITE_XLA_FLAGS).
 os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
                            " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1").strip()
 

@@ -39,7 +39,7 @@ from typing import Callable
 import background
 import numpy as np
 import pytest
-from helpers import CLI_TINY, FAST_COMPILE, item_metadata, offline_env, restore_item
+from helpers import CLI_TINY, SUITE_XLA_FLAGS, item_metadata, offline_env, restore_item
 
 from utils.checkpoint.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from utils.checkpoint.storage import TMP_MARKER, complete_steps, open_checkpoint
@@ -62,7 +62,7 @@ REFERENCE_STEPS = 30  # the shared uninterrupted run; a longer one is made if a 
 SIGNALS = {"SIGTERM": EXIT_PREEMPTED, "SIGUSR1": EXIT_PREEMPTED, "SIGINT": EXIT_INTERRUPTED}
 STORM = "SIGTERM"  # this signal is sent again every 2 ms until the process exits
 KILL_SAVE_STEPS = 5  # the kill -9 run saves every 5 steps: steps between saves, and a save to cut
-EIGHT_DEVICES = {"XLA_FLAGS": f"{FAST_COMPILE} --xla_force_host_platform_device_count=8"}
+EIGHT_DEVICES = {"XLA_FLAGS": f"{SUITE_XLA_FLAGS} --xla_force_host_platform_device_count=8"}
 VARIANTS = {"plain": (), "accumulation": ("dataset.total_batch_size=16",)}  # batch 8 x 2 micro-batches
 
 

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import background
 import pytest
-from helpers import CLI_TINY, FAST_COMPILE, offline_env
+from helpers import CLI_TINY, SUITE_XLA_FLAGS, offline_env
 from slurm_cluster import cluster_problem, no_cluster
 
 REPO = Path(__file__).resolve().parents[1]
@@ -211,7 +211,7 @@ class Scenarios:
         two = self.popen(["srun", "--ntasks=2", f"--partition={PARTITION}", "--time=10", f"--job-name={name}",
                           sys.executable, "train_jax.py", *args, f"hydra.run.dir={where / 'two'}"], where / "two.log")
         one = self.popen([sys.executable, "train_jax.py", *args, f"hydra.run.dir={where / 'one'}"], where / "one.log",
-                         XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count=2")
+                         XLA_FLAGS=f"{SUITE_XLA_FLAGS} --xla_force_host_platform_device_count=2")
         codes = {"two": two.wait(timeout=300), "one": one.wait(timeout=300)}
         return {"codes": codes, "where": where}
 

@@ -59,15 +59,16 @@ def _cpu_cache_key() -> str:
             f"-{os.environ.get('XLA_FLAGS', '')}-v{PEAK_VERSION}")
 
 
-def peak_flops(compute_dtype: str, cache_dir: str, fresh: bool = False) -> float | None:
+def peak_flops(compute_dtype: str, cache_dir: str, fresh: bool = False, device=None) -> float | None:
     """Peak FLOP/s of the whole job, or None for an accelerator we have no figure for.
 
     Accelerators: per-device peak times device count. CPU: the measured peak of this machine
     times the process count (forced host devices share the same cores, so they add nothing).
     The cached CPU figure only ever rises: on a shared machine a measurement can catch a slow
     moment, and a peak that is too low would flatter MFU. `fresh` measures again (benchmarks do).
+    `device`: the job's kind of device (default: JAX's first device).
     """
-    device = jax.devices()[0]
+    device = device or jax.devices()[0]
     if device.platform != "cpu":
         for name, peaks in ACCELERATOR_PEAKS.items():
             if name.lower() in device.device_kind.lower():
