@@ -114,9 +114,22 @@ def _frontier(means: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.where(none, np.nan, best), np.where(none, -1, row)
 
 
-def build(w) -> tuple[dict[str, Ladder], list[int]]:
-    """Every optimizer's ladder of workload `w` (compare.report.Workload), and the seed axis."""
-    seeds = sorted({int(r.run.seed) for r in w.results if r.counted})
+def evaluation_ready(w) -> bool:
+    """Whether the ladders read the evaluation seeds (seeds.eval): planned, and none still to run.
+    Then the tuning seeds choose each budget's setting and lr, and fresh seeds score the choice: the
+    tuning seeds' own frontier is the lowest of several noisy means, biased low (the winner's curse)."""
+    return bool(getattr(w, "evaluation_planned", None)) and w.evaluation_pending == 0
+
+
+def build(w, evaluation: bool = False) -> tuple[dict[str, Ladder], list[int]]:
+    """Every optimizer's ladder of workload `w` (compare.report.Workload), and the seed axis. On the
+    tuning seeds each budget has a cell per (setting, lr) and the frontier is the best; with
+    `evaluation`, one cell per budget: the evaluation seeds of the setting and lr chosen there."""
+    if evaluation:
+        pool = [r for v in w.evaluation.values() for r in v]
+    else:
+        pool = [r for r in w.results if r.counted]
+    seeds = sorted({int(r.run.seed) for r in pool})
     col = {s: j for j, s in enumerate(seeds)}
     out = {}
     for o in w.optimizers:
@@ -124,12 +137,17 @@ def build(w) -> tuple[dict[str, Ladder], list[int]]:
         for b in w.budgets:
             mine: dict[tuple, list] = {}
             every: dict[tuple, int] = defaultdict(int)
-            for r in w.results:
-                if r.run.optimizer == o and int(r.run.budget) == b:
-                    every[(r.run.setting, float(r.run.lr))] += 1
-            for r in w.results:
-                if r.counted and r.run.optimizer == o and int(r.run.budget) == b:
-                    mine.setdefault((r.run.setting, float(r.run.lr)), []).append(r)
+            if evaluation:
+                counted = w.evaluation.get((o, b), [])
+                for r in counted:
+                    every[(r.run.setting, float(r.run.lr))] = w.evaluation_planned[(o, b)]
+            else:
+                for r in w.results:
+                    if r.run.optimizer == o and int(r.run.budget) == b:
+                        every[(r.run.setting, float(r.run.lr))] += 1
+                counted = [r for r in w.results if r.counted and r.run.optimizer == o and int(r.run.budget) == b]
+            for r in counted:
+                mine.setdefault((r.run.setting, float(r.run.lr)), []).append(r)
             keys = sorted(mine, key=lambda k: (repr(k[0]), k[1]))  # ties: the first setting, the smaller lr
             mat = np.full((len(keys), len(seeds)), np.nan)
             tok, sec = np.full(len(keys), np.nan), np.full(len(keys), np.nan)
@@ -397,8 +415,14 @@ def _deff_ratio(reader: Reader, loss: float, d: float) -> tuple[float, str]:
 
 
 def attach(w, reference: str, target_given: bool) -> None:
-    """w.ladders, w.reps (the bootstrap's frontiers), w.ladder (time to target per optimizer)."""
-    w.ladders, seeds = build(w)
+    """w.ladders, w.reps (the bootstrap's frontiers), w.ladder (time to target per optimizer), and
+    w.ladder_seeds: "evaluation" when they read the evaluation seeds (evaluation_ready), whose
+    reference frontier at the largest budget is then the target (unless one was given), else "tuning"."""
+    w.ladder_seeds = "evaluation" if evaluation_ready(w) else "tuning"
+    w.ladders, seeds = build(w, w.ladder_seeds == "evaluation")
+    if w.ladder_seeds == "evaluation" and not target_given:
+        ref = _last_finite(w.ladders[reference].mean) if reference in w.ladders else math.nan
+        w.target = ref if math.isfinite(ref) else None
     w.reps = resample(w.ladders, len(seeds)) if w.ladders and w.budgets else {}
     w.ladder = ladder_ttt(w, w.ladders, w.reps, reference, target_given) if w.target is not None else {}
 
@@ -412,9 +436,21 @@ def _unknown(iv) -> str:
     return f" ({iv[4]} of {BOOTSTRAP} resamples without one)" if iv and iv[4] else ""
 
 
+def seeds_line(w) -> str:
+    """Which seeds the ladders read, in bold when they are the biased ones."""
+    if w.ladder_seeds == "evaluation":
+        return ("These figures read the **evaluation seeds** (seeds.eval): the tuning seeds chose each budget's "
+                "setting and lr, and its loss is the mean over the fresh seeds, which chose nothing.")
+    pending = " (the evaluation runs have not all run yet)" if getattr(w, "evaluation_planned", None) else ""
+    return ("**These figures read the tuning seeds**, which also chose each budget's setting and lr: the best of "
+            f"several noisy means is biased low (toward the winner){pending}; seeds.eval=M scores the choices on "
+            "fresh seeds.")
+
+
 def ttt_lines(w, reference: str) -> list[str]:
     pct = f"{LEVEL:.0%}"
-    out = [f"On the budget ladder (the headline): the smallest budget whose cooled branch reaches the target, at "
+    out = [seeds_line(w), "",
+           f"On the budget ladder (the headline): the smallest budget whose cooled branch reaches the target, at "
            "the optimizer's best setting and lr for that budget (its mean final val/loss over seeds), interpolated "
            "in log S with the budget before (the loss taken linear in log S between them); '≤ S_min' when the "
            "smallest budget already reaches it, '> S_max' when no budget does. Tokens and seconds: the same place "
@@ -438,8 +474,13 @@ def ttt_lines(w, reference: str) -> list[str]:
 
 def deff_lines(w, reference: str) -> list[str]:
     pct = f"{LEVEL:.0%}"
-    out = ["Tuned frontier: per budget, each optimizer's lowest mean final val/loss over its settings and lrs "
-           "at that budget (± its standard error over seeds), and the lr.", ""]
+    if w.ladder_seeds == "evaluation":
+        what = ("per budget, the mean final val/loss over the evaluation seeds (± its standard error) of the "
+                "setting and lr the tuning seeds chose at that budget")
+    else:
+        what = ("per budget, each optimizer's lowest mean final val/loss over its settings and lrs at that budget "
+                "(± its standard error over seeds), and the lr")
+    out = [seeds_line(w), "", f"Tuned frontier: {what}.", ""]
     rows = []
     for o in w.optimizers:
         lad = w.ladders[o]

@@ -606,8 +606,9 @@ def section_ttt(w: Workload, h: str, target_given: bool) -> list[str]:
     if w.target is None:
         return out + [f"No target: {REFERENCE} has no finite final val/loss at its best lr here, and no target= was "
                       "given.", ""]
-    source = "given as target=" if target_given else (f"{REFERENCE}'s mean final val/loss at its best lr and the "
-                                                       f"largest budget ({w.largest})")
+    seeds = " over the evaluation seeds" if getattr(w, "ladder_seeds", "") == "evaluation" else ""
+    source = "given as target=" if target_given else (f"{REFERENCE}'s mean final val/loss{seeds} at its chosen "
+                                                       f"setting and lr at the largest budget ({w.largest})")
     out += [f"Target val/loss {w.target:.4f} ({source}).", ""]
     out += ladder.ttt_lines(w, REFERENCE)
     out += [f"{h}# Time to target on the largest budget's curve (secondary)", "",
@@ -989,9 +990,9 @@ def _load(compare_dir: str, target: float | None) -> tuple[dict[str, Run], dict[
                      [res for res in results.values() if res.run.workload == name])
         ref = stats.mean_std(w.at_best(REFERENCE, w.largest))[0] if REFERENCE in w.optimizers else math.nan
         w.target = target if target is not None else (ref if math.isfinite(ref) else None)
+        ladder.attach(w, REFERENCE, target is not None)  # with evaluation seeds: the target is theirs
         if w.target is not None:
             time_to_target(w)
-        ladder.attach(w, REFERENCE, target is not None)
         workloads.append(w)
     return runs, results, workloads, fingerprints
 
@@ -1163,7 +1164,8 @@ def _diff_json(d: significance.Difference | None) -> dict | None:
 def workload_summary(w: Workload, tests: dict[tuple[str, str], Test]) -> dict:
     """One workload's numbers, each the value its report section prints."""
     deff = getattr(w, "deff", None)
-    out = {"budgets": list(w.budgets), "largest": w.largest, "target": w.target, "optimizers": {}}
+    out = {"budgets": list(w.budgets), "largest": w.largest, "target": w.target,
+           "ladder_seeds": getattr(w, "ladder_seeds", "tuning"), "optimizers": {}}
     if deff is not None:
         law = deff["law"]
         out["d_eff_fit"] = {"shape": deff["shape"].label or "ok", "why": deff["why"],

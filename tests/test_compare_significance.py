@@ -27,7 +27,7 @@ from helpers import TINY_OVERRIDES, evaluated_steps, load_script
 from scipy import stats as sps
 
 import train_jax as T
-from compare import significance
+from compare import ladder, significance
 from compare.plan import compare_config, evaluation_runs, make_plan
 from compare.report import ALPHA, MIN_SEEDS, Result, Run, Workload, build_report, significance_tests
 
@@ -161,6 +161,29 @@ def test_a_flat_lr_landscape_gains_nothing_on_evaluation_seeds():
     # repetitions with sd √(0.025·0.975/reps) = 0.9%; alpha (the brief's bound) is 2.8 sd above
     assert fresh_rate <= ALPHA
     assert tuned_rate > fresh_rate
+
+
+def test_the_ladders_frontier_is_unbiased_on_evaluation_seeds():
+    """The same winner's curse in the time-to-target and D_eff/D figures: they read each budget's
+    frontier, which on the tuning seeds is flat's lowest of 4 noisy means (biased low by 1.03 s, as
+    above); once the evaluation seeds have run, the ladders read them (compare/ladder.py
+    evaluation_ready) and flat's frontier minus AdamW's is unbiased."""
+    reps = 300
+    found = {}
+    for evaluate in (False, True):
+        rng = np.random.default_rng(5)
+        gaps = []
+        for _ in range(reps):
+            w = simulated_workload(rng, evaluate)
+            assert ladder.evaluation_ready(w) == evaluate
+            ladders, _ = ladder.build(w, ladder.evaluation_ready(w))  # as ladder.attach builds them
+            gaps.append(ladders["flat"].mean[0] - ladders["adamw"].mean[0])
+        found[evaluate] = float(np.mean(gaps))
+    # each gap: two means of 3 seeds' run noise (the seed effects shared): sd √2·SIGMA_RUN/√3
+    se = math.sqrt(2) * SIGMA_RUN / math.sqrt(TUNE) / math.sqrt(reps)
+    bias = -1.029 * SIGMA_RUN / math.sqrt(TUNE)
+    assert found[False] == pytest.approx(bias, abs=4 * se)  # 4 standard errors
+    assert abs(found[True]) < 4 * se
 
 
 # --- the evaluation phase, end to end with a stand-in trainer -----------------------------------------
@@ -307,6 +330,44 @@ def test_report_verdicts_from_paired_intervals_on_evaluation_seeds(tmp_path):
     ci = sps.ttest_rel(final("muon"), final("adamw")).confidence_interval(0.95)
     # printed to 4 decimals: within half a unit of the last one
     assert (low, high) == pytest.approx((ci.low, ci.high), abs=5e-5)
+
+
+def frontier_cells(md: str) -> dict[str, str]:
+    section = md.split("Tuned frontier:")[1].split("\n\n", 2)[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith(("| optimizer", "| ---"))]
+    return {r[0]: r[1] for r in rows}
+
+
+def final_losses(root: Path, optimizer: str, phase: str, lr: float) -> list[float]:
+    out = []
+    for d in sorted((root / "runs").iterdir()):
+        info = json.loads((d / "run.json").read_text())
+        if info["optimizer"] == optimizer and info["phase"] == phase and info["lr"] == lr:
+            out.append(json.loads((d / "metrics.jsonl").read_text().splitlines()[-1])["val/loss"])
+    return out
+
+
+@pytest.mark.parametrize("evaluation", [True, False])
+def test_time_to_target_and_d_eff_read_the_evaluation_seeds_once_they_ran(tmp_path, evaluation):
+    """With the evaluation runs done, the frontier, the target and summary.json's figures are the
+    evaluation seeds' means at the setting the tuning seeds chose (lr 1e-3 here); without them, the
+    tuning seeds' best, and the report says in bold that those are biased."""
+    write_comparison(tmp_path, evaluation)
+    md = Path(build_report(str(tmp_path))).read_text()
+    summary = json.loads((tmp_path / "summary.json").read_text())["workloads"]["w"]
+    phase = "eval" if evaluation else "tune"
+    assert summary["ladder_seeds"] == ("evaluation" if evaluation else "tuning")
+    assert ("These figures read the **evaluation seeds**" in md) == evaluation
+    assert ("**These figures read the tuning seeds**" in md) == (not evaluation)
+    for o in EFFECTS:
+        losses = final_losses(tmp_path, o, phase, 1e-3)
+        mean = float(np.mean(losses))
+        # float64 means of the same few float64 values in another order: ~1e-16 apart, printed to 4 decimals
+        assert summary["optimizers"][o]["frontier"]["100"]["mean"] == pytest.approx(mean, rel=1e-12)
+        assert summary["optimizers"][o]["frontier"]["100"]["n"] == len(losses)
+        assert frontier_cells(md)[o].startswith(f"{mean:.4f} ± ")
+    assert summary["target"] == pytest.approx(float(np.mean(final_losses(tmp_path, "adamw", phase, 1e-3))), rel=1e-12)
 
 
 def test_report_on_tuning_seeds_says_its_tests_are_biased(tmp_path):
