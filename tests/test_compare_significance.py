@@ -367,6 +367,7 @@ def test_time_to_target_and_d_eff_read_the_evaluation_seeds_once_they_ran(tmp_pa
         assert summary["optimizers"][o]["frontier"]["100"]["mean"] == pytest.approx(mean, rel=1e-12)
         assert summary["optimizers"][o]["frontier"]["100"]["n"] == len(losses)
         assert frontier_cells(md)[o].startswith(f"{mean:.4f} ± ")
+    # the same float64 mean in another order: ~1e-16 apart
     assert summary["target"] == pytest.approx(float(np.mean(final_losses(tmp_path, "adamw", phase, 1e-3))), rel=1e-12)
 
 
