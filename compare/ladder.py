@@ -458,10 +458,11 @@ def ttt_lines(w, reference: str) -> list[str]:
            "smallest budget already reaches it, '> S_max' when no budget does. Tokens and seconds: the same place "
            "on each budget's mean final tokens and seconds. Speedup: "
            f"{reference}'s steps to target / the optimizer's (a bound when either is). {pct} intervals: "
-           f"{BOOTSTRAP} bootstrap resamples of the seeds (one draw shared by every budget: a seed's branches share its "
-           f"trunk; RNG seed {BOOTSTRAP_SEED}), every ladder and the target rebuilt from each. They cover the seeds' "
-           "noise, not the interpolation between budgets: a crossing between two budgets is read log-linearly, which "
-           "on a convex loss reads early (a true 2× read 1.97× between budgets 150 and 250 on a power law).", ""]
+           f"{BOOTSTRAP} bootstrap resamples of the seeds (one draw shared by every budget: a seed's branches share "
+           f"its trunk; RNG seed {BOOTSTRAP_SEED}), every ladder and the target rebuilt from each. They cover the "
+           "seeds' noise, not the interpolation between budgets: a crossing between two budgets is read "
+           "log-linearly, which on a convex loss reads early (a true 2× read 1.97× between budgets 150 and 250 on a "
+           "power law).", ""]
     rows = []
     for o in w.optimizers:
         t = w.ladder.get(o)

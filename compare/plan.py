@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
 import shlex
 from dataclasses import asdict, dataclass
@@ -94,6 +95,17 @@ class CompareConfig:
     sweep: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # (optimizer knob, its values), crossed with the lrs
     workloads: tuple[tuple[str, tuple[str, ...]], ...] = ((WORKLOAD, ()),)  # (name, its run overrides)
     val_every: int | None = None  # train.val_freq of every run; None: the runs' own (conf/train.yaml's)
+
+    def sweep_of(self, optimizer: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+        """The sweep an optimizer's lrs are crossed with: the shared `sweep.<knob>` values and its own
+        `sweep.<optimizer>.<knob>` ones (held in `sweep` under the qualified name), sorted by knob."""
+        shared = [(k, v) for k, v in self.sweep if k.split(".")[0] not in OPTIMIZERS]
+        own = [(k.split(".", 1)[1], v) for k, v in self.sweep if k.split(".")[0] == optimizer]
+        return tuple(sorted(shared + own))
+
+    def trials(self, optimizer: str) -> int:
+        """Settings an optimizer is tuned over: its lrs times its sweep's combinations."""
+        return self.lr_points * math.prod(len(v) for _, v in self.sweep_of(optimizer))
 
     def branch_step(self, budget: int) -> int:
         """round((1 - cooldown.fraction)·S): the trunk's step a budget's branch starts from."""
@@ -227,7 +239,7 @@ def compare_config(node: dict) -> CompareConfig:
         warmup=_int(node.get("warmup", 0), "warmup", 0, "linear warmup steps of every run"),
         cooldown_fraction=fraction, cooldown_shape=shape, lr_extend=extend,
         lr_extend_max=_int(lr.get("extend_max", 2), "lr.extend_max", 1, "lrs lr.extend may add per optimizer"),
-        sweep=_sweep(node.get("sweep") or {}), workloads=_workloads(node.get("workloads") or {}),
+        sweep=_sweep(node.get("sweep") or {}, optimizers), workloads=_workloads(node.get("workloads") or {}),
         val_every=None if node.get("val_every") is None else _int(
             node["val_every"], "val_every", 1, "evaluate every N steps besides the branch points and budgets"))
     for budget in budgets:
@@ -279,18 +291,47 @@ def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _sweep(node: dict) -> tuple[tuple[str, tuple[Any, ...]], ...]:
-    """sweep.<optimizer knob>=[values] -> ((knob, values), ...), sorted by knob."""
+def optimizer_knobs(name: str) -> list[str]:
+    """The knobs `optimizer.<knob>` of an optimizer, as its conf/optimizer/<name>.yaml lists them (its
+    class's fields, `groups`, `cautious`), less those the comparison sets (name, lr_config)."""
+    from omegaconf import OmegaConf
+
+    from utils.config import CONF_DIR
+
+    node = OmegaConf.load(os.path.join(CONF_DIR, "optimizer", f"{name}.yaml"))
+    return sorted(k for k in node if k not in ("defaults", "name", "lr_config"))
+
+
+def _sweep(node: dict, optimizers: list[str]) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """sweep.<optimizer knob>=[values] (every optimizer) and sweep.<optimizer>.<knob>=[values] (that
+    one's own search space) -> ((knob, values), ...), sorted by knob, an optimizer's own knobs under
+    their qualified name. A knob an optimizer lacks is refused, naming the optimizer and its knobs."""
     out = []
     for knob, values in sorted(_flatten(dict(node)).items()):
         name = f"sweep.{knob}"
-        if knob == "name" or knob.split(".")[0] == "lr_config" or knob.split(".")[-1] == "lr":
+        owner, _, own = knob.partition(".")
+        owners, plain = ([owner], own) if owner in OPTIMIZERS else (optimizers, knob)
+        if owner in OPTIMIZERS and owner not in optimizers:
+            raise ConfigError(f"{name}: {owner} is not in optimizers={optimizers}; add it there or drop its sweep")
+        if plain == "name" or plain.split(".")[0] == "lr_config" or plain.split(".")[-1] == "lr":
             raise ConfigError(f"{name}: the comparison sets the optimizer and its lr itself; sweep lrs with "
-                              "lr.points/lr.factor/lr.grid.<optimizer>, other optimizer knobs with sweep.<knob>")
+                              "lr.points/lr.factor/lr.grid.<optimizer>, other optimizer knobs with sweep.<knob> "
+                              "or sweep.<optimizer>.<knob>")
+        for opt in owners:
+            fields = optimizer_knobs(opt)
+            if plain.split(".")[0] not in fields:
+                raise ConfigError(f"{name}: {opt} has no knob {plain.split('.')[0]!r}; its knobs are "
+                                  f"{', '.join(fields)}" + ("" if owner in OPTIMIZERS else
+                                                            " (sweep.<optimizer>.<knob> sweeps one optimizer's own)"))
         values = _list(values, name, "[0.0,0.1]")
         if any(isinstance(v, (dict, list)) for v in values) or len({repr(v) for v in values}) != len(values):
             raise ConfigError(f"{name}={values} must be distinct plain values (numbers, true/false or names)")
         out.append((knob, tuple(values)))
+    shared = {k for k, _ in out if k.split(".")[0] not in OPTIMIZERS}
+    for k, _ in out:
+        if k.split(".")[0] in OPTIMIZERS and k.split(".", 1)[1] in shared:
+            raise ConfigError(f"sweep.{k} and sweep.{k.split('.', 1)[1]} both sweep it for "
+                              f"{k.split('.')[0]}: give one")
     return tuple(out)
 
 
@@ -400,7 +441,7 @@ def _setting_runs(knobs: CompareConfig, workload: str, optimizer: str, lr: float
     horizon = [f"optimizer.{horizon}={max(knobs.budgets)}"] if horizon and f"optimizer.{horizon}" not in given else []
     # One that needs no cooldown (its own averaging) has branches that keep the trunk's constant lr.
     cooldown = getattr(OPTIMIZERS[optimizer], "COOLDOWN", True)
-    combos = itertools.product(*[[(knob, v) for v in values] for knob, values in knobs.sweep])
+    combos = itertools.product(*[[(knob, v) for v in values] for knob, values in knobs.sweep_of(optimizer)])
     for sweep in (tuple(c) for c in combos) if sweeps is None else sweeps:
         swept = [f"optimizer.{knob}={_value(v)}" for knob, v in sweep]
         for seed in seeds:

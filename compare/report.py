@@ -418,6 +418,10 @@ class Workload:
                                 and r.setting == self.best_setting[o]}) for o in self.optimizers}
         self.best = {o: self._best_lr(o) for o in self.optimizers}
 
+    def trials(self, optimizer: str) -> int:
+        """The settings (sweep values, lr) the optimizer was tuned over: its tuning runs' distinct cells."""
+        return len({(r.setting, float(r.lr)) for r in self.runs if r.optimizer == optimizer and r.phase != "eval"})
+
     def losses_at(self, optimizer: str, budget: int) -> list[float]:
         """Every finished result (finite or not) of `optimizer` at `budget`, over lrs and seeds."""
         return [x for (o, _, b), v in self.losses.items() if o == optimizer and b == budget for x in v]
@@ -517,6 +521,11 @@ def section_summary(w: Workload, h: str, extend: dict | None = None) -> list[str
                          f"(lr.grid.{o}=[...], a larger lr.factor).")
     out += table(["optimizer", "best lr", *(f"best {k}" for k in w.knobs), "runs", "failed", "diverged",
                   *(f"S={b}" for b in w.budgets)], rows)
+    trials = {o: w.trials(o) for o in w.optimizers}
+    out += ["Trials (the settings each optimizer was tuned over: lrs × sweep values, lr.extend's included): "
+            + ", ".join(f"{o} {n}" for o, n in trials.items())
+            + ("." if len(set(trials.values())) <= 1 else " (**not the same for every optimizer**: "
+               "sweep.<optimizer>.<knob> or lr.extend gave some more).") , ""]
     if notes:
         out += ["Edge of the grid:", "", *notes, ""]
     return out
@@ -1178,7 +1187,7 @@ def workload_summary(w: Workload, tests: dict[tuple[str, str], Test]) -> dict:
     for o in w.optimizers:
         mine = [r for r in w.runs if r.optimizer == o]
         best = w.best[o]
-        x: dict = {"best_lr": best, "best_setting": dict(w.best_setting[o]),
+        x: dict = {"best_lr": best, "best_setting": dict(w.best_setting[o]), "trials": w.trials(o),
                    "runs": sum(r.status != "missing" for r in mine), "failed": sum(r.status == "failed" for r in mine),
                    "diverged": sum(bool(r.info.get("diverged")) for r in mine)}
         x["at_best"] = {str(b): _mean_json(w.at_best(o, b), w.planned.get((o, best, b), 0)) for b in w.budgets} \

@@ -141,6 +141,10 @@ def compare(argv: list[str]) -> int:
     open_dir(plan, compare_dir)  # refuses another comparison's directory before saying how to continue this one
     print(f"compare: {len(plan.runs)} runs ({sum(r.kind == 'trunk' for r in plan.runs)} trunks) in {compare_dir}; "
           f"to continue it later: the same command with dir={compare_dir}")
+    trials = {o: knobs.trials(o) for o in knobs.optimizers}
+    if len(set(trials.values())) > 1:  # sweep.<optimizer>.<knob> gives one optimizer more settings
+        print("compare: the optimizers are tuned over different numbers of settings (lrs x sweep values): "
+              + ", ".join(f"{o} {n}" for o, n in trials.items()) + "; the report states each")
     summaries = [execute(plan, None)]
     while knobs.lr_extend and (extra := extension(plan, compare_dir)):
         print(f"compare: lr.extend: {len(extra)} more runs beyond the edge of a grid")

@@ -273,7 +273,58 @@ def test_workloads_and_sweeps_cross_every_lr_and_seed():
     assert json.loads(json.dumps(p.to_json()))["runs"][0]["sweep"] == {"weight_decay": 0.0}
 
 
+def test_an_optimizers_own_search_space_is_crossed_with_its_lrs_only():
+    """sweep.muon.adam_lr (Muon's AdamW-group lr, a knob AdamW lacks) beside the shared
+    sweep.weight_decay: Muon's runs cross both with its lrs, AdamW's only the shared one; each
+    optimizer's trial count follows (the report and compare.py state them)."""
+    k = compare_config({**KNOBS, "optimizers": ["adamw", "muon"], "lr": {"points": 2},
+                        "sweep": {"weight_decay": [0.0, 0.1], "muon": {"adam_lr": [1e-3, 3e-3]}}})
+    assert k.sweep_of("adamw") == (("weight_decay", (0.0, 0.1)),)
+    assert k.sweep_of("muon") == (("adam_lr", (1e-3, 3e-3)), ("weight_decay", (0.0, 0.1)))
+    assert (k.trials("adamw"), k.trials("muon")) == (4, 8)
+    p = make_plan(k, [], {"adamw": 1e-3, "muon": 0.02})
+    trunks = [r for r in p.runs if r.kind == "trunk"]
+    assert len([r for r in trunks if r.optimizer == "adamw"]) == 2 * 2  # lrs x weight decays (1 seed)
+    assert len([r for r in trunks if r.optimizer == "muon"]) == 2 * 2 * 2  # lrs x adam_lrs x weight decays
+    assert all(not any("adam_lr" in o for o in r.overrides) for r in p.runs if r.optimizer == "adamw")
+    muon = next(r for r in trunks if r.optimizer == "muon")
+    assert muon.sweep == (("adam_lr", 1e-3), ("weight_decay", 0.0))
+    assert {"optimizer.adam_lr=0.001", "optimizer.weight_decay=0"} <= set(muon.overrides)
+    assert "adam_lr0.001" in muon.id
+    assert json.loads(json.dumps(p.to_json()))["knobs"]["sweep"] == {"muon.adam_lr": [1e-3, 3e-3],
+                                                                     "weight_decay": [0.0, 0.1]}
+
+
+def test_an_optimizers_own_sweep_from_the_command_line_runs_and_its_trials_are_stated(tmp_path, monkeypatch, capsys):
+    """`sweep.muon.adam_lr=[...]` typed as a user would: Muon's runs carry it, the console and the
+    report say the optimizers were tuned over different numbers of settings."""
+    script = load_script("compare")
+    monkeypatch.setattr(T, "train", fake_train)
+    argv = ["optimizers=[adamw,muon]", "budgets=[10]", "lr.points=1", "sweep.muon.adam_lr=[1e-3,3e-3]", "warmup=2",
+            *RUN, f"dir={tmp_path}"]
+    assert script.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "compare: the optimizers are tuned over different numbers of settings (lrs x sweep values): adamw 1, muon 2" \
+        in out
+    runs = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*/run.json")]
+    assert sorted(r["sweep"].get("adam_lr", 0) for r in runs if r["optimizer"] == "muon") == [1e-3, 1e-3, 3e-3, 3e-3]
+    assert all(r["sweep"] == {} for r in runs if r["optimizer"] == "adamw")
+    md = (tmp_path / "report.md").read_text()
+    assert "lr.extend's included): adamw 1, muon 2 (**not the same for every optimizer**" in md
+    assert json.loads((tmp_path / "summary.json").read_text())["workloads"]["default"]["optimizers"]["muon"][
+        "trials"] == 2
+
+
 @pytest.mark.parametrize("change, knob", [
+    ({"sweep": {"muon": {"b2": [0.9]}}, "optimizers": ["adamw", "muon"]},
+     "sweep.muon.b2: muon has no knob 'b2'; its knobs are adam_b1, adam_b2, "),
+    ({"sweep": {"adam_lr": [1e-3]}, "optimizers": ["adamw", "muon"]},
+     r"sweep.adam_lr: adamw has no knob 'adam_lr'; its knobs are .* \(sweep.<optimizer>.<knob> sweeps one"),
+    ({"sweep": {"lion": {"b1": [0.9]}}, "optimizers": ["adamw", "muon"]},
+     "sweep.lion.b1: lion is not in optimizers=.* add it there or drop its sweep"),
+    ({"sweep": {"weight_decay": [0.0], "muon": {"weight_decay": [0.1]}}, "optimizers": ["adamw", "muon"]},
+     "sweep.muon.weight_decay and sweep.weight_decay both sweep it for muon: give one"),
+    ({"sweep": {"muon": {"lr": [1e-3]}}, "optimizers": ["adamw", "muon"]}, "sweep.muon.lr: the comparison sets"),
     ({"sweep": {"lr": [1e-3]}}, "sweep.lr: the comparison sets the optimizer and its lr itself"),
     ({"sweep": {"groups": {"hidden": {"lr": [1e-3]}}}}, "sweep.groups.hidden.lr: the comparison sets"),
     ({"sweep": {"weight_decay": [0.1, 0.1]}}, r"sweep.weight_decay=\[0.1, 0.1\] must be distinct"),
@@ -371,6 +422,7 @@ def test_lr_extend_runs_lrs_past_the_edge_until_the_best_is_inside(tmp_path, mon
     assert "lr.extend already added 2 lr(s) on that side, its lr.extend_max" in summary
     assert "rerun with lr.extend=true" not in summary
     assert f"| adamw | 0.0027 | 0.0 | 16 | 0 | 0 | {expect(2.7e-3, 0.0):.4f} |" in summary
+    assert "lr.extend's included): adamw 8." in summary  # 4 lrs (2 added by lr.extend) x 2 weight decays
 
 
 def _launched(tmp_path, cache_dir, *launcher: str) -> tuple[list[str], object]:
