@@ -30,6 +30,7 @@ and reads each job's outcome back from run.json when it ends. A job that ends wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -246,9 +247,11 @@ def _record(run: PlannedRun, overrides: list[str], status: str, error: str | Non
 
 
 def run_one(run: PlannedRun, compare_dir: str, train: Callable[..., Any], compose: Callable | None = None,
-            save_every: int | None = None, say: Callable[[str], None] = print, head: str = "") -> tuple[str, dict]:
+            save_every: int | None = None, say: Callable[[str], None] = print, head: str = "",
+            quiet: bool = False) -> tuple[str, dict]:
     """Train `run` unless it is done or failed; (outcome, its run.json record after). Outcome:
-    done | skipped | failed | failed before. A signal or a bug propagates, the run left "running"."""
+    done | skipped | failed | failed before. A signal or a bug propagates, the run left "running".
+    `quiet`: the trainer's output goes to the run's train.log (_logged)."""
     if compose is None:
         from utils.config import compose_overrides
 
@@ -279,8 +282,10 @@ def run_one(run: PlannedRun, compare_dir: str, train: Callable[..., Any], compos
     else:
         _trim_metrics(directory, None)  # planned: nothing of it counts yet
     write_json(json_path, _record(run, overrides, "running"))
+    t0 = time.perf_counter()
     try:
-        train(compose(overrides), directory)
+        with _logged(directory, quiet):
+            train(compose(overrides), directory)
     except EqtrainError as e:
         return _fail(run, overrides, json_path, say, head, str(e).splitlines()[0] if str(e) else type(e).__name__,
                      isinstance(e, TrainingError))
@@ -288,8 +293,75 @@ def run_one(run: PlannedRun, compare_dir: str, train: Callable[..., Any], compos
         _prune(directory, kept_steps(run))
     record = _record(run, overrides, "done")
     write_json(json_path, record)
-    say(f"{head} done")
+    loss = final_val_loss(directory)
+    say(f"{head} done in {time.perf_counter() - t0:.1f} s" + (f" | val/loss {loss:.4f}" if loss is not None else ""))
     return "done", record
+
+
+TRAIN_LOG = "train.log"  # a run's trainer output (stdout and stderr) when the comparison runs it in-process
+
+
+@contextlib.contextmanager
+def _logged(directory: str, quiet: bool):
+    """With `quiet`, what the trainer prints goes to the run's own train.log (appended: a resumed run
+    keeps its first part), so the console keeps one line per run."""
+    if not quiet:
+        yield
+        return
+    with open(os.path.join(directory, TRAIN_LOG), "a", buffering=1) as log, \
+            contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        yield
+
+
+def final_val_loss(directory: str) -> float | None:
+    """The last val/loss a run logged (None: none)."""
+    loss = None
+    try:
+        with open(os.path.join(directory, "metrics.jsonl")) as f:
+            for line in f:
+                record = json.loads(line)
+                if "val/loss" in record:
+                    loss = float(record["val/loss"])
+    except (OSError, ValueError):
+        return None
+    return loss
+
+
+def planned_steps(run: PlannedRun) -> int:
+    """The optimizer steps a run trains: its train.max_steps, less the branch point for a branch."""
+    steps = next((int(o.split("=", 1)[1]) for o in reversed(run.overrides) if override_key(o) == "train.max_steps"), 0)
+    return steps - (run.branch_step or 0)
+
+
+def eta(done: list[tuple[PlannedRun, float]], left: tuple[PlannedRun, ...]) -> float | None:
+    """Seconds the runs `left` should take, from the runs trained so far (run, seconds): per kind
+    (trunk, branch), a fixed part per run (compilation, start-up) and a part per step, fitted by
+    least squares when the runs differ in length, else their mean per run. None: nothing to go on."""
+    total = 0.0
+    for kind in ("trunk", "branch"):
+        mine = [(planned_steps(r), sec) for r, sec in done if r.kind == kind]
+        todo = [planned_steps(r) for r in left if r.kind == kind]
+        if not todo:
+            continue
+        if not mine:
+            mine = [(planned_steps(r), sec) for r, sec in done]
+            if not mine:
+                return None
+        steps = [s for s, _ in mine]
+        if len(set(steps)) > 1:
+            n, sx, sy = len(mine), sum(steps), sum(sec for _, sec in mine)
+            sxx, sxy = sum(s * s for s in steps), sum(s * sec for s, sec in mine)
+            slope = max((n * sxy - sx * sy) / (n * sxx - sx * sx), 0.0)
+            fixed = max((sy - slope * sx) / n, 0.0)
+            total += sum(fixed + slope * s for s in todo)
+        else:
+            total += len(todo) * sum(sec for _, sec in mine) / len(mine)
+    return total
+
+
+def f_duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min" if seconds < 5400 else \
+        f"{seconds / 3600:.1f} h"
 
 
 def _fail(run, overrides: list[str], json_path: str, say: Callable[[str], None], head: str, error: str,
@@ -303,16 +375,25 @@ def _fail(run, overrides: list[str], json_path: str, say: Callable[[str], None],
 
 def run_plan(plan: Plan, compare_dir: str, train: Callable[..., Any], say: Callable[[str], None] = print,
              compose: Callable[[list[str]], object] | None = None, runs: tuple[PlannedRun, ...] | None = None,
-             save_every: int | None = None) -> Summary:
+             save_every: int | None = None, quiet: bool = True) -> Summary:
     """Train every run of `plan` (or `runs`: lr.extend's) not done yet under `compare_dir`, in this
-    process. `compose(overrides)` builds a run's config (default: conf/ composed like train_jax.py's)."""
+    process, one console line per run (its time and final val/loss) and an estimate of the time left;
+    with `quiet` each run's trainer output goes to its train.log. `compose(overrides)` builds a run's
+    config (default: conf/ composed like train_jax.py's)."""
     compare_dir = os.path.abspath(compare_dir)
     todo = plan.runs if runs is None else runs
     open_dir(plan, compare_dir, todo if runs is not None else ())
-    summary, total = Summary(), len(todo)
+    summary, total, trained = Summary(), len(todo), []
     for i, run in enumerate(todo, 1):
-        outcome, record = run_one(run, compare_dir, train, compose, save_every, say, f"[{i}/{total}] {run.id}:")
+        t0 = time.perf_counter()
+        outcome, record = run_one(run, compare_dir, train, compose, save_every, say, f"[{i}/{total}] {run.id}:",
+                                  quiet)
         summary.add(outcome, record)
+        if outcome in ("done", "failed"):
+            trained.append((run, time.perf_counter() - t0))
+        left = eta(trained, todo[i:]) if i < total else None
+        if left is not None and outcome in ("done", "failed"):
+            say(f"  {total - i} runs left, about {f_duration(left)}")
     say(summary.line(total, compare_dir))
     return summary
 

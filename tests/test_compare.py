@@ -11,6 +11,7 @@ saving at 8 and 16, and two cooldown branches (2 and 4 steps).
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -107,13 +108,36 @@ def test_killed_comparison_resumes_to_the_same_results(reference, tmp_path):
     assert json.loads((tmp_path / "runs" / S10 / "run.json").read_text())["status"] == "planned"
     lines = []
     summary = launch.run_plan(p, str(tmp_path), train=T.train, say=lines.append)
-    assert f"[1/3] {TRUNK}: resumed from step 8" in lines and f"[3/3] {S20}: done" in lines
+    assert f"[1/3] {TRUNK}: resumed from step 8" in lines
+    # one line per run: its time and final val/loss (the uninterrupted run's), then the time left
+    final = losses(reference / "runs" / S20)[20]["val/loss"]
+    assert re.fullmatch(rf"\[3/3\] {S20}: done in \d+\.\d s \| val/loss {final:.4f}", lines[-2]), lines
+    assert re.fullmatch(r"  2 runs left, about \d+ s", lines[2]), lines
     assert summary.done == [TRUNK, S10, S20] and not summary.failed
+    # the trainer's own output went to each run's train.log, the resumed part appended
+    log = (tmp_path / "runs" / TRUNK / "train.log").read_text()
+    assert "resumed from" in log and "step     10" in log
     for run_id in (TRUNK, S10, S20):
         assert losses(tmp_path / "runs" / run_id) == losses(reference / "runs" / run_id), run_id
     lines = []
     summary = launch.run_plan(p, str(tmp_path), train=None, say=lines.append)
     assert summary.skipped == [TRUNK, S10, S20] and f"[2/3] {S10}: skipped (done before)" in lines
+
+
+def test_the_time_left_is_a_fixed_part_per_run_and_a_part_per_step():
+    """launch.eta: per kind, a least-squares line through (steps, seconds) of the runs done: trunks of
+    10 and 20 steps in 3 and 5 s are 1 s + 0.2 s/step, so one of 30 steps takes 7 s; branches (of
+    budget - branch point steps) with one length so far are their mean."""
+    from compare.plan import PlannedRun
+
+    def run(kind, steps, branch_step=None):
+        return PlannedRun("r", "w", "adamw", 1e-3, 0, kind, None, None, branch_step, (f"train.max_steps={steps}",))
+
+    done = [(run("trunk", 10), 3.0), (run("trunk", 20), 5.0), (run("branch", 20, 16), 2.0),
+            (run("branch", 20, 16), 4.0)]
+    assert launch.eta(done, (run("trunk", 30),)) == pytest.approx(7.0)  # float64 arithmetic on exact data
+    assert launch.eta(done, (run("branch", 40, 36),)) == pytest.approx(3.0)
+    assert launch.eta([], (run("trunk", 30),)) is None
 
 
 @pytest.mark.slow
@@ -304,8 +328,7 @@ def test_an_optimizers_own_sweep_from_the_command_line_runs_and_its_trials_are_s
             *RUN, f"dir={tmp_path}"]
     assert script.main(argv) == 0
     out = capsys.readouterr().out
-    assert "compare: the optimizers are tuned over different numbers of settings (lrs x sweep values): adamw 1, muon 2" \
-        in out
+    assert "tuned over different numbers of settings (lrs x sweep values): adamw 1, muon 2" in out
     runs = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*/run.json")]
     assert sorted(r["sweep"].get("adam_lr", 0) for r in runs if r["optimizer"] == "muon") == [1e-3, 1e-3, 3e-3, 3e-3]
     assert all(r["sweep"] == {} for r in runs if r["optimizer"] == "adamw")
