@@ -237,6 +237,19 @@ def _prune(directory: str, keep: set[int]) -> None:
             shutil.rmtree(os.path.join(ckpt, f"iter_{step}"), ignore_errors=True)
 
 
+def prune_done(runs: tuple[PlannedRun, ...], compare_dir: str, run: PlannedRun) -> None:
+    """After branch `run` is done, delete the checkpoints nothing needs any more: its own (the report
+    reads metrics.jsonl; a done run is never resumed) and, once every branch of its trunk among `runs`
+    is done, the trunk's (a failed branch keeps it, to be run again). compare.py's keep_checkpoints=true
+    skips this."""
+    if run.kind != "branch":
+        return
+    shutil.rmtree(os.path.join(run_dir(compare_dir, run.id), "ckpt"), ignore_errors=True)
+    done = lambda run_id: (read_json(os.path.join(run_dir(compare_dir, run_id), RUN_JSON)) or {}).get("status")
+    if all(done(r.id) == "done" for r in runs if r.kind == "branch" and r.trunk == run.trunk):
+        shutil.rmtree(os.path.join(run_dir(compare_dir, run.trunk), "ckpt"), ignore_errors=True)
+
+
 def _record(run: PlannedRun, overrides: list[str], status: str, error: str | None = None,
             diverged: bool = False) -> dict:
     info = run_json(run)
@@ -375,11 +388,12 @@ def _fail(run, overrides: list[str], json_path: str, say: Callable[[str], None],
 
 def run_plan(plan: Plan, compare_dir: str, train: Callable[..., Any], say: Callable[[str], None] = print,
              compose: Callable[[list[str]], object] | None = None, runs: tuple[PlannedRun, ...] | None = None,
-             save_every: int | None = None, quiet: bool = True) -> Summary:
+             save_every: int | None = None, quiet: bool = True, keep_checkpoints: bool = False) -> Summary:
     """Train every run of `plan` (or `runs`: lr.extend's) not done yet under `compare_dir`, in this
     process, one console line per run (its time and final val/loss) and an estimate of the time left;
-    with `quiet` each run's trainer output goes to its train.log. `compose(overrides)` builds a run's
-    config (default: conf/ composed like train_jax.py's)."""
+    with `quiet` each run's trainer output goes to its train.log; without `keep_checkpoints` the
+    checkpoints of finished runs go (prune_done). `compose(overrides)` builds a run's config (default:
+    conf/ composed like train_jax.py's)."""
     compare_dir = os.path.abspath(compare_dir)
     todo = plan.runs if runs is None else runs
     open_dir(plan, compare_dir, todo if runs is not None else ())
@@ -389,6 +403,8 @@ def run_plan(plan: Plan, compare_dir: str, train: Callable[..., Any], say: Calla
         outcome, record = run_one(run, compare_dir, train, compose, save_every, say, f"[{i}/{total}] {run.id}:",
                                   quiet)
         summary.add(outcome, record)
+        if outcome == "done" and not keep_checkpoints:
+            prune_done(todo, compare_dir, run)
         if outcome in ("done", "failed"):
             trained.append((run, time.perf_counter() - t0))
         left = eta(trained, todo[i:]) if i < total else None
@@ -400,7 +416,7 @@ def run_plan(plan: Plan, compare_dir: str, train: Callable[..., Any], say: Calla
 
 def run_jobs(plan: Plan, compare_dir: str, submit: Callable[[PlannedRun], Any], parallel: int = 1,
              say: Callable[[str], None] = print, runs: tuple[PlannedRun, ...] | None = None,
-             poll_s: float = 1.0) -> Summary:
+             poll_s: float = 1.0, keep_checkpoints: bool = False) -> Summary:
     """Train every run not done yet as its own job: `submit(run)` starts one (a submitit Job: its
     `done()`, `job_id`, `exception()`) that runs `run_one`. Trunks are submitted first; a branch once
     its trunk is done; at most `parallel` jobs at a time."""
@@ -450,6 +466,8 @@ def run_jobs(plan: Plan, compare_dir: str, submit: Callable[[PlannedRun], Any], 
             if record.get("status") == "done":
                 summary.add("done", record)
                 say(f"{head} done")
+                if not keep_checkpoints:
+                    prune_done(todo, compare_dir, _run)
             elif record.get("status") == "failed":
                 summary.add("failed", record)
                 say(f"{head} failed ({'diverged: ' if record.get('diverged') else ''}{record.get('error')})")

@@ -41,7 +41,7 @@ from utils.script_errors import script_error
 
 # conf/compare.yaml's top-level keys: an argument whose key starts with one is a comparison knob.
 COMPARE_KEYS = ("optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
-                "val_every", "dir", "save_every", "parallel")
+                "val_every", "dir", "save_every", "parallel", "keep_checkpoints")
 # Keys of mappings that are empty in conf/compare.yaml: a new key there needs Hydra's `++`.
 OPEN_MAPPINGS = ("lr.grid.", "sweep.", "workloads.")
 
@@ -134,7 +134,10 @@ def compare(argv: list[str]) -> int:
     compare_dir = user_path(node.get("dir") or os.path.join(
         "comparisons", datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")))
     save_every = _positive(node.get("save_every"), "save_every")
-    execute = executor(launcher, compare_dir, save_every, _positive(node.get("parallel"), "parallel"))
+    keep = node.get("keep_checkpoints", False)
+    if not isinstance(keep, bool):
+        raise ConfigError(f"keep_checkpoints={keep!r} must be true or false")
+    execute = executor(launcher, compare_dir, save_every, _positive(node.get("parallel"), "parallel"), keep)
     check_runs(plan)
     from compare.launch import open_dir
 
@@ -169,13 +172,15 @@ def _positive(value, knob: str) -> int | None:
     return value
 
 
-def executor(launcher: list[str], compare_dir: str, save_every: int | None, parallel: int | None):
+def executor(launcher: list[str], compare_dir: str, save_every: int | None, parallel: int | None,
+             keep_checkpoints: bool = False):
     """execute(plan, runs): in this process, or a job per run with hydra/launcher=local|slurm."""
     import train_jax
     from compare.launch import run_jobs, run_plan
 
     if not launcher:
-        return lambda plan, runs: run_plan(plan, compare_dir, train=train_jax.train, runs=runs, save_every=save_every)
+        return lambda plan, runs: run_plan(plan, compare_dir, train=train_jax.train, runs=runs, save_every=save_every,
+                                           keep_checkpoints=keep_checkpoints)
     from compare.executor import make_submit
 
     names = [a.split("=", 1)[1] for a in launcher if a.split("=", 1)[0].lstrip("+") == "hydra/launcher"]
@@ -185,7 +190,8 @@ def executor(launcher: list[str], compare_dir: str, save_every: int | None, para
                            *([f"save_every={save_every}"] if save_every else [])]
     overrides = [a for a in launcher if a.startswith(("hydra.", "+hydra.", "++hydra."))]
     submit, default = make_submit(names[-1], overrides, compare_dir, command)
-    return lambda plan, runs: run_jobs(plan, compare_dir, submit, parallel or default, runs=runs)
+    return lambda plan, runs: run_jobs(plan, compare_dir, submit, parallel or default, runs=runs,
+                                       keep_checkpoints=keep_checkpoints)
 
 
 def extension(plan, compare_dir: str):

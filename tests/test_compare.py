@@ -114,6 +114,8 @@ def test_killed_comparison_resumes_to_the_same_results(reference, tmp_path):
     assert re.fullmatch(rf"\[3/3\] {S20}: done in \d+\.\d s \| val/loss {final:.4f}", lines[-2]), lines
     assert re.fullmatch(r"  2 runs left, about \d+ s", lines[2]), lines
     assert summary.done == [TRUNK, S10, S20] and not summary.failed
+    # done, nothing needs the checkpoints any more (keep_checkpoints=false, the default)
+    assert not any((tmp_path / "runs" / r / "ckpt").exists() for r in (TRUNK, S10, S20))
     # the trainer's own output went to each run's train.log, the resumed part appended
     log = (tmp_path / "runs" / TRUNK / "train.log").read_text()
     assert "resumed from" in log and "step     10" in log
@@ -122,6 +124,22 @@ def test_killed_comparison_resumes_to_the_same_results(reference, tmp_path):
     lines = []
     summary = launch.run_plan(p, str(tmp_path), train=None, say=lines.append)
     assert summary.skipped == [TRUNK, S10, S20] and f"[2/3] {S10}: skipped (done before)" in lines
+
+
+def test_a_done_branch_drops_its_checkpoints_and_its_trunks_once_every_branch_is_done(tmp_path):
+    """launch.prune_done: a done branch's own checkpoints go at once; its trunk's only when every
+    branch of that trunk is done (a failed one keeps them, to run it again)."""
+    p = plan({**KNOBS, "budgets": [10, 20]})
+    trunk, s10, s20 = p.runs
+    for r in p.runs:
+        (tmp_path / "runs" / r.id / "ckpt" / "iter_8").mkdir(parents=True)
+    status = lambda r, st: (tmp_path / "runs" / r.id / "run.json").write_text(json.dumps({"status": st}))
+    status(trunk, "done"), status(s10, "done"), status(s20, "failed")
+    launch.prune_done(p.runs, str(tmp_path), s10)
+    assert not (tmp_path / "runs" / s10.id / "ckpt").exists() and (tmp_path / "runs" / trunk.id / "ckpt").exists()
+    status(s20, "done")
+    launch.prune_done(p.runs, str(tmp_path), s20)
+    assert not (tmp_path / "runs" / s20.id / "ckpt").exists() and not (tmp_path / "runs" / trunk.id / "ckpt").exists()
 
 
 def test_the_time_left_is_a_fixed_part_per_run_and_a_part_per_step():
