@@ -1,6 +1,7 @@
 """Llama-style decoder in Equinox: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention.
 
-Covers Llama 2/3 (no biases), Qwen2 (`qkv_bias`) and QK-norm models (`qk_norm`, as Qwen3/OLMo2).
+Covers Llama 2/3 (no biases; Llama 3.1+'s long-context `rope_scaling`), Mistral without a sliding
+window, Qwen2 (`qkv_bias`) and QK-norm models (`qk_norm`, as Qwen3/OLMo2; Qwen3's `head_size`).
 The module names and weight layouts follow Hugging Face's (`q_proj`, `gate_proj`, rotary in the
 rotate-half layout), so its checkpoints map 1:1 with a transpose and no permutation
 (`hf_tensors` / `from_hf_tensors`). Blocks are stacked and run exactly as GPT's
@@ -36,6 +37,35 @@ from models.moe import MoE, MoEConfig, init_blocks, logical_axes, run_blocks
 from models.moe import flops_per_token as moe_flops
 from utils.errors import CheckpointError, ConfigError
 
+ROPE_TYPES = ("linear", "llama3")  # model.rope_scaling.type: transformers' rope_type of the same name
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """`model.rope_scaling`: rotary frequencies stretched so a model pretrained on a shorter context
+    reads a longer one, as transformers computes them (modeling_rope_utils.py: `linear`,
+    `llama3`), so a Llama 3.1/3.2/3.3 checkpoint keeps its positions."""
+
+    type: str  # linear | llama3
+    factor: float  # the context's stretch: linear divides every frequency by it, llama3 the low ones
+    low_freq_factor: float = 1.0  # llama3: wavelengths over original_context_length/low_freq_factor are divided
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original_context_length/high_freq_factor are kept
+    original_context_length: int | None = None  # llama3: the pretraining context; null = model.context_length
+
+    def check(self, prefix: str = "model.rope_scaling") -> None:
+        if self.type not in ROPE_TYPES:
+            raise ConfigError(f"{prefix}.type={self.type!r} is not a rotary scaling eqtrain implements: use "
+                              f"{' or '.join(ROPE_TYPES)}, or {prefix}=null for plain rotary positions")
+        if not self.factor > 0:
+            raise ConfigError(f"{prefix}.factor={self.factor} must be positive (the context's stretch, e.g. 8.0)")
+        if self.type == "llama3":
+            if not 0 < self.low_freq_factor < self.high_freq_factor:
+                raise ConfigError(f"{prefix}.low_freq_factor={self.low_freq_factor} and high_freq_factor="
+                                  f"{self.high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1.0 and 4.0)")
+            if self.original_context_length is not None and self.original_context_length <= 0:
+                raise ConfigError(f"{prefix}.original_context_length={self.original_context_length} must be a "
+                                  "positive integer, or null for model.context_length")
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -48,9 +78,11 @@ class LlamaConfig:
     vocab_size: int | None = None
     vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (fast matmuls)
     num_kv_heads: int | None = None  # key/value heads (grouped-query attention); null = num_heads
+    head_size: int | None = None  # each head's size (config.json's head_dim); null = dim/num_heads
     mlp_hidden: int | None = None  # SwiGLU width; null = 8/3·dim rounded up to mlp_multiple (Llama's rule)
     mlp_multiple: int = 256
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # long-context rotary frequencies (Llama 3.1+); null = plain rotary
     norm_eps: float = 1e-5
     dropout: float = 0.0
     tie_embeddings: bool = True
@@ -70,12 +102,16 @@ class LlamaConfig:
         for knob in ("dim", "num_heads", "num_blocks", "context_length", "vocab_multiple", "mlp_multiple"):
             if getattr(self, knob) <= 0:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be a positive integer")
-        if self.dim % self.num_heads:
+        if self.head_size is not None and self.head_size <= 0:
+            raise ConfigError(f"{prefix}.head_size={self.head_size} must be a positive integer, or null for "
+                              f"{prefix}.dim/{prefix}.num_heads")
+        if self.head_size is None and self.dim % self.num_heads:
             raise ConfigError(f"{prefix}.dim={self.dim} is not divisible by {prefix}.num_heads={self.num_heads}: "
-                              "pick a head count that divides dim")
+                              f"pick a head count that divides dim, or set {prefix}.head_size")
         if self.head_dim % 2:
-            raise ConfigError(f"{prefix}.dim/{prefix}.num_heads={self.head_dim} is odd: rotary positions rotate "
-                              "pairs of a head's dimensions; pick an even head size")
+            size = f"{prefix}.head_size" if self.head_size is not None else f"{prefix}.dim/{prefix}.num_heads"
+            raise ConfigError(f"{size}={self.head_dim} is odd: rotary positions rotate pairs of a head's "
+                              "dimensions; pick an even head size")
         if self.num_kv_heads is not None and (self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
             raise ConfigError(f"{prefix}.num_kv_heads={self.num_kv_heads} must divide {prefix}.num_heads="
                               f"{self.num_heads} (each key/value head serves a group of query heads): pick a "
@@ -85,13 +121,16 @@ class LlamaConfig:
         for knob in ("rope_theta", "norm_eps"):
             if not getattr(self, knob) > 0:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be positive")
+        if self.rope_scaling is not None:
+            self.rope_scaling.check(f"{prefix}.rope_scaling")
         check_run_knobs(self, prefix)
         attention.check_config(self, prefix)
         self.moe.check_blocks(self.num_blocks, prefix)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.num_heads
+        """Each head's size: `head_size`, or dim/num_heads (Qwen3 and Mistral Nemo set it apart from dim)."""
+        return self.head_size or self.dim // self.num_heads
 
     @property
     def kv_heads(self) -> int:
@@ -107,11 +146,38 @@ class LlamaConfig:
         return -(-int(8 * self.dim / 3) // self.mlp_multiple) * self.mlp_multiple
 
 
-def rotary_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of each position's rotary angles, float32, shape positions.shape + (head_dim,).
-    Hugging Face's layout: frequency i = theta^(-2i/head_dim) for the pair (i, i + head_dim/2),
-    so the angles are repeated for the two halves."""
+def rotary_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                    context_length: int | None = None) -> jax.Array:
+    """The head_dim/2 rotary frequencies, float32, with transformers' operations in its order
+    (modeling_rope_utils.py), so a scaled checkpoint's angles match its own to the rounding:
+    plain theta^(-2i/head_dim); `linear` divides them all by factor; `llama3` divides those whose
+    wavelength 2π/f exceeds original/low_freq_factor, keeps those under original/high_freq_factor,
+    and blends in between. `context_length` stands in for a null original_context_length."""
     inv_freq_K2 = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv_freq_K2
+    factor = scaling.factor
+    if scaling.type == "linear":
+        return inv_freq_K2 / factor
+    old = scaling.original_context_length or context_length
+    if old is None:
+        raise ValueError("llama3 rotary scaling needs original_context_length or the model's context_length")
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    low_freq_wavelen, high_freq_wavelen = old / low, old / high
+    wavelen_K2 = 2 * math.pi / inv_freq_K2
+    scaled_K2 = jnp.where(wavelen_K2 > low_freq_wavelen, inv_freq_K2 / factor, inv_freq_K2)
+    smooth_K2 = (old / wavelen_K2 - low) / (high - low)
+    smoothed_K2 = (1 - smooth_K2) * scaled_K2 / factor + smooth_K2 * scaled_K2
+    medium_K2 = ~(wavelen_K2 < high_freq_wavelen) & ~(wavelen_K2 > low_freq_wavelen)
+    return jnp.where(medium_K2, smoothed_K2, scaled_K2)
+
+
+def rotary_cos_sin(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                   context_length: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of each position's rotary angles, float32, shape positions.shape + (head_dim,).
+    Hugging Face's layout: frequency i (`rotary_inv_freq`) for the pair (i, i + head_dim/2), so the
+    angles are repeated for the two halves."""
+    inv_freq_K2 = rotary_inv_freq(head_dim, theta, scaling, context_length)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq_K2
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
@@ -285,10 +351,11 @@ class Llama(eqx.Module):
         (MoE only) the tokens the router statistics count."""
         cfg = self.cfg
         T = tokens_BxT.shape[1]
+        rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.context_length)
         if segment_ids_BxT is None:
-            cos_TxK, sin_TxK = rotary_cos_sin(jnp.arange(T), cfg.head_dim, cfg.rope_theta)
+            cos_TxK, sin_TxK = rotary_cos_sin(jnp.arange(T), *rope)
         else:  # per-row positions: B x 1 x T x K, broadcast over heads
-            cos, sin = rotary_cos_sin(document_positions(segment_ids_BxT), cfg.head_dim, cfg.rope_theta)
+            cos, sin = rotary_cos_sin(document_positions(segment_ids_BxT), *rope)
             cos_TxK, sin_TxK = cos[:, None], sin[:, None]
         x_BxTxD = jnp.take(self.embed_VxD, tokens_BxT, axis=0).astype(jnp.float32)
 
