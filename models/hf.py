@@ -112,11 +112,11 @@ def config_from_dir(path: str, base) -> tuple[Any, dict]:
 
 
 def refuse_moe(cfg, what: str) -> None:
-    """Mixture-of-Experts blocks have no form in the gpt2/llama/qwen2 model types (their MLPs are dense)."""
+    """Mixture-of-Experts blocks have no form in the model types eqtrain reads and writes (their MLPs are dense)."""
     moe = getattr(cfg, "moe", None)
     if moe is not None and moe.on:
-        raise ConfigError(f"model.moe.num_experts={moe.num_experts}: {what} (gpt2, llama and qwen2 have dense MLPs): "
-                          "set model.moe.num_experts=0, or use eqtrain's own export format")
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts}: {what} (gpt2, llama, mistral, qwen2 and "
+                          "qwen3 have dense MLPs): set model.moe.num_experts=0, or use eqtrain's own export format")
 
 
 def has_tokenizer(path: str) -> bool:

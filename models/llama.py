@@ -428,7 +428,7 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
 # ---------------------------------------------------------------------------- Hugging Face
 
 
-HF_MODEL_TYPES = ("llama", "qwen2")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Our path -> (Hugging Face name, transposed): torch's Linear stores (out, in), ours (in, out).
 # Block entries are under `model.layers.{i}.`; QK-norm's names are Qwen3's.
 _HF_TOP = {
@@ -447,15 +447,21 @@ _HF_BLOCK = {
 }
 
 
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def hf_config(cfg: LlamaConfig) -> dict:
-    """transformers' config.json fields for this model: `qwen2` when it has qkv biases, else `llama`."""
-    if cfg.qk_norm:
-        raise ConfigError("model.qk_norm=true has no Hugging Face llama/qwen2 equivalent: export with the default "
-                          "safetensors format, or train with model.qk_norm=false")
-    qwen = cfg.qkv_bias
+    """transformers' config.json fields for this model: `qwen3` with QK-norm, `qwen2` with qkv
+    biases, else `llama` (a Mistral without a window is a llama: it is written as one)."""
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise ConfigError("model.qk_norm=true with model.qkv_bias=true has no Hugging Face form (qwen3, the QK-norm "
+                          "model type, biases o_proj as well when it biases q, k and v): export with the default "
+                          "safetensors format, or train with one of the two false")
+    model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, **_hf_rope_scaling(cfg)}
     out = {
-        "model_type": "qwen2" if qwen else "llama",
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": model_type,
+        "architectures": [_ARCHITECTURES[model_type]],
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.mlp_width,
         "num_attention_heads": cfg.num_heads,
@@ -466,16 +472,32 @@ def hf_config(cfg: LlamaConfig) -> dict:
         "max_position_embeddings": cfg.context_length,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,  # transformers < 5 reads this; 5.x reads rope_parameters
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": rope,
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
         "attention_dropout": 0.0,
     }
-    if qwen:
+    if cfg.rope_scaling is not None:  # transformers < 5 reads the scaling here (5.x too, before rope_parameters)
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if model_type in ("qwen2", "qwen3"):
         out.update(use_sliding_window=False, sliding_window=None)
-    else:
-        out.update(attention_bias=False, mlp_bias=False)
+    if model_type in ("llama", "qwen3"):
+        out.update(attention_bias=False)
+    if model_type == "llama":
+        out.update(mlp_bias=False)
     return out
+
+
+def _hf_rope_scaling(cfg: LlamaConfig) -> dict:
+    """rope_parameters' scaling fields (transformers' names) of `cfg.rope_scaling`; {} without one."""
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return {}
+    if scaling.type == "linear":
+        return {"rope_type": "linear", "factor": scaling.factor}
+    return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_context_length or cfg.context_length}
 
 
 # config.json keys config_from_hf reads (models/hf_keys.py checks each before anything is built)
@@ -487,23 +509,30 @@ HF_KEYS = {
     "intermediate_size": hf_keys.Key(INT, "the SwiGLU MLP width", required=True),
     "vocab_size": hf_keys.Key(INT, "the embedding rows", required=True),
     "num_key_value_heads": hf_keys.Key(INT, "key/value heads; null = one per query head"),
-    "head_dim": hf_keys.Key(INT, "each head's size; null = hidden_size/num_attention_heads"),
+    "head_dim": hf_keys.Key(INT, "each head's size; null = hidden_size/num_attention_heads (qwen3: 128)"),
     "max_position_embeddings": hf_keys.Key(INT, "the context length; missing = the run's model.context_length"),
     "rms_norm_eps": hf_keys.Key(NUMBER, "the RMSNorm epsilon", default=1e-6),
     "rope_theta": hf_keys.Key(NUMBER, "the rotary base, transformers < 5", default=10000.0),
     "rope_parameters": hf_keys.Key(OBJECT, "the rotary settings, transformers >= 5"),
-    "rope_scaling": hf_keys.Key(OBJECT, "rotary scaling; eqtrain supports only null"),
+    "rope_scaling": hf_keys.Key(OBJECT, "the rotary scaling, transformers < 5 (read before rope_parameters)"),
     "hidden_act": hf_keys.Key(STR, "the SwiGLU activation", default="silu"),
     "tie_word_embeddings": hf_keys.Key(BOOL, "whether the head is the embedding", default=False),
     "attention_bias": hf_keys.Key(BOOL, "biases on the attention projections", default=False),
     "mlp_bias": hf_keys.Key(BOOL, "biases on the MLP matrices", default=False),
-    "use_sliding_window": hf_keys.Key(BOOL, "sliding-window attention", default=False),
+    "use_sliding_window": hf_keys.Key(BOOL, "sliding-window attention (qwen2, qwen3)", default=False),
+    "sliding_window": hf_keys.Key(INT, "mistral's attention window; null = full attention"),
 }
-HF_ROPE_KEYS = {  # inside rope_parameters
-    "rope_type": hf_keys.Key(STR, "the rotary variant; eqtrain supports only default"),
+HF_ROPE_KEYS = {  # inside rope_parameters (or rope_scaling)
+    "rope_type": hf_keys.Key(STR, "the rotary variant: default, linear or llama3"),
     "type": hf_keys.Key(STR, "the rotary variant, older spelling"),
     "rope_theta": hf_keys.Key(NUMBER, "the rotary base"),
+    "factor": hf_keys.Key(NUMBER, "the context's stretch (linear, llama3)"),
+    "low_freq_factor": hf_keys.Key(NUMBER, "llama3's low-frequency bound"),
+    "high_freq_factor": hf_keys.Key(NUMBER, "llama3's high-frequency bound"),
+    "original_max_position_embeddings": hf_keys.Key(INT, "llama3's pretraining context; null: max_position_embeddings"),
+    "partial_rotary_factor": hf_keys.Key(NUMBER, "the rotated fraction of a head", default=1.0),
 }
+QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config head_dim when config.json has none (not hidden_size/heads)
 
 
 def _unsupported(where: str, key: str, value, why: str) -> ConfigError:
@@ -511,50 +540,94 @@ def _unsupported(where: str, key: str, value, why: str) -> ConfigError:
                        "(pick a checkpoint without it)")
 
 
+def _rope_from_hf(rope: dict, key: str, context_length: int, where: str) -> RopeScaling | None:
+    """model.rope_scaling of config.json's rotary settings (`rope`, read from its object `key`):
+    None for default rotary, linear and llama3 with transformers' defaults, anything else refused."""
+    type_key = "rope_type" if rope["rope_type"] else "type"
+    rope_type = rope[type_key] or "default"
+    if rope["partial_rotary_factor"] != 1:
+        raise _unsupported(where, f"{key}.partial_rotary_factor", rope["partial_rotary_factor"],
+                           "rotary positions here turn every dimension of a head")
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_TYPES:
+        raise _unsupported(where, f"{key}.{type_key}", rope_type,
+                           f"the rotary types implemented are default, {', '.join(ROPE_TYPES)}")
+    needs = ("factor",) if rope_type == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    for name in needs:
+        if rope[name] is None:
+            raise ConfigError(f"{where} {key}.{name} is missing: {rope_type} rotary scaling needs it, as transformers "
+                              f"does; add it (e.g. {key}.{name}: {HF_ROPE_EXAMPLES[name]}) or save the directory again")
+    if rope_type == "linear":
+        scaling = RopeScaling("linear", float(rope["factor"]))
+    else:  # transformers' default original context: max_position_embeddings
+        scaling = RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                              float(rope["high_freq_factor"]),
+                              rope["original_max_position_embeddings"] or context_length)
+    try:
+        scaling.check("rope_scaling")
+    except ConfigError as e:
+        raise ConfigError(f"{where} {key} describes a rotary scaling eqtrain rejects ({e}): correct config.json") \
+            from None
+    return scaling
+
+
+HF_ROPE_EXAMPLES = {"factor": "8.0", "low_freq_factor": "1.0", "high_freq_factor": "4.0"}  # Llama 3.1's
+
+
 def config_from_hf(hf: dict, base: LlamaConfig, where: str = "config.json") -> LlamaConfig:
     """A Config of the model a transformers config.json describes: its shape knobs from `hf`, the
     execution knobs (scan_blocks, remat, dropout, attn_block_size, scan_unroll, ...) from `base`.
     `context_length` is max_position_embeddings (rotary has no position table: a limit, not a shape).
+    model_type llama, mistral (no window: a llama), qwen2 (qkv biases) and qwen3 (QK-norm).
     Every fault is one ConfigError naming `where` (the file) and the key."""
     model_type = hf.get("model_type")
     if model_type not in HF_MODEL_TYPES:
         raise ConfigError(f"{where} model_type={hf_keys.json_text(model_type)} is not a llama-family model "
                           f"({', '.join(HF_MODEL_TYPES)}): use a checkpoint of one of those")
     v = hf_keys.read(hf, HF_KEYS, where)
-    rope = hf_keys.read(v["rope_parameters"] or {}, HF_ROPE_KEYS, where, prefix="rope_parameters.")
+    # transformers 5 reads rope_scaling first when it is set (configuration_utils: convert_rope_params_to_dict)
+    rope_key = "rope_scaling" if v["rope_scaling"] else "rope_parameters"
+    rope = hf_keys.read(v[rope_key] or {}, HF_ROPE_KEYS, where, prefix=f"{rope_key}.")
+    context_length = v["max_position_embeddings"] or base.context_length
     if v["hidden_act"] != "silu":
         raise _unsupported(where, "hidden_act", v["hidden_act"], "SwiGLU here uses silu")
-    if v["rope_scaling"]:
-        raise _unsupported(where, "rope_scaling", v["rope_scaling"], "only plain rotary positions are implemented")
-    if (rope["rope_type"] or rope["type"] or "default") != "default":
-        raise _unsupported(where, "rope_parameters.rope_type", rope["rope_type"] or rope["type"],
-                           "only plain rotary positions are implemented")
-    if model_type == "llama" and v["attention_bias"]:
-        raise _unsupported(where, "attention_bias", True, "llama's attention_bias also puts a bias on o_proj")
+    scaling = _rope_from_hf(rope, rope_key, context_length, where)
+    if model_type in ("llama", "qwen3") and v["attention_bias"]:
+        raise _unsupported(where, "attention_bias", True, f"{model_type}'s attention_bias also puts a bias on o_proj")
     if v["mlp_bias"]:
         raise _unsupported(where, "mlp_bias", True, "the SwiGLU matrices have no biases")
     if v["use_sliding_window"]:
         raise _unsupported(where, "use_sliding_window", True, "attention here is always full")
+    window = v["sliding_window"]
+    if model_type == "mistral" and window is not None and window < context_length:
+        raise _unsupported(where, "sliding_window", window, f"attention here is always full, and a window shorter "
+                           f"than the context ({context_length}) hides earlier tokens; a Mistral with sliding_window "
+                           "null (7B v0.2 and later) loads")
     heads, dim = v["num_attention_heads"], v["hidden_size"]
-    if dim % heads:
-        raise ConfigError(f"{where} hidden_size={dim} is not divisible by num_attention_heads={heads}: each head "
-                          "takes an equal share of the width; correct config.json")
-    if v["head_dim"] not in (None, dim // heads):
-        raise _unsupported(where, "head_dim", v["head_dim"], f"the head size must be hidden_size/num_attention_heads "
-                           f"= {dim // heads}")
-    if (dim // heads) % 2:
-        raise _unsupported(where, "hidden_size", dim, f"hidden_size/num_attention_heads={dim // heads} is odd, and "
-                           "rotary positions rotate pairs of a head's dimensions")
+    head_dim = v["head_dim"] or (QWEN3_HEAD_DIM if model_type == "qwen3" else None)
+    if head_dim is None:
+        if dim % heads:
+            raise ConfigError(f"{where} hidden_size={dim} is not divisible by num_attention_heads={heads}: each head "
+                              "takes an equal share of the width; correct config.json, or give its head_dim")
+        if (dim // heads) % 2:
+            raise _unsupported(where, "hidden_size", dim, f"hidden_size/num_attention_heads={dim // heads} is odd, "
+                               "and rotary positions rotate pairs of a head's dimensions")
+        head_dim = dim // heads
+    if head_dim % 2:
+        raise _unsupported(where, "head_dim", head_dim, "it is odd, and rotary positions rotate pairs of a head's "
+                           "dimensions")
     kv_heads = v["num_key_value_heads"] or heads
     if heads % kv_heads:
         raise ConfigError(f"{where} num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}: "
                           "each key/value head serves a group of query heads; correct config.json")
     cfg = dataclasses.replace(
         base, name="llama", dim=dim, num_heads=heads, num_blocks=v["num_hidden_layers"], num_kv_heads=kv_heads,
-        mlp_hidden=v["intermediate_size"], vocab_size=v["vocab_size"],
-        context_length=v["max_position_embeddings"] or base.context_length,
-        rope_theta=float(rope["rope_theta"] or v["rope_theta"]), norm_eps=float(v["rms_norm_eps"]),
-        tie_embeddings=v["tie_word_embeddings"], qkv_bias=model_type == "qwen2", qk_norm=False)
+        head_size=None if head_dim * heads == dim else head_dim,
+        mlp_hidden=v["intermediate_size"], vocab_size=v["vocab_size"], context_length=context_length,
+        rope_theta=float(rope["rope_theta"] or v["rope_theta"]), rope_scaling=scaling,
+        norm_eps=float(v["rms_norm_eps"]), tie_embeddings=v["tie_word_embeddings"], qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3")
     try:
         cfg.check("model")
     except ConfigError as e:

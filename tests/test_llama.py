@@ -438,19 +438,29 @@ def test_hf_tensors_errors_name_the_tensor():
         llama.from_hf_tensors(CFG, bad)
 
 
+LLAMA3 = llama.RopeScaling("llama3", 32.0, 1.0, 4.0, 8)  # Llama 3.2's factors, original context 8 (< 16)
+
+
 def test_hf_config_round_trip_and_refusals():
     base = dataclasses.replace(CFG, remat="full", scan_blocks=False, vocab_size=None)
-    for cfg in (CFG, dataclasses.replace(FULL_CFG, qk_norm=False)):
+    for cfg, model_type in [(CFG, "llama"), (dataclasses.replace(FULL_CFG, qk_norm=False), "qwen2"),
+                            (dataclasses.replace(FULL_CFG, qkv_bias=False, head_size=16), "qwen3"),
+                            (dataclasses.replace(CFG, rope_scaling=LLAMA3), "llama"),
+                            (dataclasses.replace(CFG, rope_scaling=llama.RopeScaling("linear", 2.0)), "llama")]:
         hf = llama.hf_config(cfg)
-        assert hf["model_type"] == ("qwen2" if cfg.qkv_bias else "llama")
+        assert hf["model_type"] == model_type
         back = llama.config_from_hf(json.loads(json.dumps(hf)), base)
         assert back == dataclasses.replace(cfg, remat="full", scan_blocks=False, mlp_hidden=cfg.mlp_width)
-    with pytest.raises(ConfigError, match="model.qk_norm=true"):
+    with pytest.raises(ConfigError, match="model.qk_norm=true with model.qkv_bias=true"):
         llama.hf_config(FULL_CFG)
     hf = llama.hf_config(CFG)
     for key, value in [("rope_scaling", {"rope_type": "llama3", "factor": 32.0}), ("hidden_act", "gelu"),
-                       ("attention_bias", True), ("model_type", "gpt2"), ("head_dim", 16),
-                       ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4})]:
+                       ("attention_bias", True), ("model_type", "gpt2"), ("head_dim", 7),
+                       ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}),
+                       ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
+                       ("rope_parameters", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                            "high_freq_factor": 1.0}),
+                       ("rope_parameters", {"rope_type": "linear", "partial_rotary_factor": 0.5, "factor": 2.0})]:
         with pytest.raises(ConfigError, match=f"config.json {key}") as info:
             llama.config_from_hf({**hf, key: value}, base)
         assert "\n" not in str(info.value)
