@@ -8,6 +8,9 @@ AutoModelForCausalLM gives ours, and reads back into the same arrays. Offline, f
 transformers' "eager" attention; every parameter (norm gains included) perturbed, so a gain mapped
 to the wrong place shows.
 
+The config.json files of Llama 3.1 8B, Llama 3.2 1B, Qwen3 0.6B and Mistral 7B v0.3 (shapes
+only, no weights) read into the shapes they name, with transformers' rotary frequencies.
+
 The rotary scaling cases run 48 positions with original_max_position_embeddings 32 and head_dim 16:
 the frequencies fall in all three of llama3's bands (kept, blended, divided by factor; asserted),
 and the positions past 32 are the ones the scaling exists for.
@@ -255,3 +258,64 @@ def test_qwen3_with_rope_scaling_both_ways(tmp_path):
     assert_parity(ours_logits(ours, toks), hf_logits(theirs, toks))
     again = export_and_load(tmp_path / "out", ours, "qwen3")
     assert_parity(hf_logits(again, toks), ours_logits(ours, toks))
+
+
+# ----------------------------------------------------------------------------- released configs
+
+# config.json of released checkpoints as their hub repositories hold them (shapes only: nothing is
+# downloaded, no weights are built). Llama 3.1/3.2 carry their scaling under the older rope_scaling key.
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256}
+LLAMA_3_2_1B = {**LLAMA_3_1_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                "head_dim": 64, "tie_word_embeddings": True,
+                "rope_scaling": {**LLAMA_3_1_8B["rope_scaling"], "factor": 32.0}}
+QWEN3_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+    "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936}
+MISTRAL_7B_V03 = {
+    "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.42.0.dev0", "use_cache": True,
+    "vocab_size": 32768}
+RELEASED = {"llama-3.1-8b": (LLAMA_3_1_8B, 128, 8.0), "llama-3.2-1b": (LLAMA_3_2_1B, 64, 32.0),
+            "qwen3-0.6b": (QWEN3_0_6B, 128, None), "mistral-7b-v0.3": (MISTRAL_7B_V03, 128, None)}
+
+
+@pytest.mark.parametrize("name", RELEASED)
+def test_released_configs_read_with_transformers_frequencies(name):
+    """Each reads into the shape it names, and its rotary frequencies (at the real head size, theta and
+    scaling) equal those of transformers' own rotary module built from the same config.json."""
+    config, head_dim, factor = RELEASED[name]
+    cfg = llama.config_from_hf(json.loads(json.dumps(config)), models.config_from_dict(LLAMA_BASE))
+    assert (cfg.dim, cfg.head_dim, cfg.num_heads, cfg.kv_heads, cfg.context_length) == (
+        config["hidden_size"], head_dim, config["num_attention_heads"], 8, config["max_position_embeddings"])
+    assert cfg.qk_norm == (config["model_type"] == "qwen3") and cfg.rope_theta == config["rope_theta"]
+    assert (cfg.rope_scaling and cfg.rope_scaling.factor) == factor
+    theirs = their_rotary(config).inv_freq.numpy()
+    np.testing.assert_allclose(our_inv_freq(cfg), theirs, rtol=inv_freq_rtol(), atol=0)
+    # ... and back: the config.json we would write describes the same frequencies to transformers
+    np.testing.assert_array_equal(their_rotary(llama.hf_config(cfg)).inv_freq.numpy(), theirs)
+
+
+def their_rotary(config: dict):
+    """transformers' rotary module of a config.json (its model type's class), no model built."""
+    import importlib
+
+    model_type = config["model_type"]
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    rotary = {"llama": "LlamaRotaryEmbedding", "mistral": "MistralRotaryEmbedding", "qwen3": "Qwen3RotaryEmbedding"}
+    return getattr(modeling, rotary[model_type])(transformers.AutoConfig.for_model(**json.loads(json.dumps(config))))
