@@ -164,8 +164,11 @@ def resolve_init_from(cfg, prefix: str = "model") -> tuple[Any, tuple[str, ...],
         check_shapes(new, path)
     except CheckpointError as e:
         raise CheckpointError(f"{knob}: {e}") from None
+    # A null knob the directory resolves (vocab_size, num_kv_heads) is no change; a null section it
+    # fills (model.rope_scaling: the directory's scaling where the yaml has none) is one.
     changed = [f"{prefix}.{f.name} {getattr(cfg, f.name)} -> {getattr(new, f.name)}"
-               for f in dataclasses.fields(cfg) if f.name != "init_from" and getattr(cfg, f.name) is not None
+               for f in dataclasses.fields(cfg) if f.name != "init_from"
+               and (getattr(cfg, f.name) is not None or dataclasses.is_dataclass(getattr(new, f.name)))
                and getattr(cfg, f.name) != getattr(new, f.name)]
     notes = (f"{knob}: the model's shape comes from {os.path.join(path, CONFIG_FILE)}, replacing the yaml's "
              + ", ".join(changed),) if changed else ()

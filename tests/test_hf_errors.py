@@ -15,7 +15,7 @@ import pytest
 from helpers import compose_config
 
 import models
-from models import hf
+from models import hf, llama
 from trainer.inference import export_hf
 from utils.config import validate
 from utils.errors import CheckpointError, ConfigError
@@ -271,6 +271,19 @@ def test_each_tiny_directory_loads_as_written(family_dir, model_type):
     raw = TINY[model_type][1]
     assert (m.dim, m.num_heads, m.num_blocks, m.vocab_size) == (raw["dim"], raw["num_heads"], 2, 64)
     assert m.init_from == str(path)
+
+
+def test_the_header_names_the_rotary_scaling_a_directory_brings(family_dir):
+    """A yaml with no rope_scaling starting from a Llama 3.1-style directory: the scaling is the
+    directory's, and the run header says the yaml's null was replaced."""
+    path = family_dir("llama")
+    edit_config(path, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    run = run_with("model=llama_tiny", "model.init_from=pretrained")
+    assert run.model.rope_scaling == llama.RopeScaling("llama3", 8.0, 1.0, 4.0, 16)
+    note = next(w for w in run.warnings if "model.init_from=pretrained" in w)
+    assert "model.rope_scaling None -> RopeScaling(type='llama3', factor=8.0" in note, note
+    assert "model.vocab_size" not in note  # a null the directory resolves is no change
 
 
 @pytest.mark.parametrize("how", ["missing", "null"])
