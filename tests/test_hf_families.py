@@ -249,6 +249,14 @@ def test_our_qk_norm_model_loads_in_transformers_as_qwen3(tmp_path):
     print(f"qwen3 export: max |transformers - ours| = {err:.2e} of the logits' scale")
 
 
+def test_our_qwen2_with_a_head_size_loads_in_transformers(tmp_path):
+    """qwen2 has no head_dim of its own in transformers' config class: the written key still sets it."""
+    ours = our_model(context_length=64, qkv_bias=True, head_size=16)
+    theirs = export_and_load(tmp_path, ours, "qwen2")
+    toks = tokens(32, seed=5)
+    assert_parity(hf_logits(theirs, toks), ours_logits(ours, toks))
+
+
 def test_qwen3_with_rope_scaling_both_ways(tmp_path):
     """The two features together: QK-norm and llama3 frequencies past the original context."""
     theirs = hf_model("qwen3", head_dim=16, max_position_embeddings=128, rope_parameters=dict(LLAMA3))
