@@ -112,11 +112,11 @@ def config_from_dir(path: str, base) -> tuple[Any, dict]:
 
 
 def refuse_moe(cfg, what: str) -> None:
-    """Mixture-of-Experts blocks have no form in the gpt2/llama/qwen2 model types (their MLPs are dense)."""
+    """Mixture-of-Experts blocks have no form in the model types eqtrain reads and writes (their MLPs are dense)."""
     moe = getattr(cfg, "moe", None)
     if moe is not None and moe.on:
-        raise ConfigError(f"model.moe.num_experts={moe.num_experts}: {what} (gpt2, llama and qwen2 have dense MLPs): "
-                          "set model.moe.num_experts=0, or use eqtrain's own export format")
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts}: {what} (gpt2, llama, mistral, qwen2 and "
+                          "qwen3 have dense MLPs): set model.moe.num_experts=0, or use eqtrain's own export format")
 
 
 def has_tokenizer(path: str) -> bool:
@@ -164,8 +164,11 @@ def resolve_init_from(cfg, prefix: str = "model") -> tuple[Any, tuple[str, ...],
         check_shapes(new, path)
     except CheckpointError as e:
         raise CheckpointError(f"{knob}: {e}") from None
+    # A null knob the directory resolves (vocab_size, num_kv_heads) is no change; a null section it
+    # fills (model.rope_scaling: the directory's scaling where the yaml has none) is one.
     changed = [f"{prefix}.{f.name} {getattr(cfg, f.name)} -> {getattr(new, f.name)}"
-               for f in dataclasses.fields(cfg) if f.name != "init_from" and getattr(cfg, f.name) is not None
+               for f in dataclasses.fields(cfg) if f.name != "init_from"
+               and (getattr(cfg, f.name) is not None or dataclasses.is_dataclass(getattr(new, f.name)))
                and getattr(cfg, f.name) != getattr(new, f.name)]
     notes = (f"{knob}: the model's shape comes from {os.path.join(path, CONFIG_FILE)}, replacing the yaml's "
              + ", ".join(changed),) if changed else ()

@@ -1,6 +1,7 @@
 """Llama-style decoder in Equinox: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention.
 
-Covers Llama 2/3 (no biases), Qwen2 (`qkv_bias`) and QK-norm models (`qk_norm`, as Qwen3/OLMo2).
+Covers Llama 2/3 (no biases; Llama 3.1+'s long-context `rope_scaling`), Mistral without a sliding
+window, Qwen2 (`qkv_bias`) and QK-norm models (`qk_norm`, as Qwen3/OLMo2; Qwen3's `head_size`).
 The module names and weight layouts follow Hugging Face's (`q_proj`, `gate_proj`, rotary in the
 rotate-half layout), so its checkpoints map 1:1 with a transpose and no permutation
 (`hf_tensors` / `from_hf_tensors`). Blocks are stacked and run exactly as GPT's
@@ -36,6 +37,35 @@ from models.moe import MoE, MoEConfig, init_blocks, logical_axes, run_blocks
 from models.moe import flops_per_token as moe_flops
 from utils.errors import CheckpointError, ConfigError
 
+ROPE_TYPES = ("linear", "llama3")  # model.rope_scaling.type: transformers' rope_type of the same name
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """`model.rope_scaling`: rotary frequencies stretched so a model pretrained on a shorter context
+    reads a longer one, as transformers computes them (modeling_rope_utils.py: `linear`,
+    `llama3`), so a Llama 3.1/3.2/3.3 checkpoint keeps its positions."""
+
+    type: str  # linear | llama3
+    factor: float  # the context's stretch: linear divides every frequency by it, llama3 the low ones
+    low_freq_factor: float = 1.0  # llama3: wavelengths over original_context_length/low_freq_factor are divided
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original_context_length/high_freq_factor are kept
+    original_context_length: int | None = None  # llama3: the pretraining context; null = model.context_length
+
+    def check(self, prefix: str = "model.rope_scaling") -> None:
+        if self.type not in ROPE_TYPES:
+            raise ConfigError(f"{prefix}.type={self.type!r} is not a rotary scaling eqtrain implements: use "
+                              f"{' or '.join(ROPE_TYPES)}, or {prefix}=null for plain rotary positions")
+        if not self.factor > 0:
+            raise ConfigError(f"{prefix}.factor={self.factor} must be positive (the context's stretch, e.g. 8.0)")
+        if self.type == "llama3":
+            if not 0 < self.low_freq_factor < self.high_freq_factor:
+                raise ConfigError(f"{prefix}.low_freq_factor={self.low_freq_factor} and high_freq_factor="
+                                  f"{self.high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1.0 and 4.0)")
+            if self.original_context_length is not None and self.original_context_length <= 0:
+                raise ConfigError(f"{prefix}.original_context_length={self.original_context_length} must be a "
+                                  "positive integer, or null for model.context_length")
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -48,9 +78,11 @@ class LlamaConfig:
     vocab_size: int | None = None
     vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (fast matmuls)
     num_kv_heads: int | None = None  # key/value heads (grouped-query attention); null = num_heads
+    head_size: int | None = None  # each head's size (config.json's head_dim); null = dim/num_heads
     mlp_hidden: int | None = None  # SwiGLU width; null = 8/3·dim rounded up to mlp_multiple (Llama's rule)
     mlp_multiple: int = 256
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # long-context rotary frequencies (Llama 3.1+); null = plain rotary
     norm_eps: float = 1e-5
     dropout: float = 0.0
     tie_embeddings: bool = True
@@ -70,12 +102,16 @@ class LlamaConfig:
         for knob in ("dim", "num_heads", "num_blocks", "context_length", "vocab_multiple", "mlp_multiple"):
             if getattr(self, knob) <= 0:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be a positive integer")
-        if self.dim % self.num_heads:
+        if self.head_size is not None and self.head_size <= 0:
+            raise ConfigError(f"{prefix}.head_size={self.head_size} must be a positive integer, or null for "
+                              f"{prefix}.dim/{prefix}.num_heads")
+        if self.head_size is None and self.dim % self.num_heads:
             raise ConfigError(f"{prefix}.dim={self.dim} is not divisible by {prefix}.num_heads={self.num_heads}: "
-                              "pick a head count that divides dim")
+                              f"pick a head count that divides dim, or set {prefix}.head_size")
         if self.head_dim % 2:
-            raise ConfigError(f"{prefix}.dim/{prefix}.num_heads={self.head_dim} is odd: rotary positions rotate "
-                              "pairs of a head's dimensions; pick an even head size")
+            size = f"{prefix}.head_size" if self.head_size is not None else f"{prefix}.dim/{prefix}.num_heads"
+            raise ConfigError(f"{size}={self.head_dim} is odd: rotary positions rotate pairs of a head's "
+                              "dimensions; pick an even head size")
         if self.num_kv_heads is not None and (self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
             raise ConfigError(f"{prefix}.num_kv_heads={self.num_kv_heads} must divide {prefix}.num_heads="
                               f"{self.num_heads} (each key/value head serves a group of query heads): pick a "
@@ -85,13 +121,16 @@ class LlamaConfig:
         for knob in ("rope_theta", "norm_eps"):
             if not getattr(self, knob) > 0:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be positive")
+        if self.rope_scaling is not None:
+            self.rope_scaling.check(f"{prefix}.rope_scaling")
         check_run_knobs(self, prefix)
         attention.check_config(self, prefix)
         self.moe.check_blocks(self.num_blocks, prefix)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.num_heads
+        """Each head's size: `head_size`, or dim/num_heads (Qwen3 and Mistral Nemo set it apart from dim)."""
+        return self.head_size or self.dim // self.num_heads
 
     @property
     def kv_heads(self) -> int:
@@ -107,11 +146,38 @@ class LlamaConfig:
         return -(-int(8 * self.dim / 3) // self.mlp_multiple) * self.mlp_multiple
 
 
-def rotary_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of each position's rotary angles, float32, shape positions.shape + (head_dim,).
-    Hugging Face's layout: frequency i = theta^(-2i/head_dim) for the pair (i, i + head_dim/2),
-    so the angles are repeated for the two halves."""
+def rotary_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                    context_length: int | None = None) -> jax.Array:
+    """The head_dim/2 rotary frequencies, float32, with transformers' operations in its order
+    (modeling_rope_utils.py), so a scaled checkpoint's angles match its own to the rounding:
+    plain theta^(-2i/head_dim); `linear` divides them all by factor; `llama3` divides those whose
+    wavelength 2π/f exceeds original/low_freq_factor, keeps those under original/high_freq_factor,
+    and blends in between. `context_length` stands in for a null original_context_length."""
     inv_freq_K2 = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv_freq_K2
+    factor = scaling.factor
+    if scaling.type == "linear":
+        return inv_freq_K2 / factor
+    old = scaling.original_context_length or context_length
+    if old is None:
+        raise ValueError("llama3 rotary scaling needs original_context_length or the model's context_length")
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    low_freq_wavelen, high_freq_wavelen = old / low, old / high
+    wavelen_K2 = 2 * math.pi / inv_freq_K2
+    scaled_K2 = jnp.where(wavelen_K2 > low_freq_wavelen, inv_freq_K2 / factor, inv_freq_K2)
+    smooth_K2 = (old / wavelen_K2 - low) / (high - low)
+    smoothed_K2 = (1 - smooth_K2) * scaled_K2 / factor + smooth_K2 * scaled_K2
+    medium_K2 = ~(wavelen_K2 < high_freq_wavelen) & ~(wavelen_K2 > low_freq_wavelen)
+    return jnp.where(medium_K2, smoothed_K2, scaled_K2)
+
+
+def rotary_cos_sin(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                   context_length: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of each position's rotary angles, float32, shape positions.shape + (head_dim,).
+    Hugging Face's layout: frequency i (`rotary_inv_freq`) for the pair (i, i + head_dim/2), so the
+    angles are repeated for the two halves."""
+    inv_freq_K2 = rotary_inv_freq(head_dim, theta, scaling, context_length)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq_K2
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
@@ -285,10 +351,11 @@ class Llama(eqx.Module):
         (MoE only) the tokens the router statistics count."""
         cfg = self.cfg
         T = tokens_BxT.shape[1]
+        rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.context_length)
         if segment_ids_BxT is None:
-            cos_TxK, sin_TxK = rotary_cos_sin(jnp.arange(T), cfg.head_dim, cfg.rope_theta)
+            cos_TxK, sin_TxK = rotary_cos_sin(jnp.arange(T), *rope)
         else:  # per-row positions: B x 1 x T x K, broadcast over heads
-            cos, sin = rotary_cos_sin(document_positions(segment_ids_BxT), cfg.head_dim, cfg.rope_theta)
+            cos, sin = rotary_cos_sin(document_positions(segment_ids_BxT), *rope)
             cos_TxK, sin_TxK = cos[:, None], sin[:, None]
         x_BxTxD = jnp.take(self.embed_VxD, tokens_BxT, axis=0).astype(jnp.float32)
 
@@ -361,7 +428,7 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
 # ---------------------------------------------------------------------------- Hugging Face
 
 
-HF_MODEL_TYPES = ("llama", "qwen2")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Our path -> (Hugging Face name, transposed): torch's Linear stores (out, in), ours (in, out).
 # Block entries are under `model.layers.{i}.`; QK-norm's names are Qwen3's.
 _HF_TOP = {
@@ -380,15 +447,21 @@ _HF_BLOCK = {
 }
 
 
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def hf_config(cfg: LlamaConfig) -> dict:
-    """transformers' config.json fields for this model: `qwen2` when it has qkv biases, else `llama`."""
-    if cfg.qk_norm:
-        raise ConfigError("model.qk_norm=true has no Hugging Face llama/qwen2 equivalent: export with the default "
-                          "safetensors format, or train with model.qk_norm=false")
-    qwen = cfg.qkv_bias
+    """transformers' config.json fields for this model: `qwen3` with QK-norm, `qwen2` with qkv
+    biases, else `llama` (a Mistral without a window is a llama: it is written as one)."""
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise ConfigError("model.qk_norm=true with model.qkv_bias=true has no Hugging Face form (qwen3, the QK-norm "
+                          "model type, biases o_proj as well when it biases q, k and v): export with the default "
+                          "safetensors format, or train with one of the two false")
+    model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, **_hf_rope_scaling(cfg)}
     out = {
-        "model_type": "qwen2" if qwen else "llama",
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": model_type,
+        "architectures": [_ARCHITECTURES[model_type]],
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.mlp_width,
         "num_attention_heads": cfg.num_heads,
@@ -399,16 +472,32 @@ def hf_config(cfg: LlamaConfig) -> dict:
         "max_position_embeddings": cfg.context_length,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,  # transformers < 5 reads this; 5.x reads rope_parameters
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": rope,
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
         "attention_dropout": 0.0,
     }
-    if qwen:
+    if cfg.rope_scaling is not None:  # transformers < 5 reads the scaling here (5.x too, before rope_parameters)
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if model_type in ("qwen2", "qwen3"):
         out.update(use_sliding_window=False, sliding_window=None)
-    else:
-        out.update(attention_bias=False, mlp_bias=False)
+    if model_type in ("llama", "qwen3"):
+        out.update(attention_bias=False)
+    if model_type == "llama":
+        out.update(mlp_bias=False)
     return out
+
+
+def _hf_rope_scaling(cfg: LlamaConfig) -> dict:
+    """rope_parameters' scaling fields (transformers' names) of `cfg.rope_scaling`; {} without one."""
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return {}
+    if scaling.type == "linear":
+        return {"rope_type": "linear", "factor": scaling.factor}
+    return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_context_length or cfg.context_length}
 
 
 # config.json keys config_from_hf reads (models/hf_keys.py checks each before anything is built)
@@ -420,23 +509,30 @@ HF_KEYS = {
     "intermediate_size": hf_keys.Key(INT, "the SwiGLU MLP width", required=True),
     "vocab_size": hf_keys.Key(INT, "the embedding rows", required=True),
     "num_key_value_heads": hf_keys.Key(INT, "key/value heads; null = one per query head"),
-    "head_dim": hf_keys.Key(INT, "each head's size; null = hidden_size/num_attention_heads"),
+    "head_dim": hf_keys.Key(INT, "each head's size; null = hidden_size/num_attention_heads (qwen3: 128)"),
     "max_position_embeddings": hf_keys.Key(INT, "the context length; missing = the run's model.context_length"),
     "rms_norm_eps": hf_keys.Key(NUMBER, "the RMSNorm epsilon", default=1e-6),
     "rope_theta": hf_keys.Key(NUMBER, "the rotary base, transformers < 5", default=10000.0),
     "rope_parameters": hf_keys.Key(OBJECT, "the rotary settings, transformers >= 5"),
-    "rope_scaling": hf_keys.Key(OBJECT, "rotary scaling; eqtrain supports only null"),
+    "rope_scaling": hf_keys.Key(OBJECT, "the rotary scaling, transformers < 5 (read before rope_parameters)"),
     "hidden_act": hf_keys.Key(STR, "the SwiGLU activation", default="silu"),
     "tie_word_embeddings": hf_keys.Key(BOOL, "whether the head is the embedding", default=False),
     "attention_bias": hf_keys.Key(BOOL, "biases on the attention projections", default=False),
     "mlp_bias": hf_keys.Key(BOOL, "biases on the MLP matrices", default=False),
-    "use_sliding_window": hf_keys.Key(BOOL, "sliding-window attention", default=False),
+    "use_sliding_window": hf_keys.Key(BOOL, "sliding-window attention (qwen2, qwen3)", default=False),
+    "sliding_window": hf_keys.Key(INT, "mistral's attention window; null = full attention"),
 }
-HF_ROPE_KEYS = {  # inside rope_parameters
-    "rope_type": hf_keys.Key(STR, "the rotary variant; eqtrain supports only default"),
+HF_ROPE_KEYS = {  # inside rope_parameters (or rope_scaling)
+    "rope_type": hf_keys.Key(STR, "the rotary variant: default, linear or llama3"),
     "type": hf_keys.Key(STR, "the rotary variant, older spelling"),
     "rope_theta": hf_keys.Key(NUMBER, "the rotary base"),
+    "factor": hf_keys.Key(NUMBER, "the context's stretch (linear, llama3)"),
+    "low_freq_factor": hf_keys.Key(NUMBER, "llama3's low-frequency bound"),
+    "high_freq_factor": hf_keys.Key(NUMBER, "llama3's high-frequency bound"),
+    "original_max_position_embeddings": hf_keys.Key(INT, "llama3's pretraining context; null: max_position_embeddings"),
+    "partial_rotary_factor": hf_keys.Key(NUMBER, "the rotated fraction of a head", default=1.0),
 }
+QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config head_dim when config.json has none (not hidden_size/heads)
 
 
 def _unsupported(where: str, key: str, value, why: str) -> ConfigError:
@@ -444,50 +540,94 @@ def _unsupported(where: str, key: str, value, why: str) -> ConfigError:
                        "(pick a checkpoint without it)")
 
 
+def _rope_from_hf(rope: dict, key: str, context_length: int, where: str) -> RopeScaling | None:
+    """model.rope_scaling of config.json's rotary settings (`rope`, read from its object `key`):
+    None for default rotary, linear and llama3 with transformers' defaults, anything else refused."""
+    type_key = "rope_type" if rope["rope_type"] else "type"
+    rope_type = rope[type_key] or "default"
+    if rope["partial_rotary_factor"] != 1:
+        raise _unsupported(where, f"{key}.partial_rotary_factor", rope["partial_rotary_factor"],
+                           "rotary positions here turn every dimension of a head")
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_TYPES:
+        raise _unsupported(where, f"{key}.{type_key}", rope_type,
+                           f"the rotary types implemented are default, {', '.join(ROPE_TYPES)}")
+    needs = ("factor",) if rope_type == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    for name in needs:
+        if rope[name] is None:
+            raise ConfigError(f"{where} {key}.{name} is missing: {rope_type} rotary scaling needs it, as transformers "
+                              f"does; add it (e.g. {key}.{name}: {HF_ROPE_EXAMPLES[name]}) or save the directory again")
+    if rope_type == "linear":
+        scaling = RopeScaling("linear", float(rope["factor"]))
+    else:  # transformers' default original context: max_position_embeddings
+        scaling = RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                              float(rope["high_freq_factor"]),
+                              rope["original_max_position_embeddings"] or context_length)
+    try:
+        scaling.check("rope_scaling")
+    except ConfigError as e:
+        raise ConfigError(f"{where} {key} describes a rotary scaling eqtrain rejects ({e}): correct config.json") \
+            from None
+    return scaling
+
+
+HF_ROPE_EXAMPLES = {"factor": "8.0", "low_freq_factor": "1.0", "high_freq_factor": "4.0"}  # Llama 3.1's
+
+
 def config_from_hf(hf: dict, base: LlamaConfig, where: str = "config.json") -> LlamaConfig:
     """A Config of the model a transformers config.json describes: its shape knobs from `hf`, the
     execution knobs (scan_blocks, remat, dropout, attn_block_size, scan_unroll, ...) from `base`.
     `context_length` is max_position_embeddings (rotary has no position table: a limit, not a shape).
+    model_type llama, mistral (no window: a llama), qwen2 (qkv biases) and qwen3 (QK-norm).
     Every fault is one ConfigError naming `where` (the file) and the key."""
     model_type = hf.get("model_type")
     if model_type not in HF_MODEL_TYPES:
         raise ConfigError(f"{where} model_type={hf_keys.json_text(model_type)} is not a llama-family model "
                           f"({', '.join(HF_MODEL_TYPES)}): use a checkpoint of one of those")
     v = hf_keys.read(hf, HF_KEYS, where)
-    rope = hf_keys.read(v["rope_parameters"] or {}, HF_ROPE_KEYS, where, prefix="rope_parameters.")
+    # transformers 5 reads rope_scaling first when it is set (configuration_utils: convert_rope_params_to_dict)
+    rope_key = "rope_scaling" if v["rope_scaling"] else "rope_parameters"
+    rope = hf_keys.read(v[rope_key] or {}, HF_ROPE_KEYS, where, prefix=f"{rope_key}.")
+    context_length = v["max_position_embeddings"] or base.context_length
     if v["hidden_act"] != "silu":
         raise _unsupported(where, "hidden_act", v["hidden_act"], "SwiGLU here uses silu")
-    if v["rope_scaling"]:
-        raise _unsupported(where, "rope_scaling", v["rope_scaling"], "only plain rotary positions are implemented")
-    if (rope["rope_type"] or rope["type"] or "default") != "default":
-        raise _unsupported(where, "rope_parameters.rope_type", rope["rope_type"] or rope["type"],
-                           "only plain rotary positions are implemented")
-    if model_type == "llama" and v["attention_bias"]:
-        raise _unsupported(where, "attention_bias", True, "llama's attention_bias also puts a bias on o_proj")
+    scaling = _rope_from_hf(rope, rope_key, context_length, where)
+    if model_type in ("llama", "qwen3") and v["attention_bias"]:
+        raise _unsupported(where, "attention_bias", True, f"{model_type}'s attention_bias also puts a bias on o_proj")
     if v["mlp_bias"]:
         raise _unsupported(where, "mlp_bias", True, "the SwiGLU matrices have no biases")
     if v["use_sliding_window"]:
         raise _unsupported(where, "use_sliding_window", True, "attention here is always full")
+    window = v["sliding_window"]
+    if model_type == "mistral" and window is not None and window < context_length:
+        raise _unsupported(where, "sliding_window", window, f"attention here is always full, and a window shorter "
+                           f"than the context ({context_length}) hides earlier tokens; a Mistral with sliding_window "
+                           "null (7B v0.2 and later) loads")
     heads, dim = v["num_attention_heads"], v["hidden_size"]
-    if dim % heads:
-        raise ConfigError(f"{where} hidden_size={dim} is not divisible by num_attention_heads={heads}: each head "
-                          "takes an equal share of the width; correct config.json")
-    if v["head_dim"] not in (None, dim // heads):
-        raise _unsupported(where, "head_dim", v["head_dim"], f"the head size must be hidden_size/num_attention_heads "
-                           f"= {dim // heads}")
-    if (dim // heads) % 2:
-        raise _unsupported(where, "hidden_size", dim, f"hidden_size/num_attention_heads={dim // heads} is odd, and "
-                           "rotary positions rotate pairs of a head's dimensions")
+    head_dim = v["head_dim"] or (QWEN3_HEAD_DIM if model_type == "qwen3" else None)
+    if head_dim is None:
+        if dim % heads:
+            raise ConfigError(f"{where} hidden_size={dim} is not divisible by num_attention_heads={heads}: each head "
+                              "takes an equal share of the width; correct config.json, or give its head_dim")
+        if (dim // heads) % 2:
+            raise _unsupported(where, "hidden_size", dim, f"hidden_size/num_attention_heads={dim // heads} is odd, "
+                               "and rotary positions rotate pairs of a head's dimensions")
+        head_dim = dim // heads
+    if head_dim % 2:
+        raise _unsupported(where, "head_dim", head_dim, "it is odd, and rotary positions rotate pairs of a head's "
+                           "dimensions")
     kv_heads = v["num_key_value_heads"] or heads
     if heads % kv_heads:
         raise ConfigError(f"{where} num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}: "
                           "each key/value head serves a group of query heads; correct config.json")
     cfg = dataclasses.replace(
         base, name="llama", dim=dim, num_heads=heads, num_blocks=v["num_hidden_layers"], num_kv_heads=kv_heads,
-        mlp_hidden=v["intermediate_size"], vocab_size=v["vocab_size"],
-        context_length=v["max_position_embeddings"] or base.context_length,
-        rope_theta=float(rope["rope_theta"] or v["rope_theta"]), norm_eps=float(v["rms_norm_eps"]),
-        tie_embeddings=v["tie_word_embeddings"], qkv_bias=model_type == "qwen2", qk_norm=False)
+        head_size=None if head_dim * heads == dim else head_dim,
+        mlp_hidden=v["intermediate_size"], vocab_size=v["vocab_size"], context_length=context_length,
+        rope_theta=float(rope["rope_theta"] or v["rope_theta"]), rope_scaling=scaling,
+        norm_eps=float(v["rms_norm_eps"]), tie_embeddings=v["tie_word_embeddings"], qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3")
     try:
         cfg.check("model")
     except ConfigError as e:

@@ -15,7 +15,7 @@ import pytest
 from helpers import compose_config
 
 import models
-from models import hf
+from models import hf, llama
 from trainer.inference import export_hf
 from utils.config import validate
 from utils.errors import CheckpointError, ConfigError
@@ -200,8 +200,13 @@ TINY_LLAMA = {"name": "llama", "dim": 32, "num_heads": 4, "num_kv_heads": 2, "nu
 TINY = {  # model_type -> (its family's model yaml, a tiny model's config)
     "gpt2": ("gpt_tiny", GPT),
     "llama": ("llama_tiny", TINY_LLAMA),
+    "mistral": ("llama_tiny", TINY_LLAMA),
     "qwen2": ("llama_tiny", {**TINY_LLAMA, "qkv_bias": True}),
+    "qwen3": ("llama_tiny", {**TINY_LLAMA, "qk_norm": True, "head_size": 16}),
 }
+# save_hf writes a Mistral without a window as the llama it is; its directory here is that llama's,
+# relabelled as transformers' MistralConfig saves one.
+RELABEL = {"mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": None}}
 FAMILIES = sorted(hf.hf_families())
 REQUIRED = [(t, k) for t in FAMILIES for k, key in hf.hf_families()[t].HF_KEYS.items() if key.required]
 DECLARED = [(t, k) for t in FAMILIES for k in hf.hf_families()[t].HF_KEYS]
@@ -228,6 +233,8 @@ def saved(tmp_path_factory) -> dict[str, Path]:
     for model_type, (_, raw) in TINY.items():
         model = models.build(models.config_from_dict(raw), jax.random.PRNGKey(0))
         hf.save_hf(str(root / model_type), model)
+        if model_type in RELABEL:
+            edit_config(root / model_type, **RELABEL[model_type])
         assert json.loads((root / model_type / hf.CONFIG_FILE).read_text())["model_type"] == model_type
         out[model_type] = root / model_type
     return out
@@ -266,6 +273,19 @@ def test_each_tiny_directory_loads_as_written(family_dir, model_type):
     assert m.init_from == str(path)
 
 
+def test_the_header_names_the_rotary_scaling_a_directory_brings(family_dir):
+    """A yaml with no rope_scaling starting from a Llama 3.1-style directory: the scaling is the
+    directory's, and the run header says the yaml's null was replaced."""
+    path = family_dir("llama")
+    edit_config(path, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    run = run_with("model=llama_tiny", "model.init_from=pretrained")
+    assert run.model.rope_scaling == llama.RopeScaling("llama3", 8.0, 1.0, 4.0, 16)
+    note = next(w for w in run.warnings if "model.init_from=pretrained" in w)
+    assert "model.rope_scaling None -> RopeScaling(type='llama3', factor=8.0" in note, note
+    assert "model.vocab_size" not in note  # a null the directory resolves is no change
+
+
 @pytest.mark.parametrize("how", ["missing", "null"])
 @pytest.mark.parametrize(("model_type", "key"), REQUIRED)
 def test_a_required_key_missing_or_null(family_dir, model_type, key, how):
@@ -298,20 +318,33 @@ def test_an_optional_key_missing_or_null_takes_its_default(saved, model_type, ke
         family.config_from_hf(edited, base).check("model")
 
 
+LLAMAS = ("llama", "mistral", "qwen2", "qwen3")
 INVALID = [  # (model_types, changes, what the line must say)
     (("gpt2",), {"n_embd": 34}, "n_embd=34 is not divisible by n_head=4"),
     (("gpt2",), {"n_inner": 40}, "n_inner=40 has no eqtrain gpt equivalent: the MLP width must be a multiple"),
     (("gpt2",), {"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon=1e-06 has no eqtrain gpt equivalent"),
-    (("llama", "qwen2"), {"hidden_size": 34}, "hidden_size=34 is not divisible by num_attention_heads=4"),
-    (("llama", "qwen2"), {"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),
-    (("llama", "qwen2"), {"hidden_size": 36, "head_dim": None},
+    (("llama", "mistral", "qwen2"), {"hidden_size": 34, "head_dim": None},
+     "hidden_size=34 is not divisible by num_attention_heads=4"),
+    (LLAMAS, {"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),
+    (("llama", "mistral", "qwen2"), {"hidden_size": 36, "head_dim": None},
      "hidden_size=36: hidden_size/num_attention_heads=9 is odd"),
-    (("llama", "qwen2"), {"head_dim": 16}, "head_dim=16: the head size must be hidden_size/num_attention_heads = 8"),
-    (("llama", "qwen2"), {"rope_parameters": {"rope_type": 5}}, "rope_parameters.rope_type=5: expected a string"),
-    (("llama", "qwen2"), {"rope_parameters": {"rope_theta": "1e4"}},
+    (LLAMAS, {"head_dim": 7}, "head_dim=7: it is odd, and rotary positions rotate pairs"),
+    (LLAMAS, {"rope_parameters": {"rope_type": 5}}, "rope_parameters.rope_type=5: expected a string"),
+    (LLAMAS, {"rope_parameters": {"rope_theta": "1e4"}},
      'rope_parameters.rope_theta="1e4": expected a positive number'),
-    (("llama", "qwen2"), {"rope_theta": None, "rope_parameters": {"rope_theta": -1}},
+    (LLAMAS, {"rope_theta": None, "rope_parameters": {"rope_theta": -1}},
      "rope_parameters.rope_theta=-1: expected a positive number"),
+    (LLAMAS, {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     'rope_parameters.rope_type="yarn": the rotary types implemented are default, linear, llama3'),
+    (LLAMAS, {"rope_scaling": {"type": "dynamic", "factor": 4.0}},
+     'rope_scaling.type="dynamic": the rotary types implemented are default, linear, llama3'),
+    (LLAMAS, {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}},
+     "rope_parameters.low_freq_factor is missing: llama3 rotary scaling needs it"),
+    (LLAMAS, {"rope_parameters": {"rope_type": "linear", "factor": "2"}},
+     'rope_parameters.factor="2": expected a positive number'),
+    (("mistral",), {"sliding_window": 4}, "sliding_window=4: attention here is always full"),
+    (("qwen2", "qwen3"), {"use_sliding_window": True}, "use_sliding_window=true: attention here is always full"),
+    (("llama", "qwen3"), {"attention_bias": True}, "attention_bias=true: "),
 ]
 
 

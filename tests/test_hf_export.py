@@ -1,6 +1,6 @@
 """What a `--format hf` export tells transformers beyond the weights (the parity tier: transformers):
 `AutoTokenizer.from_pretrained(dir)` encodes every text to the run's ids, for each model type we
-write (gpt2, llama, qwen2: transformers 5 loads Qwen2Tokenizer for qwen2, whose own pre-tokenizer
+write (gpt2, llama, qwen2, qwen3: transformers 5 loads Qwen2Tokenizer for qwen2, whose own pre-tokenizer
 splits "\\n    " in two) and each tokenizer that has a Hugging Face form (the byte tokenizer, a BPE,
 a transformers tokenizer); and the generation metadata (config.json's bos/eos/pad,
 generation_config.json) is the base's for a run from `model.init_from`, through its checkpoint,
@@ -27,6 +27,7 @@ FAMILIES = {
     "gpt2": {"name": "gpt"},
     "llama": {"name": "llama", "num_kv_heads": 2},
     "qwen2": {"name": "llama", "num_kv_heads": 2, "qkv_bias": True},
+    "qwen3": {"name": "llama", "num_kv_heads": 2, "qk_norm": True},
 }
 # Texts apart from models/hf_tokenizer.py's PROBES, so the export's own check is not what is tested.
 TEXTS = (

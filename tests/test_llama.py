@@ -91,12 +91,40 @@ def np_rms_norm(x, gain, eps):
     return gain * x / np.sqrt(np.mean(x**2, -1, keepdims=True) + eps)
 
 
-def np_rotary(x_HxTxK, positions_T, theta):
+def np_llama3_scaling(freqs, factor, low_freq_factor, high_freq_factor, old_context_len):
+    """Llama 3.1's frequency rule as Meta's reference code writes it (llama/model.py `apply_scaling`,
+    a loop over frequencies in float64), independent of transformers' vectorised form."""
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low_freq_factor, old_context_len / high_freq_factor
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            out.append(freq)
+        elif wavelen > low_freq_wavelen:
+            out.append(freq / factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return np.array(out)
+
+
+def np_inv_freq(K, theta, scaling=None, context_length=None):
+    """The K/2 rotary frequencies in float64: theta^(-2i/K), divided by factor (linear) or by Llama 3.1's rule."""
+    freqs = theta ** (-2.0 * np.arange(K // 2) / K)
+    if scaling is None:
+        return freqs
+    if scaling.type == "linear":
+        return freqs / scaling.factor
+    return np_llama3_scaling(freqs, scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
+                             scaling.original_context_length or context_length)
+
+
+def np_rotary(x_HxTxK, positions_T, theta, freqs=None):
     """Rotary as complex multiplication: the pair (x_i, x_{i+K/2}) is the number x_i + j·x_{i+K/2},
-    turned by pos·theta^(-2i/K) (Hugging Face's rotate-half pairing, derived independently)."""
+    turned by pos·theta^(-2i/K) or pos·freqs[i] (Hugging Face's rotate-half pairing, derived independently)."""
     K = x_HxTxK.shape[-1]
     half = K // 2
-    angle_TxH = positions_T[:, None] * theta ** (-2.0 * np.arange(half) / K)
+    angle_TxH = positions_T[:, None] * (theta ** (-2.0 * np.arange(half) / K) if freqs is None else freqs)
     z = (x_HxTxK[..., :half] + 1j * x_HxTxK[..., half:]) * np.exp(1j * angle_TxH)
     return np.concatenate([z.real, z.imag], -1)
 
@@ -123,7 +151,8 @@ def np_forward(model: llama.Llama, tokens_T, segment_ids_T=None, causal=True, st
         v = proj(b.v_proj, i, h).reshape(T, G, K).transpose(1, 0, 2)
         if cfg.qk_norm:
             q, k = np_rms_norm(q, b.q_norm.gain_D[i], cfg.norm_eps), np_rms_norm(k, b.k_norm.gain_D[i], cfg.norm_eps)
-        q, k = np_rotary(q, pos_T, cfg.rope_theta), np_rotary(k, pos_T, cfg.rope_theta)
+        freqs = np_inv_freq(K, cfg.rope_theta, cfg.rope_scaling, cfg.context_length)
+        q, k = np_rotary(q, pos_T, cfg.rope_theta, freqs), np_rotary(k, pos_T, cfg.rope_theta, freqs)
         k, v = np.repeat(k, H // G, axis=0), np.repeat(v, H // G, axis=0)
         s = np.where(visible_TxT, q @ k.transpose(0, 2, 1) / math.sqrt(K), -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))
@@ -140,7 +169,15 @@ def np_forward(model: llama.Llama, tokens_T, segment_ids_T=None, causal=True, st
     return x @ (W.embed_VxD.T if W.head_DxV is None else W.head_DxV)
 
 
-@pytest.mark.parametrize("cfg", [CFG, FULL_CFG], ids=["gqa", "bias_qknorm_untied_mqa"])
+# Qwen3's shape (QK-norm, head size 16 apart from dim/heads = 8) with Llama 3.2's rotary factors; theta
+# 500 and original context 32 put the 8 frequencies' wavelengths (6.3 ... 664) in all three of llama3's
+# bands (under 32/4, between, over 32/1).
+QWEN3_LLAMA3_CFG = dataclasses.replace(CFG, qk_norm=True, head_size=16, rope_theta=500.0,
+                                       rope_scaling=llama.RopeScaling("llama3", 32.0, 1.0, 4.0, 32))
+
+
+@pytest.mark.parametrize("cfg", [CFG, FULL_CFG, QWEN3_LLAMA3_CFG], ids=["gqa", "bias_qknorm_untied_mqa",
+                                                                       "qknorm_head16_llama3"])
 def test_logits_equal_a_numpy_repeat_kv_reference(cfg):
     model = build(cfg)
     tokens_BxT = _tokens((2, T_), seed=3)
@@ -148,6 +185,27 @@ def test_logits_equal_a_numpy_repeat_kv_reference(cfg):
     want_BxTxV = np.stack([np_forward(model, row) for row in tokens_BxT])
     assert 0.1 < np.abs(want_BxTxV).max() < 10  # the O(1) scale the docstring assumes
     np.testing.assert_allclose(got_BxTxV, want_BxTxV, rtol=0, atol=logits_atol(want_BxTxV))
+
+
+@pytest.mark.parametrize("scaling", [llama.RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
+                                     llama.RopeScaling("llama3", 32.0, 2.0, 3.0, None),
+                                     llama.RopeScaling("linear", 4.0)], ids=["llama3.1", "llama3_null_original",
+                                                                             "linear"])
+def test_scaled_frequencies_match_metas_rule(scaling):
+    """Llama 3.1's frequencies (head size 128, theta 500000: every band of the rule is populated) and
+    a null original context (model.context_length, 2048, stands in) against the float64 loop."""
+    K, theta, context = 128, 500000.0, 2048
+    got = np.asarray(llama.rotary_inv_freq(K, theta, scaling, context))
+    want = np_inv_freq(K, theta, scaling, context)
+    if scaling.type == "llama3":
+        wavelen = 2 * math.pi / np_inv_freq(K, theta)
+        old = scaling.original_context_length or context
+        kept, divided = wavelen < old / scaling.high_freq_factor, wavelen > old / scaling.low_freq_factor
+        assert kept.any() and divided.any() and (~kept & ~divided).any()
+    # float32 against float64: the power theta^(-2i/K) errs by ~(its exponent's size, <= ln(500000) = 13)
+    # ulps, the division and llama3's blend (wavelength, smooth factor, two products, a sum) by 8 roundings
+    # more: (13 + 8)·EPS32 relative, 2x.
+    np.testing.assert_allclose(got, want, rtol=2 * (13 + 8) * EPS32, atol=0)
 
 
 def test_rotary_matches_complex_rotation_and_depends_on_relative_position():
@@ -335,6 +393,15 @@ def test_mlp_width_follows_llamas_rule():
     (("model.dim=30",), r"model.dim=30 is not divisible by model.num_heads=4"),
     (("model.mlp_hidden=0",), r"model.mlp_hidden=0 must be positive"),
     (("model.rope_theta=0",), r"model.rope_theta=0.0 must be positive"),
+    (("model.head_size=7",), r"model.head_size=7 is odd: rotary positions rotate pairs"),
+    (("model.head_size=0",), r"model.head_size=0 must be a positive integer, or null"),
+    (("model.rope_scaling={type:yarn,factor:4.0}",), r"model.rope_scaling.type='yarn' is not a rotary scaling eqtrain "
+                                                      r"implements: use linear or llama3, or model.rope_scaling=null"),
+    (("model.rope_scaling={type:linear,factor:0}",), r"model.rope_scaling.factor=0.0 must be positive"),
+    (("model.rope_scaling={type:llama3,factor:8,low_freq_factor:4,high_freq_factor:1}",),
+     r"model.rope_scaling.low_freq_factor=4.0 and high_freq_factor=1.0 must satisfy 0 < low < high"),
+    (("model.rope_scaling={factor:8}",), r"model.rope_scaling.type is missing"),
+    (("model.rope_scaling={type:llama3,factor:8,scale:2}",), r"unknown knob model.rope_scaling.scale"),
     (("+model.mlp_ratio=4",), r"unknown knob model.mlp_ratio"),
     (("parallel.tensor=4",), r"parallel.tensor=4 must divide the model's 2 key/value heads"),
 ])
@@ -371,19 +438,29 @@ def test_hf_tensors_errors_name_the_tensor():
         llama.from_hf_tensors(CFG, bad)
 
 
+LLAMA3 = llama.RopeScaling("llama3", 32.0, 1.0, 4.0, 8)  # Llama 3.2's factors, original context 8 (< 16)
+
+
 def test_hf_config_round_trip_and_refusals():
     base = dataclasses.replace(CFG, remat="full", scan_blocks=False, vocab_size=None)
-    for cfg in (CFG, dataclasses.replace(FULL_CFG, qk_norm=False)):
+    for cfg, model_type in [(CFG, "llama"), (dataclasses.replace(FULL_CFG, qk_norm=False), "qwen2"),
+                            (dataclasses.replace(FULL_CFG, qkv_bias=False, head_size=16), "qwen3"),
+                            (dataclasses.replace(CFG, rope_scaling=LLAMA3), "llama"),
+                            (dataclasses.replace(CFG, rope_scaling=llama.RopeScaling("linear", 2.0)), "llama")]:
         hf = llama.hf_config(cfg)
-        assert hf["model_type"] == ("qwen2" if cfg.qkv_bias else "llama")
+        assert hf["model_type"] == model_type
         back = llama.config_from_hf(json.loads(json.dumps(hf)), base)
         assert back == dataclasses.replace(cfg, remat="full", scan_blocks=False, mlp_hidden=cfg.mlp_width)
-    with pytest.raises(ConfigError, match="model.qk_norm=true"):
+    with pytest.raises(ConfigError, match="model.qk_norm=true with model.qkv_bias=true"):
         llama.hf_config(FULL_CFG)
     hf = llama.hf_config(CFG)
     for key, value in [("rope_scaling", {"rope_type": "llama3", "factor": 32.0}), ("hidden_act", "gelu"),
-                       ("attention_bias", True), ("model_type", "gpt2"), ("head_dim", 16),
-                       ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4})]:
+                       ("attention_bias", True), ("model_type", "gpt2"), ("head_dim", 7),
+                       ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}),
+                       ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
+                       ("rope_parameters", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                            "high_freq_factor": 1.0}),
+                       ("rope_parameters", {"rope_type": "linear", "partial_rotary_factor": 0.5, "factor": 2.0})]:
         with pytest.raises(ConfigError, match=f"config.json {key}") as info:
             llama.config_from_hf({**hf, key: value}, base)
         assert "\n" not in str(info.value)
