@@ -249,6 +249,7 @@ def _grads(q, k, v, seed=1, **kwargs):
     return jax.grad(lambda q, k, v: jnp.sum(causal_attention(q, k, v, **kwargs) * r), argnums=(0, 1, 2))(q, k, v)
 
 
+@pytest.mark.slow  # 12 s of the quick set; block-causal attention's forward stays there (test_xla_and_blocked_...)
 def test_blocked_gradients_are_the_unblocked_ones():
     """Query blocks cut by split and keys rebuilt by concatenation (models/layers.py) must give the
     gradient of plain causal attention. Both sum the same products over <= 16 keys in another order,

@@ -144,6 +144,7 @@ def test_the_diagnostics_read_each_parameter_array_in_one_reduction():
     assert reductions == ["reduce"] * len(params), reductions  # one variadic reduce per array, nothing else
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's measured peak (a GPU's: data sheet)")
 def test_the_cpu_peak_is_measured_before_the_background_compilations_start(tiny_run, tmp_path, monkeypatch):
     """MFU's denominator, measured once per cache_dir and cached: measured while the variants compile

@@ -279,6 +279,7 @@ def _validated(cmd: Command, *extra: str) -> list:
     return [validate(_composed((*job, *extra))) for job in _jobs(args, multirun)]
 
 
+@pytest.mark.slow  # composes every train command of the docs: 24 s, the quick set's largest
 def test_train_commands_compose_and_validate():
     jobs, failures = 0, []
     for cmd in TRAIN:

@@ -243,6 +243,7 @@ def test_probes_are_a_function_of_the_seed_and_count():
 # --- in the optimizer ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole step of an optimizer outside helpers.QUICK_OPTIMIZERS
 def test_groups_state_and_preconditioner_norm_diagnostic():
     """Every group runs Kron (scalar as stacks of vectors); no zero-size state; two jitted updates
     move every weight; precond_norm_* are psgd's cheap estimate of ‖P‖₂ per matrix: the NumPy

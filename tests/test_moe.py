@@ -155,7 +155,7 @@ def test_capacity_with_room_for_everything_equals_dropless():
                                atol=RTOL * float(jnp.abs(dropless).max()))
 
 
-@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("every", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_one_expert_top1_is_the_dense_model(every):
     """E=1, k=1, dropless: the router's weight is 1 for every token, so each MoE block is its dense
     MLP; with every=2 blocks 1 and 3 are MoE and blocks 0 and 2 dense, in that order."""
@@ -237,7 +237,7 @@ def test_per_layer_logs_every_experts_load():
             if getattr(getattr(m, "fn", None), "__name__", "") == "expert_load_vectors"]
 
 
-@pytest.mark.parametrize("objective", ["ar", "mdlm"])
+@pytest.mark.parametrize("objective", ["ar", pytest.param("mdlm", marks=pytest.mark.slow)])
 def test_router_losses_enter_the_training_loss_and_only_it(objective):
     """Both objectives' training loss = their LM loss + coefficients x the router losses (mean over
     the MoE layers); aux["loss"] (train/loss) is the LM loss alone, and a dense model's aux has no

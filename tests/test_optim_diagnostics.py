@@ -463,6 +463,7 @@ def _through_the_step(tiny_run, *overrides, steps: int = 3):
     return run, param_labels(state.model), out
 
 
+@pytest.mark.slow  # a train step of an optimizer outside helpers.QUICK_OPTIMIZERS
 def test_shampoo_steps_since_roots_through_the_step_counts_the_logged_update(tiny_run):
     """Roots recomputed on updates 1, 4, 7, ... (precondition_every 3): steps 1-5 log 0, 1, 2, 0, 1
     (the state before the update would say -1, 0, 1, 2, 0), checked against when the roots in the

@@ -413,6 +413,7 @@ def _gpt(cfg: GPTConfig, seed: int):
     return params, grads, param_labels(model)
 
 
+@pytest.mark.slow  # an optimizer outside helpers.QUICK_OPTIMIZERS on a whole model
 def test_config_builds_on_gpt_params():
     """Shampoo through make_optimizer (as the trainer builds it) on the model's labels: hidden
     stacks per block, embeddings and head as matrices, biases and gains diagonal; one jitted step

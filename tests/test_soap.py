@@ -337,6 +337,7 @@ def _gpt():
     return params, grads, param_labels(model)
 
 
+@pytest.mark.slow  # an optimizer outside helpers.QUICK_OPTIMIZERS on a whole model
 @pytest.mark.parametrize("embed_head", [True, False])
 def test_groups_rotate_matrices_and_adam_the_rest_with_no_zero_size_state(embed_head):
     """hidden (stacked per block) always SOAP; embed and head SOAP unless precondition_embed_head
