@@ -294,3 +294,27 @@ def evaluated_steps(train_cfg, start: int = 0) -> list[int]:
     t = train_cfg
     steps = {*range(t.val_freq, t.max_steps + 1, t.val_freq), *t.get("val_at", ()), t.max_steps}
     return sorted(s for s in steps if s > start)
+
+
+def random_hf_model(model_type: str, **config):
+    """A random transformers model of `config` (eager attention, float32, eval mode), every parameter
+    then moved by 0.2·N(0, 1) (torch seed 0), so no weight keeps its init's special value (zero biases,
+    unit norm gains) and a tensor mapped to the wrong place changes the logits. Needs torch."""
+    import torch
+    import transformers
+
+    hf_config = transformers.AutoConfig.for_model(model_type, **config)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def hf_logits(model, tokens_BxT):
+    """A transformers model's float32 logits (numpy) for integer tokens (B, T)."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens_BxT, dtype=torch.long)).logits.float().numpy()

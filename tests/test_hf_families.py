@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import EPS32, rounding_rtol, sum_atol
+from helpers import EPS32, hf_logits, random_hf_model, rounding_rtol, sum_atol
 
 import models
 from models import hf, llama
@@ -74,18 +74,7 @@ def hf_model(model_type: str, **config):
     knobs = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=WIDTH, num_attention_heads=4,
                  num_key_value_heads=2, num_hidden_layers=BLOCKS, max_position_embeddings=64, rms_norm_eps=1e-5,
                  rope_parameters={"rope_type": "default", "rope_theta": 500.0}, tie_word_embeddings=False)
-    hf_config = transformers.AutoConfig.for_model(model_type, **{**knobs, **config})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return model
-
-
-def hf_logits(model, tokens_BxT: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.as_tensor(tokens_BxT, dtype=torch.long)).logits.float().numpy()
+    return random_hf_model(model_type, **{**knobs, **config})
 
 
 def ours_logits(model, tokens_BxT: np.ndarray) -> np.ndarray:

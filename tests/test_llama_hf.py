@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import sum_atol
+from helpers import hf_logits, random_hf_model, sum_atol
 
 from models import llama
 
@@ -39,21 +39,9 @@ CASES = {
 
 def hf_model(model_type: str, **config):
     """A random transformers model of the tiny shape, every parameter perturbed (seeded)."""
-    hf_config = transformers.AutoConfig.for_model(
-        model_type, vocab_size=64, hidden_size=32, intermediate_size=80, num_attention_heads=4, num_hidden_layers=2,
-        max_position_embeddings=16, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        **config)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return model
-
-
-def hf_logits(model, tokens_BxT: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.as_tensor(tokens_BxT, dtype=torch.long)).logits.numpy()
+    return random_hf_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=80, num_attention_heads=4,
+                           num_hidden_layers=2, max_position_embeddings=16, rms_norm_eps=1e-5,
+                           rope_parameters={"rope_type": "default", "rope_theta": 500.0}, **config)
 
 
 def ours_logits(model, tokens_BxT: np.ndarray) -> np.ndarray:
