@@ -35,10 +35,10 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable
 
-from compare.plan import Plan, PlannedRun, override_key, run_json
+from compare.plan import CompareConfig, Plan, PlannedRun, override_key, run_json
 from utils.checkpoint.storage import complete_steps
 from utils.errors import ConfigError, EqtrainError, TrainingError
 from utils.files import atomic_write
@@ -171,6 +171,11 @@ def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) ->
         # keys the plan does not make (the evaluation phase's record) are not part of the check
         planned = same_order({k: v for k, v in have.items() if k in want})
         wanted = same_order(json.loads(json.dumps(want)))
+        # a knob added to the harness after the directory was made, left at its default, changes nothing
+        defaults = {f.name: f.default for f in fields(CompareConfig) if f.default is not MISSING}
+        recorded = planned.get("knobs") or {}
+        wanted["knobs"] = {k: v for k, v in wanted.get("knobs", {}).items()
+                           if k in recorded or k not in defaults or v != defaults[k]}
         if planned != wanted:
             what = next((k for k in wanted if planned.get(k) != wanted[k]), "runs")
             raise ConfigError(f"{path} holds another comparison (its {what} differ from this command's): rerun "

@@ -95,6 +95,7 @@ class CompareConfig:
     sweep: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # (optimizer knob, its values), crossed with the lrs
     workloads: tuple[tuple[str, tuple[str, ...]], ...] = ((WORKLOAD, ()),)  # (name, its run overrides)
     val_every: int | None = None  # train.val_freq of every run; None: the runs' own (conf/train.yaml's)
+    baseline: str | None = None  # the optimizer the report is relative to; None: adamw if compared, else the first
 
     def sweep_of(self, optimizer: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
         """The sweep an optimizer's lrs are crossed with: the shared `sweep.<knob>` values and its own
@@ -188,7 +189,7 @@ def compare_config(node: dict) -> CompareConfig:
     """conf/compare.yaml's composed knobs -> CompareConfig, or one ConfigError line naming the knob."""
     node = dict(node)
     known = {"optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
-             "val_every", *EXECUTION}
+             "val_every", "baseline", *EXECUTION}
     unknown = sorted(set(node) - known)
     if unknown:
         raise ConfigError(f"unknown comparison knob {unknown[0]!r}: the knobs are {', '.join(sorted(known))}")
@@ -240,6 +241,7 @@ def compare_config(node: dict) -> CompareConfig:
         cooldown_fraction=fraction, cooldown_shape=shape, lr_extend=extend,
         lr_extend_max=_int(lr.get("extend_max", 2), "lr.extend_max", 1, "lrs lr.extend may add per optimizer"),
         sweep=_sweep(node.get("sweep") or {}, optimizers), workloads=_workloads(node.get("workloads") or {}),
+        baseline=_baseline(node.get("baseline"), optimizers),
         val_every=None if node.get("val_every") is None else _int(
             node["val_every"], "val_every", 1, "evaluate every N steps besides the branch points and budgets"))
     for budget in budgets:
@@ -253,6 +255,16 @@ def compare_config(node: dict) -> CompareConfig:
                               f"budget must exceed warmup/(1-cooldown.fraction): use budgets >= {need} or a "
                               "shorter warmup")
     return knobs
+
+
+def _baseline(value: Any, optimizers: list[str]) -> str | None:
+    """baseline=<optimizer>: one of the compared optimizers (null: adamw if compared, else the first by name)."""
+    if value is None:
+        return None
+    if value not in optimizers:
+        raise ConfigError(f"baseline={value!r} must be one of the compared optimizers ({', '.join(optimizers)}): "
+                          "every speedup, test and cost is relative to it")
+    return str(value)
 
 
 def _known(node: dict, keys: set[str], what: str, names: str) -> None:

@@ -43,7 +43,7 @@ from utils.errors import DataError
 from utils.files import atomic_write
 from utils.logging.metrics_file import read_metrics as _read_metrics
 
-REFERENCE = "adamw"  # the optimizer every speedup, t-test and cost is relative to
+REFERENCE = "adamw"  # the default baseline: every speedup, t-test and cost is relative to it (compare.py baseline=)
 TAUS = (1.0, 1.5, 2.0, 3.0, 4.0)  # performance-profile points printed in the table (the PNG: 1..4)
 ALPHA = 0.05  # family-wise error level of the verdicts (Holm), and 1 - the coverage of the printed CI
 MIN_SEEDS = 3  # fewer seeds (pairs): the verdict is "inconclusive (n=k)"
@@ -371,8 +371,23 @@ def table(header: Sequence[str], rows: list[Sequence[str]]) -> list[str]:
             *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
 
 
-def _order(names) -> list[str]:
-    return sorted(set(names), key=lambda n: (n != REFERENCE, n))
+def _order(names, reference: str = REFERENCE) -> list[str]:
+    return sorted(set(names), key=lambda n: (n != reference, n))
+
+
+def baseline_of(compare_dir: str, optimizers) -> str:
+    """The optimizer the comparison is relative to: compare.json's `baseline` knob; without one (null,
+    or a directory from before the knob), adamw when compared, else the first optimizer by name."""
+    try:
+        with open(os.path.join(compare_dir, "compare.json"), encoding="utf-8") as f:
+            knobs = (json.load(f) or {}).get("knobs") or {}
+    except (OSError, json.JSONDecodeError, AttributeError):
+        knobs = {}
+    names = sorted(set(optimizers))
+    given = knobs.get("baseline") if isinstance(knobs, dict) else None
+    if isinstance(given, str) and given in names:
+        return given
+    return REFERENCE if REFERENCE in names or not names else names[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,6 +401,7 @@ class Workload:
     results: list[Result]
     target: float | None = None  # the loss time-to-target is measured at
     ttt: dict[str, dict] = field(default_factory=dict)  # optimizer -> {"steps","tokens","seconds","reached","n"}
+    reference: str = REFERENCE  # the baseline every speedup, test and cost is relative to (baseline_of)
 
     def __post_init__(self):
         # The evaluation seeds' results (seeds.eval) stay out of every choice and tuning table below.
@@ -398,7 +414,7 @@ class Workload:
             if res.counted:
                 self.evaluation[(res.run.optimizer, int(res.run.budget))].append(res)
         self.evaluation_pending = sum(res.why == "pending" for res in evaluation)
-        self.optimizers = _order(r.optimizer for r in self.runs)
+        self.optimizers = _order((r.optimizer for r in self.runs), self.reference)
         self.budgets = sorted({int(r.run.budget) for r in self.results})
         self.largest = self.budgets[-1] if self.budgets else None
         self.knobs = sorted({k for r in self.runs for k, _ in r.setting})  # the swept optimizer knobs
@@ -613,13 +629,13 @@ def time_to_target(w: Workload) -> None:
 def section_ttt(w: Workload, h: str, target_given: bool) -> list[str]:
     out = [f"{h} Time to target", ""]
     if w.target is None:
-        return out + [f"No target: {REFERENCE} has no finite final val/loss at its best lr here, and no target= was "
+        return out + [f"No target: {w.reference} has no finite final val/loss at its best lr here, and no target= was "
                       "given.", ""]
     seeds = " over the evaluation seeds" if getattr(w, "ladder_seeds", "") == "evaluation" else ""
-    source = "given as target=" if target_given else (f"{REFERENCE}'s mean final val/loss{seeds} at its chosen "
+    source = "given as target=" if target_given else (f"{w.reference}'s mean final val/loss{seeds} at its chosen "
                                                        f"setting and lr at the largest budget ({w.largest})")
     out += [f"Target val/loss {w.target:.4f} ({source}).", ""]
-    out += ladder.ttt_lines(w, REFERENCE)
+    out += ladder.ttt_lines(w, w.reference)
     out += [f"{h}# Time to target on the largest budget's curve (secondary)", "",
             "At the best lr and the largest budget, on the seeds' mean "
             "val/loss curve (trunk, then cooldown branch; averaged per evaluation step, as are its tokens and "
@@ -640,10 +656,10 @@ def section_ttt(w: Workload, h: str, target_given: bool) -> list[str]:
 
 
 def section_speedup(w: Workload, h: str) -> list[str]:
-    out = [f"{h} Speedup vs {REFERENCE} (data efficiency)", ""]
-    if REFERENCE not in w.optimizers or w.best.get(REFERENCE) is None:
-        return out + [f"No {REFERENCE} result with a finite loss: no D_eff.", ""]
-    return out + ladder.deff_lines(w, REFERENCE)
+    out = [f"{h} Speedup vs {w.reference} (data efficiency)", ""]
+    if w.reference not in w.optimizers or w.best.get(w.reference) is None:
+        return out + [f"No {w.reference} result with a finite loss: no D_eff.", ""]
+    return out + ladder.deff_lines(w, w.reference)
 
 
 @dataclass
@@ -679,17 +695,17 @@ def _sample(w: Workload, optimizer: str) -> tuple[list[Result], str]:
 
 
 def significance_tests(workloads: list[Workload]) -> dict[tuple[str, str], Test]:
-    """(workload, optimizer) -> its Test against REFERENCE: a paired t-test on the per-seed
+    """(workload, optimizer) -> its Test against the workload's baseline (w.reference): a paired t-test on the per-seed
     differences where the seeds pair, Welch's otherwise; the 95% CI; Holm's correction over the family
     of every test with >= MIN_SEEDS seeds across optimizers and workloads; the verdict read from the
     Holm interval (significance.verdict)."""
     tests: dict[tuple[str, str], Test] = {}
     for w in workloads:
-        if REFERENCE not in w.optimizers or not w.budgets:
+        if w.reference not in w.optimizers or not w.budgets:
             continue
-        ref, ref_seeds = _sample(w, REFERENCE)
+        ref, ref_seeds = _sample(w, w.reference)
         for o in w.optimizers:
-            if o == REFERENCE:
+            if o == w.reference:
                 continue
             mine, seeds = _sample(w, o)
             a, b, paired = _pairs(mine, ref)
@@ -712,9 +728,9 @@ def _interval(d: significance.Difference | None) -> str:
 
 
 def section_significance(w: Workload, h: str, tests: dict[tuple[str, str], Test], eval_planned: int = 0) -> list[str]:
-    out = [f"{h} Significance vs {REFERENCE}", ""]
-    if REFERENCE not in w.optimizers:
-        return out + [f"No {REFERENCE} runs: no test.", ""]
+    out = [f"{h} Significance vs {w.reference}", ""]
+    if w.reference not in w.optimizers:
+        return out + [f"No {w.reference} runs: no test.", ""]
     mine = [t for (name, _), t in tests.items() if name == w.name]
     family = [k for k, t in tests.items() if t.holm is not None]
     if any(t.seeds != "evaluation" for t in mine):
@@ -728,12 +744,12 @@ def section_significance(w: Workload, h: str, tests: dict[tuple[str, str], Test]
         out += [f"These tests use the evaluation seeds: each optimizer's setting chosen on the tuning seeds at the "
                 f"largest budget ({w.largest}), run again on fresh seeds (seeds.eval), so the choice does not bias "
                 "them.", ""]
-    out += [f"Difference: the optimizer's final val/loss minus {REFERENCE}'s at the largest budget ({w.largest}), "
+    out += [f"Difference: the optimizer's final val/loss minus {w.reference}'s at the largest budget ({w.largest}), "
             f"negative: lower loss. **Paired** t-test on the per-seed differences where seed k of both ran with the "
             f"same random_seed and data_seed (the same initialisation and data order; seeds without a finite loss "
             "on both sides are left out; n: pairs); **Welch**'s t-test where no seed pairs (n: the smaller side). "
             f"CI: the {1 - ALPHA:.0%} confidence interval of the mean difference. **Holm**'s correction over the "
-            f"family of every optimizer × workload compared with {REFERENCE} with ≥ {MIN_SEEDS} seeds "
+            f"family of every optimizer × workload compared with {w.reference} with ≥ {MIN_SEEDS} seeds "
             f"(m = {len(family)}: {', '.join(f'{o} in {n}' for n, o in family) or 'none'}): Holm p is the adjusted "
             f"p-value; the Holm interval is the interval at level 1 − {ALPHA}/(m − r + 1), r the test's rank by p "
             "(frozen at the rank where Holm's step-down stops), which excludes 0 exactly when Holm rejects. Verdict, "
@@ -744,7 +760,7 @@ def section_significance(w: Workload, h: str, tests: dict[tuple[str, str], Test]
         d = t.diff
         rows.append([t.optimizer, t.seeds, d.method, d.n, f_num(d.mean, ".4f"), _interval(d), _interval(t.holm),
                      f_num(d.p, ".3g"), f_num(t.holm_p, ".3g"), t.verdict])
-    out += table(["optimizer", "seeds", "test", "n", f"mean − {REFERENCE}", f"{1 - ALPHA:.0%} CI", "Holm interval",
+    out += table(["optimizer", "seeds", "test", "n", f"mean − {w.reference}", f"{1 - ALPHA:.0%} CI", "Holm interval",
                   "p", "Holm p", "verdict"], rows)
     if w.evaluation:
         out += ["Evaluation seeds per budget: the setting the tuning seeds chose at each budget (lr and swept "
@@ -796,13 +812,13 @@ def section_cost(w: Workload, h: str) -> list[str]:
            "runs in this comparison (trunks and branches): each a running median of clean intervals, from which "
            "compilation, evaluation and saves are left out (docs/metrics.md); the curves' and time to target's "
            "seconds are steps × this. State: the median `optim/state_bytes` over its runs. "
-           f"Relative: divided by {REFERENCE}'s. Measured on: {', '.join(devices) or 'not logged'}.", ""]
-    ref_t, ref_b = cost(w, REFERENCE) if REFERENCE in w.optimizers else (math.nan, math.nan)
+           f"Relative: divided by {w.reference}'s. Measured on: {', '.join(devices) or 'not logged'}.", ""]
+    ref_t, ref_b = cost(w, w.reference) if w.reference in w.optimizers else (math.nan, math.nan)
     rows = []
     for o in w.optimizers:
         t, b = cost(w, o)
         rows.append([o, f_num(t, ".6g"), f_num(t / ref_t, ".3f"), f_num(b, ".0f"), f_num(b / ref_b, ".3f")])
-    out += table(["optimizer", "step time (s)", f"× {REFERENCE}", "state bytes", f"× {REFERENCE}"], rows)
+    out += table(["optimizer", "step time (s)", f"× {w.reference}", "state bytes", f"× {w.reference}"], rows)
     out += ["Overheads, apart from the step time, per run (the median over the optimizer's runs): compilation "
             "(`time/compile_sec` summed: each run, trunk or branch, compiles in a run of its own), "
             "evaluation (`time/eval_sec` summed, over that many evaluations), start-up before the first step "
@@ -935,7 +951,8 @@ def section_profiles(workloads: list[Workload], compare_dir: str, into: dict | N
     if len(workloads) < 2:
         return out + ["Performance profiles and the geometric-mean speedup need ≥ 2 workloads (run.json "
                       "\"workload\"); this comparison has one.", ""]
-    names = _order(o for w in workloads for o in w.optimizers)
+    reference = workloads[0].reference  # one baseline for the whole comparison (baseline_of)
+    names = _order((o for w in workloads for o in w.optimizers), reference)
     times = {o: [ladder.profile_seconds(w, o) for w in workloads] for o in names}
     grid = np.linspace(1.0, 4.0, 301)
     plot_profiles(stats.performance_profile(times, grid), grid, os.path.join(compare_dir, "performance_profile.png"))
@@ -947,14 +964,14 @@ def section_profiles(workloads: list[Workload], compare_dir: str, into: dict | N
             "budget's seconds (an upper bound on its time).", "",
             "![performance profiles](performance_profile.png)", ""]
     out += table(["optimizer", *(f"τ={t:g}" for t in TAUS)], [[o, *(f"{v:.3f}" for v in printed[o])] for o in names])
-    if REFERENCE in names:
-        out += [f"Geometric-mean speedup over the workloads: {REFERENCE}'s seconds to target on the ladder divided "
+    if reference in names:
+        out += [f"Geometric-mean speedup over the workloads: {reference}'s seconds to target on the ladder divided "
                 "by the optimizer's, per workload, over the workloads where at least one of the two reaches the target "
-                f"within the largest budget (∞ where only the optimizer does, 0 where only {REFERENCE} does); a "
+                f"within the largest budget (∞ where only the optimizer does, 0 where only {reference} does); a "
                 "'≤ S_min' time counts at the smallest budget's seconds.", ""]
         rows = []
         for o in names:
-            ratios = [a / b if math.isfinite(b) else 0.0 for a, b in zip(times[REFERENCE], times[o])
+            ratios = [a / b if math.isfinite(b) else 0.0 for a, b in zip(times[reference], times[o])
                       if math.isfinite(a) or math.isfinite(b)]
             into["geometric_mean_speedup"][o] = stats.geometric_mean(ratios)
             rows.append([o, f_num(stats.geometric_mean(ratios), ".3f")])
@@ -994,12 +1011,13 @@ def _load(compare_dir: str, target: float | None) -> tuple[dict[str, Run], dict[
         if run.kind == "branch":
             results[run.id] = make_result(run, runs.get(run.info.get("trunk") or ""))
     workloads = []
+    baseline = baseline_of(compare_dir, (r.optimizer for r in runs.values()))
     for name in names:
         w = Workload(name, [r for r in runs.values() if r.workload == name],
-                     [res for res in results.values() if res.run.workload == name])
-        ref = stats.mean_std(w.at_best(REFERENCE, w.largest))[0] if REFERENCE in w.optimizers else math.nan
+                     [res for res in results.values() if res.run.workload == name], reference=baseline)
+        ref = stats.mean_std(w.at_best(baseline, w.largest))[0] if baseline in w.optimizers else math.nan
         w.target = target if target is not None else (ref if math.isfinite(ref) else None)
-        ladder.attach(w, REFERENCE, target is not None)  # with evaluation seeds: the target is theirs
+        ladder.attach(w, baseline, target is not None)  # with evaluation seeds: the target is theirs
         if w.target is not None:
             time_to_target(w)
         workloads.append(w)
@@ -1038,7 +1056,7 @@ def section_provenance(sessions: list[dict]) -> list[str]:
 MISSING_LISTED = 5  # missing run ids the completeness table names per optimizer
 
 
-def section_completeness(runs: dict[str, Run], planned: bool) -> list[str]:
+def section_completeness(runs: dict[str, Run], planned: bool, reference: str = REFERENCE) -> list[str]:
     """Every planned run of compare.json (and lr.extend's on disk) counted per optimizer as finished,
     diverged, failed, missing or pending; without a plan, one line saying nothing was checked."""
     if not planned:
@@ -1047,7 +1065,7 @@ def section_completeness(runs: dict[str, Run], planned: bool) -> list[str]:
     rows_of = completeness(runs)
     several = len({w for w, _ in rows_of}) > 1
     rows = []
-    for (workload, o), c in sorted(rows_of.items(), key=lambda kv: (kv[0][0], kv[0][1] != REFERENCE, kv[0][1])):
+    for (workload, o), c in sorted(rows_of.items(), key=lambda kv: (kv[0][0], kv[0][1] != reference, kv[0][1])):
         ids = c["missing_ids"]
         listed = ", ".join(ids[:MISSING_LISTED]) + (f" (+{len(ids) - MISSING_LISTED} more)"
                                                     if len(ids) > MISSING_LISTED else "")
@@ -1092,7 +1110,9 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
     if knobs:
         lines += ["Knobs: " + ", ".join(f"`{knob_name(k)}={v}`" for k, v in knobs.items()), ""]
     lines += section_provenance(sessions)
-    lines += section_completeness(runs, planned)
+    baseline = workloads[0].reference if workloads else REFERENCE
+    lines += [f"Baseline: {baseline} (every speedup, test and cost below is relative to it; compare.py baseline=).", ""]
+    lines += section_completeness(runs, planned, baseline)
     if pending:
         lines += [f"Pending (not run yet, left out of every table): {len(pending)} branches "
                   f"({', '.join(pending[:5])}{' …' if len(pending) > 5 else ''}).", ""]
@@ -1183,7 +1203,7 @@ def workload_summary(w: Workload, tests: dict[tuple[str, str], Test]) -> dict:
                             "residuals": ({str(b): float(r) for b, r in zip(
                                 w.budgets, law.loss(deff["reader"].tokens) - deff["reader"].mean)}
                                 if law is not None and deff["reader"] is not None else None)}
-    ref_t, ref_b = cost(w, REFERENCE) if REFERENCE in w.optimizers else (math.nan, math.nan)
+    ref_t, ref_b = cost(w, w.reference) if w.reference in w.optimizers else (math.nan, math.nan)
     for o in w.optimizers:
         mine = [r for r in w.runs if r.optimizer == o]
         best = w.best[o]
@@ -1220,7 +1240,7 @@ def workload_summary(w: Workload, tests: dict[tuple[str, str], Test]) -> dict:
             x["d_eff_over_d"] = {str(b): {"value": v, "flag": f, "label": ladder.short(deff["why"]) if f == ">" else "",
                                           "interval": _interval_json(iv)}
                                  for b, (v, f, iv) in zip(w.budgets, deff["cells"][o]) if f != "?"}
-        elif deff is not None and deff["reader"] is None and o != REFERENCE:
+        elif deff is not None and deff["reader"] is None and o != w.reference:
             x["d_eff_over_d"] = {str(b): {"value": None, "flag": "?", "label": f"fit: {deff['shape'].label}",
                                           "interval": None} for b in w.budgets}
         test = tests.get((w.name, o))
@@ -1249,7 +1269,7 @@ def summary_of(runs: dict[str, Run], workloads: list[Workload], tests: dict[tupl
     """summary.json's content: what report.md prints, as numbers (docs/compare.md lists the fields)."""
     rows = completeness(runs) if planned else {}
     return _jsonable({
-        "reference": REFERENCE,
+        "reference": workloads[0].reference if workloads else REFERENCE,
         "bootstrap": {"resamples": ladder.BOOTSTRAP, "seed": ladder.BOOTSTRAP_SEED, "level": ladder.LEVEL},
         "alpha": ALPHA,
         "completeness": {"checked": planned, "per_optimizer": [

@@ -30,6 +30,7 @@ import train_jax as T
 from compare import ladder, significance
 from compare.plan import compare_config, evaluation_runs, make_plan
 from compare.report import ALPHA, MIN_SEEDS, Result, Run, Workload, build_report, significance_tests
+from utils.errors import ConfigError
 
 # --- statistics against scipy and by hand -----------------------------------------------------------
 
@@ -369,6 +370,36 @@ def test_time_to_target_and_d_eff_read_the_evaluation_seeds_once_they_ran(tmp_pa
         assert frontier_cells(md)[o].startswith(f"{mean:.4f} ± ")
     # the same float64 mean in another order: ~1e-16 apart
     assert summary["target"] == pytest.approx(float(np.mean(final_losses(tmp_path, "adamw", phase, 1e-3))), rel=1e-12)
+
+
+def test_a_baseline_other_than_adamw_is_what_every_test_and_speedup_is_relative_to(tmp_path):
+    """compare.json's `baseline` (compare.py baseline=muon): the tests take muon's losses from each
+    optimizer's, so AdamW, 0.01 above muon here, is worse; the target and summary follow it."""
+    write_comparison(tmp_path)
+    recorded = json.loads((tmp_path / "compare.json").read_text())
+    recorded["knobs"]["baseline"] = "muon"
+    (tmp_path / "compare.json").write_text(json.dumps(recorded))
+    md = Path(build_report(str(tmp_path))).read_text()
+    assert "Baseline: muon" in md and "## Significance vs muon" in md and "## Speedup vs muon" in md
+    rows = {r[0]: r for r in (
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in md.split("## Significance vs muon")[1].split("\n## ")[0].splitlines()
+        if line.startswith("| ") and not line.startswith(("| optimizer", "| ---"))) if len(r) == 10}
+    assert {o: r[-1] for o, r in rows.items()} == {"adamw": "worse", "lion": "worse", "sgdm": "worse",
+                                                     "shampoo": "inconclusive (n=2)"}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["reference"] == "muon"
+    # the same float64 mean in another order: ~1e-16 apart
+    assert summary["workloads"]["w"]["target"] == pytest.approx(float(np.mean(final_losses(tmp_path, "muon", "eval",
+                                                                                             1e-3))), rel=1e-12)
+
+
+def test_the_baseline_knob_is_one_of_the_compared_optimizers():
+    base = {"optimizers": ["adamw", "muon"], "budgets": [10, 20]}
+    assert compare_config({**base, "baseline": "muon"}).baseline == "muon"
+    assert compare_config(base).baseline is None  # the report then takes adamw
+    with pytest.raises(ConfigError, match=r"baseline='lion' must be one of the compared optimizers \(adamw, muon\)"):
+        compare_config({**base, "baseline": "lion"})
 
 
 def test_report_on_tuning_seeds_says_its_tests_are_biased(tmp_path):
