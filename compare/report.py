@@ -963,7 +963,12 @@ def section_profiles(workloads: list[Workload], compare_dir: str, into: dict | N
             "τ × the best optimizer's; '> S_max' (not reached) counts as never within, '≤ S_min' at the smallest "
             "budget's seconds (an upper bound on its time).", "",
             "![performance profiles](performance_profile.png)", ""]
-    out += table(["optimizer", *(f"τ={t:g}" for t in TAUS)], [[o, *(f"{v:.3f}" for v in printed[o])] for o in names])
+    score = stats.profile_score(times, TAUS[-1])
+    into["score"] = {"tau_max": TAUS[-1], **score}
+    out += [f"Score (AlgoPerf's): the area under the profile from τ = 1 to {TAUS[-1]:g}, divided by {TAUS[-1] - 1:g}; "
+            f"1 is the fastest on every workload, 0 never within {TAUS[-1]:g}× of the fastest.", ""]
+    out += table(["optimizer", *(f"τ={t:g}" for t in TAUS), "score"],
+                 [[o, *(f"{v:.3f}" for v in printed[o]), f"{score[o]:.3f}"] for o in names])
     if reference in names:
         out += [f"Geometric-mean speedup over the workloads: {reference}'s seconds to target on the ladder divided "
                 "by the optimizer's, per workload, over the workloads where at least one of the two reaches the target "

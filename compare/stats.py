@@ -127,6 +127,20 @@ def performance_profile(times: Mapping[str, Sequence[float]], taus: Sequence[flo
     return {n: (ratio[i][None, :] <= taus[:, None]).mean(axis=1) for i, n in enumerate(names)}
 
 
+def profile_score(times: Mapping[str, Sequence[float]], tau_max: float = 4.0) -> dict[str, float]:
+    """AlgoPerf's benchmark score: the area under each optimizer's performance profile from τ = 1 to
+    tau_max, divided by tau_max - 1 (1: the fastest on every workload; 0: never within tau_max of it).
+    The profile is a step function, so the area is exact: each workload where the optimizer's time is
+    r ≤ tau_max times the best adds (tau_max - r) / W."""
+    names = list(times)
+    t = np.array([list(times[n]) for n in names], dtype=float)
+    best = t.min(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(np.isfinite(t) & np.isfinite(best), t / best, np.inf)
+    area = np.where(ratio <= tau_max, tau_max - ratio, 0.0).mean(axis=1)
+    return {n: float(area[i] / (tau_max - 1.0)) for i, n in enumerate(names)}
+
+
 def geometric_mean(values: Sequence[float]) -> float:
     """exp(mean(log v)); nan for none, inf when any value is inf, 0 when any is 0."""
     v = np.asarray(list(values), dtype=float)

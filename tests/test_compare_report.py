@@ -272,6 +272,14 @@ def test_performance_profile_and_geometric_mean():
     assert rho["a"].tolist() == pytest.approx([1 / 3, 2 / 3, 2 / 3])
     assert rho["b"].tolist() == pytest.approx([2 / 3, 1.0, 1.0])
     assert stats.geometric_mean([2.0, 8.0]) == pytest.approx(4.0)
+    # AlgoPerf's score, the profile's area over [1, 4] / 3, by hand: a's ratios 1, 2, inf give areas 3, 2, 0;
+    # b's 2, 1, 1 (3 / 3, the best on the third) give 2, 3, 3
+    assert stats.profile_score(times) == pytest.approx({"a": (3 + 2 + 0) / 3 / 3, "b": (2 + 3 + 3) / 3 / 3})
+    grid = np.linspace(1.0, 4.0, 30001)
+    for o, score in stats.profile_score(times).items():
+        # and numerically: the mean of the profile on a grid of τ spaced 1e-4: a step function's mean there is
+        # off by at most one spacing per step (2 steps per optimizer here), 2e-4 / 3 of the score; 1e-3 is room
+        assert score == pytest.approx(float(stats.performance_profile(times, grid)[o].mean()), abs=1e-3)
 
 
 # --- the report -----------------------------------------------------------------------------------
@@ -474,11 +482,17 @@ def test_several_workloads_give_performance_profiles(tmp_path):
     seconds = {o: [math.inf if ttt[w][o][4].startswith(">") else num(ttt[w][o][4].lstrip("≤ "))
                    for w in ("big", "small")] for o in OPTS}
     profile = t["Across workloads"]
-    assert profile[0] == ["optimizer", "τ=1", "τ=1.5", "τ=2", "τ=3", "τ=4"]
+    assert profile[0] == ["optimizer", "τ=1", "τ=1.5", "τ=2", "τ=3", "τ=4", "score"]
     for o, *cells in profile[1:]:
         for cell, tau in zip(cells, (1, 1.5, 2, 3, 4)):
             within = [s / min(seconds[x][i] for x in OPTS) <= tau for i, s in enumerate(seconds[o])]
             assert close(cell, float(np.mean(within)))
+        ratios = [s / min(seconds[x][i] for x in OPTS) for i, s in enumerate(seconds[o])]
+        # the seconds are read back at 2 decimals: a ratio r = s/b is off by up to 0.005 (1/s + 1/b) r
+        # (first order), and the score, the mean over the 2 workloads of (4 - r) / 3, by the mean of those / 3
+        err = [printed_atol("0.00") * (1 / s + 1 / min(seconds[x][i] for x in OPTS)) * r
+               for i, (s, r) in enumerate(zip(seconds[o], ratios)) if math.isfinite(r)]
+        assert close(cells[-1], float(np.mean([max(4 - r, 0) for r in ratios])) / 3, abs_=sum(err) / len(ratios) / 3)
     # on the ladder muon reaches AdamW's target at a smaller budget on both workloads (its loss is lower at
     # every budget), so its seconds are the fewest on both, though its steps are slower on "small"
     assert [row[1] for row in profile[1:]] == ["0.000", "1.000", "0.000"]
