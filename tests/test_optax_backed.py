@@ -1,6 +1,7 @@
-"""NAdamW, Schedule-Free AdamW and AdEMAMix are optax's (optimizer/nadamw.py, schedule_free.py,
-ademamix.py): what is ours is the wiring. Each is run through `make_optimizer` (global-norm
-clipping, a warmup schedule, per-group lr and knob overrides, weight decay on the decayed groups)
+"""NAdamW, Schedule-Free AdamW, AdEMAMix, ADOPT and Prodigy are optax's (optimizer/nadamw.py,
+schedule_free.py, ademamix.py, adopt.py, prodigy.py): what is ours is the wiring. Each is run
+through `make_optimizer` (global-norm clipping, a warmup schedule, per-group lr and knob
+overrides, weight decay on the decayed groups)
 and compared with the optax function called directly on each parameter with that group's
 arguments. Then: AdEMAMix's α/β3 warmup against the paper's formula, the diagnostics against NumPy
 on the state, and the knobs that depend on the run (`for_run`)."""
@@ -20,8 +21,10 @@ from optax.contrib import ScaleByAdemamixState, ScheduleFreeState
 
 from optimizer import eval_params, make_optimizer
 from optimizer.ademamix import AdEMAMix, alpha_schedule, b3_schedule
+from optimizer.adopt import ADOPT
 from optimizer.diagnostics import optimizer_metrics
 from optimizer.nadamw import NAdamW
+from optimizer.prodigy import Prodigy
 from optimizer.schedule_free import ScheduleFreeAdamW, rms_state
 from utils.errors import ConfigError
 
@@ -29,7 +32,10 @@ SHAPES = {"w": ((2, 6, 10), "hidden"), "e": ((12, 6), "embed"), "h": ((6, 12), "
 BASE_LR, CLIP, STEPS, WARMUP = 1e-2, 1.0, 6, 4
 GRAD_NORMS = (0.5, 3.0, 0.8, 5.0, 1.5, 0.2)  # the global norm of each step's gradient: clipped or not
 HPARAMS = {"nadamw": NAdamW(weight_decay=0.1), "schedule_free_adamw": ScheduleFreeAdamW(weight_decay=0.1),
-           "ademamix": AdEMAMix(alpha_b3_warmup=WARMUP)}  # a warmup that ends within the run
+           "ademamix": AdEMAMix(alpha_b3_warmup=WARMUP),  # a warmup that ends within the run
+           "adopt": ADOPT(weight_decay=0.1),
+           # d0 = 1 (lr 1e-2 multiplies it): every group moves > 1e-3 in the 6 steps
+           "prodigy": Prodigy(weight_decay=0.1, d0=1.0)}
 # Every group differs from the defaults in its own way, so a group that gets another's settings shows.
 OVERRIDES = {
     "nadamw": {"hidden": {"lr": 2e-2}, "embed": {"b1": 0.8}, "head": {"weight_decay": 0.05},
@@ -38,6 +44,10 @@ OVERRIDES = {
                             "scalar": {"lr": 5e-3, "b2": 0.99}},
     "ademamix": {"hidden": {"lr": 2e-2}, "embed": {"alpha": 3.0, "b1": 0.8},
                  "head": {"weight_decay": 0.05, "b3": 0.999}, "scalar": {"lr": 5e-3}},
+    "adopt": {"hidden": {"lr": 2e-2}, "embed": {"b1": 0.8}, "head": {"weight_decay": 0.05},
+              "scalar": {"lr": 5e-3, "eps": 1e-4, "b2": 0.99}},
+    "prodigy": {"hidden": {"lr": 2e-2}, "embed": {"b1": 0.8, "d_coef": 0.5},
+                "head": {"weight_decay": 0.05, "beta3": 0.9}, "scalar": {"lr": 5e-3, "d0": 0.5, "eps": 1e-6}},
 }
 
 
@@ -60,6 +70,12 @@ def _reference_tx(name: str, group: str) -> optax.GradientTransformation:
     k = functools.partial(_knob, name, group)
     if name == "nadamw":
         return optax.nadamw(lr, b1=k("b1"), b2=k("b2"), eps=k("eps"), weight_decay=wd)
+    if name == "adopt":
+        return optax.chain(optax.contrib.scale_by_adopt(b1=k("b1"), b2=k("b2"), eps=k("eps"), use_clipping=k("clip")),
+                           optax.add_decayed_weights(wd), optax.scale_by_learning_rate(lr))
+    if name == "prodigy":
+        return optax.contrib.prodigy(lr, betas=(k("b1"), k("b2")), beta3=k("beta3"), eps=k("eps"), estim_lr0=k("d0"),
+                                     estim_lr_coef=k("d_coef"), weight_decay=wd, safeguard_warmup=k("safeguard_warmup"))
     if name == "schedule_free_adamw":
         return optax.contrib.schedule_free_adamw(lr, b1=k("b1"), b2=k("b2"), eps=k("eps"), weight_decay=wd,
                                                  weight_lr_power=k("weight_lr_power"))
