@@ -189,6 +189,36 @@ def test_alpha_and_b3_follow_the_papers_warmup(b1, b3, alpha, warmup_steps):
     assert float(got_alpha[warmup_steps - 1]) == alpha and float(got_b3[warmup_steps - 1]) == np.float32(b3)
 
 
+# --- Prodigy where its d estimate is 0/0 ---------------------------------------------------------
+
+
+def test_prodigy_takes_no_step_while_d_is_undefined_then_follows_optax():
+    """A first update at lr 0 (a warmup from 0, safeguard_warmup off) leaves d̂'s denominator at 0:
+    optax.contrib.prodigy sets d to NaN and the weights with it; ours, as the authors' code, makes
+    no update and keeps d (the moments advance). The next update, at lr > 0, is optax's from that
+    state: exactly the same operations, so the same bits."""
+    hp = Prodigy(d0=1e-2)
+    schedule = lambda count: jnp.where(count == 0, 0.0, 1.0)
+    params, grads = _inputs()
+    params, grads = params["w"], [g["w"] for g in grads[:2]]
+    ours, plain = hp.transform("hidden", schedule), optax.contrib.prodigy(schedule, estim_lr0=hp.d0)
+
+    @jax.jit
+    def run(params, grads):
+        s_ours, s_plain = ours.init(params), plain.init(params)
+        u_ours, s_ours = ours.update(grads[0], s_ours, params)
+        u_plain, s_plain = plain.update(grads[0], s_plain, params)
+        after = ours.update(grads[1], s_ours, params)[0]
+        return u_ours, s_ours, u_plain, s_plain, after, plain.update(grads[1], s_ours.prodigy, params)[0]
+
+    u_ours, s_ours, u_plain, s_plain, after, after_plain = run(params, grads)
+    assert bool(jnp.all(jnp.isnan(u_plain))) and bool(jnp.isnan(s_plain.estim_lr))  # what is guarded against
+    assert float(jnp.max(jnp.abs(u_ours))) == 0.0 and float(s_ours.prodigy.estim_lr) == np.float32(hp.d0)
+    assert int(s_ours.prodigy.count) == 1 and float(jnp.max(jnp.abs(s_ours.prodigy.exp_avg))) > 0
+    assert float(jnp.max(jnp.abs(after))) > 0
+    np.testing.assert_array_equal(after, after_plain)
+
+
 # --- diagnostics --------------------------------------------------------------------------------
 
 
