@@ -12,12 +12,13 @@ Where the reference is not the paper's or optax's algorithm, it is set up to be 
     of that size, so that x_0 − x (what d is estimated from) keeps float32's precision on our side
     (at d0 = 1e-6 the first steps are ~1e-7 against weights of ~1: x_0 − x would keep one digit).
   * NorMuon: Newton–Schulz in float64 (the reference's default is bfloat16; its coefficients,
-    Frobenius pre-scaling and wide-side iteration are optax's); Nesterov off: optax's Nesterov
-    blend (Muon's, ours) bias-corrects its two terms separately, the reference's blends them
-    uncorrected; without Nesterov the momenta differ by the factor 1/(1 − β^t), which the
-    Frobenius pre-scaling removes (up to the pre-scaling's eps: 1e-8 added here, a 1e-7 floor
-    there, < 0.1 EPS32 of norms >= 1). PyTorch's weights are out×in, ours d_in×d_out: the
-    reference steps the transposes.
+    Frobenius pre-scaling and wide-side iteration are optax's). Without Nesterov the momenta
+    differ by the factor 1/(1 − β^t), which the Frobenius pre-scaling removes (up to the
+    pre-scaling's eps: 1e-8 added here, a 1e-7 floor there, < 0.1 EPS32 of norms >= 1). With it,
+    optax's blend (Muon's, ours) bias-corrects its two terms separately,
+    β·m/(1 − β^(t+1)) + (1 − β)·g/(1 − β^t), the reference's blends them uncorrected: its
+    Newton–Schulz is handed optax's blend, made from its own momentum buffer and gradient.
+    PyTorch's weights are out×in, ours d_in×d_out: the reference steps the transposes.
 """
 
 from __future__ import annotations
@@ -216,19 +217,28 @@ def normuon_atol(o: np.ndarray, v: np.ndarray, u: np.ndarray, ns_steps: int, rms
     return 2 * (a * w.max() * s + relative * np.abs(u).max())
 
 
-@pytest.mark.parametrize("shape_scale, update_scale", [("reference", "preserve_norm"), ("adam_rms", "match_rms")])
-def test_normuon_matches_pytorch_optimizer_normuon(monkeypatch, shape_scale, update_scale):
-    """The hidden group per block: momentum (no Nesterov), Newton–Schulz, each output neuron's
+@pytest.mark.parametrize("shape_scale, update_scale, nesterov", [
+    ("reference", "preserve_norm", False), ("adam_rms", "match_rms", False), ("reference", "preserve_norm", True)])
+def test_normuon_matches_pytorch_optimizer_normuon(monkeypatch, shape_scale, update_scale, nesterov):
+    """The hidden group per block: momentum (Nesterov: optax's blend), Newton–Schulz, each output neuron's
     column divided by √v + eps, the block rescaled (to its Newton–Schulz norm times √max(1,
     d_out/d_in) with `reference`, to RMS 0.2 with `adam_rms`), decay p·(1 − lr·wd) on the starting
     p, −lr·that. The Newton–Schulz outputs the reference computed are recorded; each step is
     compared block by block within normuon_atol of them, times the lr and the shape factor."""
     module, float64_ns = _float64_newton_schulz()
-    outputs = []
-    monkeypatch.setattr(module, "zero_power_via_newton_schulz_5",
-                        lambda g, **kw: outputs.append(float64_ns(g, **kw)) or outputs[-1])
-    wd, beta2 = 0.1, 0.9
-    hp = NorMuon(momentum=0.9, nesterov=False, beta2=beta2, shape_scale=shape_scale, weight_decay=wd)
+    outputs, now = [], {}  # now: this update's count and gradients, the reference's order
+
+    def newton_schulz(x, **kw):
+        if nesterov:  # optax's bias-corrected blend from the reference's buffer and gradient
+            t, param = now["t"], now["params"][len(outputs)]
+            mu, g = opt.state[param]["momentum_buffer"], now["grads"][len(outputs)]
+            x = beta * mu / (1 - beta ** (t + 1)) + (1 - beta) * g / (1 - beta**t)
+        outputs.append(float64_ns(x, **kw))
+        return outputs[-1]
+
+    monkeypatch.setattr(module, "zero_power_via_newton_schulz_5", newton_schulz)
+    wd, beta, beta2 = 0.1, 0.9, 0.9
+    hp = NorMuon(momentum=beta, nesterov=nesterov, beta2=beta2, shape_scale=shape_scale, weight_decay=wd)
     rng = np.random.default_rng(9)
     params = {k: (NORMUON_LR * rng.normal(size=s)).astype(np.float32) for k, s in NORMUON_SHAPES.items()}
     # Columns of unequal sizes, so the neurons' second moments differ and the normalisation matters.
@@ -245,15 +255,16 @@ def test_normuon_matches_pytorch_optimizer_normuon(monkeypatch, shape_scale, upd
     blocks = {(k, b): torch.tensor(params[k][b].T.astype(np.float64)) for k in NORMUON_SHAPES for b in range(2)}
     opt = pytorch_optimizer.NorMuon([{"params": list(blocks.values()), "use_muon": True}], lr=NORMUON_LR,
                                     momentum=hp.momentum, beta2=beta2, weight_decay=wd, weight_decouple=True,
-                                    nesterov=False, ns_steps=hp.ns_steps, update_scale=update_scale,
+                                    nesterov=nesterov, ns_steps=hp.ns_steps, update_scale=update_scale,
                                     use_adjusted_lr=False, eps=hp.eps, foreach=False)
     p, state = dict(params), tx.init(params)
     rms_max = {key: 0.0 for key in blocks}
     spread = 1.0
-    for g in grads:
+    for step_count, g in enumerate(grads, 1):
         before = {key: t.numpy().copy() for key, t in blocks.items()}
         for (k, b), t in blocks.items():
             t.grad = torch.tensor(g[k][b].T.astype(np.float64))
+        now.update(t=step_count, params=list(blocks.values()), grads=[t.grad.clone() for t in blocks.values()])
         outputs.clear()
         opt.step()
         p, state = step(p, state, g)
@@ -272,5 +283,5 @@ def test_normuon_matches_pytorch_optimizer_normuon(monkeypatch, shape_scale, upd
             # EPS32/2 of |p| (2 roundings, 2x margin), divided by the step's lr·factor.
             recovery = 2 * EPS32 * np.abs(before[key]).max() / (NORMUON_LR * factor)
             atol = normuon_atol(o, v, want, hp.ns_steps, rms_max[key]) + recovery
-            np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg=f"{k}[{b}] ({shape_scale})")
+            np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg=f"{k}[{b}] ({shape_scale}, {nesterov=})")
     assert spread > 1.5  # the neurons' second moments differ: the normalisation did something
