@@ -24,7 +24,7 @@ code leaves off by default (`use_bias_correction=False`); and d is estimated per
 (hidden, embed, head, scalar: each group is its own optax transform), where the authors' code
 shares one d over all of an optimizer's parameter groups.
 
-Weight decay: decoupled, times the step d·lr_t·c_t as the paper's (AdamW's decay is times its
+Weight decay: decoupled, times the step d·lr_t·c_t as in the authors' code (AdamW's is times its
 step lr_t), not times lr_t alone: lr_t is a multiplier near 1 here, and lr_t·weight_decay would
 shrink the weights by 10% a step at weight_decay 0.1. So the cautious mask, which splits off a
 decay of −lr_t·weight_decay·x (optimizer/cautious.py), is refused.
