@@ -23,12 +23,15 @@ import optax
 from optimizer.adafactor import Adafactor
 from optimizer.adamw import AdamW
 from optimizer.ademamix import AdEMAMix
+from optimizer.adopt import ADOPT
 from optimizer.groups import group_schedules, per_group
 from optimizer.kron import Kron
 from optimizer.lion import Lion
 from optimizer.mars import MARS
 from optimizer.muon import Muon
 from optimizer.nadamw import NAdamW
+from optimizer.normuon import NorMuon
+from optimizer.prodigy import Prodigy
 from optimizer.schedule_free import ScheduleFreeAdamW
 from optimizer.sgdm import SGDM
 from optimizer.shampoo import Shampoo
@@ -47,6 +50,9 @@ OPTIMIZERS = {
     "soap": SOAP,
     "mars": MARS,
     "kron": Kron,
+    "adopt": ADOPT,
+    "prodigy": Prodigy,
+    "normuon": NorMuon,
 }
 
 

@@ -110,9 +110,10 @@ class Muon:
         return self.MUON_KNOBS if group == "hidden" else self.ADAM_KNOBS
 
     def group_knob_hint(self, group: str, knob: str) -> str:
+        name = type(self).__name__  # Muon, or NorMuon built on it
         if group == "hidden":
-            return "the hidden group uses Muon, not AdamW; set optimizer.groups.hidden.momentum instead"
-        return f"the {group} group uses AdamW under Muon; set optimizer.groups.{group}.adam_b1 instead"
+            return f"the hidden group uses {name}, not AdamW; set optimizer.groups.hidden.momentum instead"
+        return f"the {group} group uses AdamW under {name}; set optimizer.groups.{group}.adam_b1 instead"
 
     def check(self, prefix: str) -> None:
         check_unit_interval(prefix, self, "momentum", "adam_b1", "adam_b2")

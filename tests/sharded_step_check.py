@@ -49,7 +49,7 @@ from utils.parallel import mesh as meshlib
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from helpers import EPS32, compose_config
-from test_golden import GOLDEN
+from test_golden import GOLDEN, GOLDEN_EXTRA
 from test_golden import STEPS as GOLDEN_STEPS
 
 LR, ADAM_EPS = 1e-2, 1e-3
@@ -229,7 +229,7 @@ def golden_config(optimizer: str):
     matching GOLDEN and the test fails; it cannot pass by it."""
     lr = {"sgdm": 0.3, "lion": 3e-3}.get(optimizer)
     return validate(compose_config(f"optimizer={optimizer}", "train.max_steps=30", "optimizer.lr_config.warmup=5",
-                                   *([f"optimizer.lr_config.lr={lr}"] if lr else [])))
+                                   *([f"optimizer.lr_config.lr={lr}"] if lr else []), *GOLDEN_EXTRA.get(optimizer, ())))
 
 
 def prepare_golden(run, devices):

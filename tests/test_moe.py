@@ -448,10 +448,11 @@ def test_muon_orthogonalises_each_expert_matrix():
     np.testing.assert_allclose(update, want, rtol=0, atol=3 * 5 * max(D, F) * EPS32 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("name", ["shampoo", "soap"])
-def test_kronecker_optimizers_treat_every_leading_axis_as_a_stack(name):
+@pytest.mark.parametrize("name", ["shampoo", "soap", "normuon"])
+def test_matrix_optimizers_treat_every_leading_axis_as_a_stack(name):
     """Shampoo and SOAP (optimizer/blocking.py) precondition the last two axes of a hidden leaf: an
-    (L, E, D, F) leaf's updates equal those of the same numbers as an (L·E, D, F) stack, exactly."""
+    (L, E, D, F) leaf's updates equal those of the same numbers as an (L·E, D, F) stack, exactly.
+    NorMuon too: its neuron second moments and its rescaling are per (D, F) matrix."""
     g = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 8, 12), jnp.float32)
     tx = OPTIMIZERS[name]().transform("hidden", lambda _: 1e-2)
 

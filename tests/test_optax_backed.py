@@ -1,6 +1,7 @@
-"""NAdamW, Schedule-Free AdamW and AdEMAMix are optax's (optimizer/nadamw.py, schedule_free.py,
-ademamix.py): what is ours is the wiring. Each is run through `make_optimizer` (global-norm
-clipping, a warmup schedule, per-group lr and knob overrides, weight decay on the decayed groups)
+"""NAdamW, Schedule-Free AdamW, AdEMAMix, ADOPT and Prodigy are optax's (optimizer/nadamw.py,
+schedule_free.py, ademamix.py, adopt.py, prodigy.py): what is ours is the wiring. Each is run
+through `make_optimizer` (global-norm clipping, a warmup schedule, per-group lr and knob
+overrides, weight decay on the decayed groups)
 and compared with the optax function called directly on each parameter with that group's
 arguments. Then: AdEMAMix's α/β3 warmup against the paper's formula, the diagnostics against NumPy
 on the state, and the knobs that depend on the run (`for_run`)."""
@@ -20,8 +21,10 @@ from optax.contrib import ScaleByAdemamixState, ScheduleFreeState
 
 from optimizer import eval_params, make_optimizer
 from optimizer.ademamix import AdEMAMix, alpha_schedule, b3_schedule
+from optimizer.adopt import ADOPT
 from optimizer.diagnostics import optimizer_metrics
 from optimizer.nadamw import NAdamW
+from optimizer.prodigy import Prodigy
 from optimizer.schedule_free import ScheduleFreeAdamW, rms_state
 from utils.errors import ConfigError
 
@@ -29,7 +32,10 @@ SHAPES = {"w": ((2, 6, 10), "hidden"), "e": ((12, 6), "embed"), "h": ((6, 12), "
 BASE_LR, CLIP, STEPS, WARMUP = 1e-2, 1.0, 6, 4
 GRAD_NORMS = (0.5, 3.0, 0.8, 5.0, 1.5, 0.2)  # the global norm of each step's gradient: clipped or not
 HPARAMS = {"nadamw": NAdamW(weight_decay=0.1), "schedule_free_adamw": ScheduleFreeAdamW(weight_decay=0.1),
-           "ademamix": AdEMAMix(alpha_b3_warmup=WARMUP)}  # a warmup that ends within the run
+           "ademamix": AdEMAMix(alpha_b3_warmup=WARMUP),  # a warmup that ends within the run
+           "adopt": ADOPT(weight_decay=0.1),
+           # d0 = 1 (lr 1e-2 multiplies it): every group moves > 1e-3 in the 6 steps
+           "prodigy": Prodigy(weight_decay=0.1, d0=1.0)}
 # Every group differs from the defaults in its own way, so a group that gets another's settings shows.
 OVERRIDES = {
     "nadamw": {"hidden": {"lr": 2e-2}, "embed": {"b1": 0.8}, "head": {"weight_decay": 0.05},
@@ -38,6 +44,10 @@ OVERRIDES = {
                             "scalar": {"lr": 5e-3, "b2": 0.99}},
     "ademamix": {"hidden": {"lr": 2e-2}, "embed": {"alpha": 3.0, "b1": 0.8},
                  "head": {"weight_decay": 0.05, "b3": 0.999}, "scalar": {"lr": 5e-3}},
+    "adopt": {"hidden": {"lr": 2e-2}, "embed": {"b1": 0.8}, "head": {"weight_decay": 0.05},
+              "scalar": {"lr": 5e-3, "eps": 1e-4, "b2": 0.99}},
+    "prodigy": {"hidden": {"lr": 2e-2}, "embed": {"b1": 0.8, "d_coef": 0.5},
+                "head": {"weight_decay": 0.05, "beta3": 0.9}, "scalar": {"lr": 5e-3, "d0": 0.5, "eps": 1e-6}},
 }
 
 
@@ -60,6 +70,12 @@ def _reference_tx(name: str, group: str) -> optax.GradientTransformation:
     k = functools.partial(_knob, name, group)
     if name == "nadamw":
         return optax.nadamw(lr, b1=k("b1"), b2=k("b2"), eps=k("eps"), weight_decay=wd)
+    if name == "adopt":
+        return optax.chain(optax.contrib.scale_by_adopt(b1=k("b1"), b2=k("b2"), eps=k("eps"), use_clipping=k("clip")),
+                           optax.add_decayed_weights(wd), optax.scale_by_learning_rate(lr))
+    if name == "prodigy":
+        return optax.contrib.prodigy(lr, betas=(k("b1"), k("b2")), beta3=k("beta3"), eps=k("eps"), estim_lr0=k("d0"),
+                                     estim_lr_coef=k("d_coef"), weight_decay=wd, safeguard_warmup=k("safeguard_warmup"))
     if name == "schedule_free_adamw":
         return optax.contrib.schedule_free_adamw(lr, b1=k("b1"), b2=k("b2"), eps=k("eps"), weight_decay=wd,
                                                  weight_lr_power=k("weight_lr_power"))
@@ -171,6 +187,36 @@ def test_alpha_and_b3_follow_the_papers_warmup(b1, b3, alpha, warmup_steps):
     np.testing.assert_allclose(got_b3, want_b3, rtol=0, atol=2 * EPS32)
     assert float(got_alpha[0]) == pytest.approx(alpha / warmup_steps) and b1 < float(got_b3[0]) < b3
     assert float(got_alpha[warmup_steps - 1]) == alpha and float(got_b3[warmup_steps - 1]) == np.float32(b3)
+
+
+# --- Prodigy where its d estimate is 0/0 ---------------------------------------------------------
+
+
+def test_prodigy_takes_no_step_while_d_is_undefined_then_follows_optax():
+    """A first update at lr 0 (a warmup from 0, safeguard_warmup off) leaves d̂'s denominator at 0:
+    optax.contrib.prodigy sets d to NaN and the weights with it; ours, as the authors' code, makes
+    no update and keeps d (the moments advance). The next update, at lr > 0, is optax's from that
+    state: exactly the same operations, so the same bits."""
+    hp = Prodigy(d0=1e-2)
+    schedule = lambda count: jnp.where(count == 0, 0.0, 1.0)
+    params, grads = _inputs()
+    params, grads = params["w"], [g["w"] for g in grads[:2]]
+    ours, plain = hp.transform("hidden", schedule), optax.contrib.prodigy(schedule, estim_lr0=hp.d0)
+
+    @jax.jit
+    def run(params, grads):
+        s_ours, s_plain = ours.init(params), plain.init(params)
+        u_ours, s_ours = ours.update(grads[0], s_ours, params)
+        u_plain, s_plain = plain.update(grads[0], s_plain, params)
+        after = ours.update(grads[1], s_ours, params)[0]
+        return u_ours, s_ours, u_plain, s_plain, after, plain.update(grads[1], s_ours.prodigy, params)[0]
+
+    u_ours, s_ours, u_plain, s_plain, after, after_plain = run(params, grads)
+    assert bool(jnp.all(jnp.isnan(u_plain))) and bool(jnp.isnan(s_plain.estim_lr))  # what is guarded against
+    assert float(jnp.max(jnp.abs(u_ours))) == 0.0 and float(s_ours.prodigy.estim_lr) == np.float32(hp.d0)
+    assert int(s_ours.prodigy.count) == 1 and float(jnp.max(jnp.abs(s_ours.prodigy.exp_avg))) > 0
+    assert float(jnp.max(jnp.abs(after))) > 0
+    np.testing.assert_array_equal(after, after_plain)
 
 
 # --- diagnostics --------------------------------------------------------------------------------

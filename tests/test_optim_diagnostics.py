@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import EPS32, adam_sqrt_v_rtol, eigvalsh_atol, rounding_rtol, sum_atol
-from optax.contrib import MuonState
+from optax.contrib import MuonState, ProdigyState
 
 import train_jax as T
 from models import losses
@@ -23,8 +23,18 @@ from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import OPTIMIZERS, make_optimizer
 from optimizer.adafactor import Adafactor, implied_v
 from optimizer.adamw import AdamW
-from optimizer.diagnostics import kth_smallest_nonneg, median_nonneg, optimizer_metrics, state_bytes, state_bytes_metric
+from optimizer.adopt import ADOPT
+from optimizer.diagnostics import (
+    find_states,
+    kth_smallest_nonneg,
+    median_nonneg,
+    optimizer_metrics,
+    state_bytes,
+    state_bytes_metric,
+)
 from optimizer.muon import Muon, orthogonality_error, shape_factor
+from optimizer.normuon import NeuronNormState, NorMuon
+from optimizer.prodigy import Prodigy
 from optimizer.shampoo import Shampoo, ShampooState
 from utils.parallel import mesh as meshlib
 
@@ -133,6 +143,57 @@ def test_fresh_state_without_clipping_gives_zeros_and_an_empty_group_nothing():
     metrics = _metrics(hp, states[0], params)
     assert {k.split("/")[1] for k in metrics} == {"embed", "hidden", "scalar"}
     assert len(metrics) == 9 and all(float(v) == 0.0 for v in metrics.values())
+
+
+# --- ADOPT, Prodigy, NorMuon --------------------------------------------------------------------
+
+
+def test_adopt_sqrt_v_is_the_uncorrected_second_moment():
+    """ADOPT's v starts at g₀² (no bias correction): √v of the state as it is, per group."""
+    hp = ADOPT()
+    _, params, _, states = _setup(SMALL, hp)
+    metrics = _metrics(hp, states[-1], params)
+    for group in GROUPS:
+        adopt = _group_state(states[-1], group)[0]
+        assert isinstance(adopt, optax.ScaleByAdamState) and int(adopt.count) == 3
+        sqrt_v = np.sqrt(np.concatenate([nu.ravel() for nu in _leaves(adopt.nu)]))
+        rtol = rounding_rtol(3)  # the square root, and the median's mean of two values (a sum, a halving)
+        _assert_close(metrics, f"optim/{group}/sqrt_v_min", sqrt_v.min(), rtol=rtol)
+        _assert_close(metrics, f"optim/{group}/sqrt_v_median", np.median(sqrt_v), rtol=rtol)
+        _assert_close(metrics, f"optim/{group}/sqrt_v_max", sqrt_v.max(), rtol=rtol)
+
+
+def test_prodigy_d_is_each_groups_own_estimate_and_an_empty_group_logs_nothing():
+    """optim/<group>/d is the group's d in its state (ProdigyState.estim_lr), one per group (how it
+    grows is checked against pytorch_optimizer's, tests/test_parity_adopt_prodigy_normuon.py); a
+    group with no leaves (head, as with tied embeddings) logs nothing."""
+    hp = Prodigy()
+    _, params, _, states = _setup({"w": ((2, 4, 6), "hidden"), "e": ((5, 4), "embed"), "b": ((4,), "scalar")}, hp)
+    metrics = _metrics(hp, states[-1], params)
+    assert set(metrics) == {"optim/hidden/d", "optim/embed/d", "optim/scalar/d"}
+    for group in ("hidden", "embed", "scalar"):
+        prodigy_state = find_states(_group_state(states[-1], group), ProdigyState)[0]
+        assert float(metrics[f"optim/{group}/d"]) == float(prodigy_state.estim_lr)
+
+
+def test_normuon_neuron_spread_matches_numpy():
+    """neuron_spread: per block of every hidden leaf, max/min of √v over its output neurons."""
+    hp = NorMuon()
+    _, params, _, states = _setup(SMALL, hp)
+    metrics = _metrics(hp, states[-1], params)
+    norm_state = find_states(_group_state(states[-1], "hidden"), NeuronNormState)[0]
+    spreads = []
+    for v in _leaves(norm_state.v):
+        root = np.sqrt(v.reshape(-1, v.shape[-1]))
+        spreads.extend(root.max(axis=-1) / root.min(axis=-1))
+    # two square roots and a division on our side (float64 here): 3 roundings
+    _assert_close(metrics, "optim/hidden/neuron_spread_max", max(spreads), rtol=rounding_rtol(3))
+    # the mean adds a float32 sum of the blocks' spreads
+    _assert_close(metrics, "optim/hidden/neuron_spread_mean", np.mean(spreads),
+                  rtol=rounding_rtol(3) + sum_atol(len(spreads), 1.0))
+    assert max(spreads) > 1.0
+    fresh = _metrics(hp, states[0], params)
+    assert float(fresh["optim/hidden/neuron_spread_max"]) == 1.0  # v = 0 before the first update
 
 
 # --- Muon -------------------------------------------------------------------------------------
@@ -417,6 +478,10 @@ NAMES = {  # every optim/<group>/<stat> of the untied GPT, per optimizer: stable
     "soap": {"hidden": SOAP, "embed": SOAP, "head": SOAP, "scalar": ADAM},
     "mars": {"hidden": MARS, "embed": MARS, "head": MARS, "scalar": ADAM},
     "kron": {g: ("precond_norm_min", "precond_norm_median", "precond_norm_max") for g in GROUPS},
+    "adopt": {g: ADAM for g in GROUPS},
+    "prodigy": {g: ("d",) for g in GROUPS},
+    "normuon": {"hidden": ("ortho_err_mean", "ortho_err_max", "neuron_spread_mean", "neuron_spread_max"),
+                "embed": ADAM, "head": ADAM, "scalar": ADAM},
 }
 
 
