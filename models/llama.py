@@ -58,6 +58,10 @@ class RopeScaling:
                               f"{' or '.join(ROPE_TYPES)}, or {prefix}=null for plain rotary positions")
         if not self.factor > 0:
             raise ConfigError(f"{prefix}.factor={self.factor} must be positive (the context's stretch, e.g. 8.0)")
+        if self.type == "linear" and (self.low_freq_factor, self.high_freq_factor, self.original_context_length) != (
+                1.0, 4.0, None):
+            raise ConfigError(f"{prefix}.type=linear divides every frequency by factor: low_freq_factor, "
+                              "high_freq_factor and original_context_length are llama3's; drop them or use type=llama3")
         if self.type == "llama3":
             if not 0 < self.low_freq_factor < self.high_freq_factor:
                 raise ConfigError(f"{prefix}.low_freq_factor={self.low_freq_factor} and high_freq_factor="
@@ -351,6 +355,9 @@ class Llama(eqx.Module):
         (MoE only) the tokens the router statistics count."""
         cfg = self.cfg
         T = tokens_BxT.shape[1]
+        if T > cfg.context_length:  # GPT's position table refuses them by shape; rotary would extrapolate quietly
+            raise ConfigError(f"{T} tokens per row is more than model.context_length={cfg.context_length}: "
+                              "shorten the input or raise model.context_length")
         rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.context_length)
         if segment_ids_BxT is None:
             cos_TxK, sin_TxK = rotary_cos_sin(jnp.arange(T), *rope)

@@ -400,6 +400,9 @@ def test_mlp_width_follows_llamas_rule():
     (("model.rope_scaling={type:linear,factor:0}",), r"model.rope_scaling.factor=0.0 must be positive"),
     (("model.rope_scaling={type:llama3,factor:8,low_freq_factor:4,high_freq_factor:1}",),
      r"model.rope_scaling.low_freq_factor=4.0 and high_freq_factor=1.0 must satisfy 0 < low < high"),
+    (("model.rope_scaling={type:linear,factor:8,low_freq_factor:2}",),
+     r"model.rope_scaling.type=linear divides every frequency by factor: low_freq_factor, high_freq_factor and "
+     r"original_context_length are llama3's"),
     (("model.rope_scaling={factor:8}",), r"model.rope_scaling.type is missing"),
     (("model.rope_scaling={type:llama3,factor:8,scale:2}",), r"unknown knob model.rope_scaling.scale"),
     (("+model.mlp_ratio=4",), r"unknown knob model.mlp_ratio"),
@@ -409,6 +412,14 @@ def test_bad_knobs_fail_with_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match) as info:
         validate(compose_config("model=llama_tiny", "model.num_heads=4", "model.num_kv_heads=2", *overrides))
     assert "\n" not in str(info.value)
+
+
+def test_rows_longer_than_the_context_are_refused():
+    """GPT's position table refuses them by its shape; rotary positions would quietly extrapolate."""
+    model = build(FULL_CFG)
+    T = FULL_CFG.context_length + 1
+    with pytest.raises(ConfigError, match=rf"{T} tokens per row is more than model.context_length="):
+        model(jnp.zeros((1, T), jnp.int32))
 
 
 # --- Hugging Face mapping (without torch; the parity with transformers is tests/test_llama_hf.py) -----
