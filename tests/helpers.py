@@ -288,6 +288,22 @@ def logits_atol(cfg, logits, margin: float = 4) -> float:
     return sum_atol(n, float(np.abs(logits).max()), margin)
 
 
+def mean_loss_atol(cfg, logits, loss: float, count: int, margin: float = 4) -> float:
+    """atol of the mean of `count` tokens' losses logsumexp(logits) − logit_target (`loss` its value,
+    `logits` one side's) computed in two float32 programs: a token's loss moves by its two logits'
+    error (2·logits_atol) plus its logsumexp's own rounding, m + log Σ exp(l − m): V exps of at most 1
+    summed (a relative error of (V + 1)·u, absolute after the log) and the log, the add and the
+    subtraction (u·max(1, |value|) each): sum_atol(V + 3, max(1, max|logsumexp|)); the mean of `count`
+    nonnegative losses in one float32 sum (sum_atol(count, loss)). Margin 4: two sides, times 2."""
+    import numpy as np
+
+    l64 = np.asarray(logits, np.float64)
+    m = l64.max(-1, keepdims=True)
+    lse = float(np.abs(m + np.log(np.exp(l64 - m).sum(-1, keepdims=True))).max())
+    return (2 * logits_atol(cfg, logits, margin) + sum_atol(l64.shape[-1] + 3, max(1.0, lse), margin)
+            + sum_atol(count, loss, margin))
+
+
 def evaluated_steps(train_cfg, start: int = 0) -> list[int]:
     """The steps after `start` at which train_jax evaluates a run of `train_cfg` (the composed
     `train` section): every val_freq steps, each of val_at, and max_steps. Stand-in trainers log there."""

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import logits_atol, sum_atol
+from helpers import logits_atol, mean_loss_atol
 
 from loaders.batching import BatchIterator
 from loaders.prefetch import Prefetcher
@@ -24,20 +24,6 @@ from utils.errors import CheckpointError, ConfigError
 
 EOT = 0
 TINY = GPTConfig(vocab_size=32, context_length=16, dim=32, num_heads=2, num_blocks=2)
-
-
-def mean_loss_atol(cfg: GPTConfig, logits, loss: float, count: int, margin: float = 4) -> float:
-    """atol of the mean of `count` tokens' losses logsumexp(logits) − logit_target (`loss` its
-    value, `logits` one side's) computed in two float32 programs: a token's loss moves by its two
-    logits' error (2·logits_atol) plus its logsumexp's own rounding, m + log Σ exp(l − m): V exps of
-    at most 1 summed (a relative error of (V + 1)·u, absolute after the log) and the log, the add and
-    the subtraction (u·max(1, |value|) each): sum_atol(V + 3, max(1, max|logsumexp|)); the mean of
-    `count` nonnegative losses sums them (sum_atol(count, loss)). Margin 4: two sides, times 2."""
-    l64 = np.asarray(logits, np.float64)
-    m = l64.max(-1, keepdims=True)
-    lse = float(np.abs(m + np.log(np.exp(l64 - m).sum(-1, keepdims=True))).max())
-    return (2 * logits_atol(cfg, logits, margin) + sum_atol(logits.shape[-1] + 3, max(1.0, lse), margin)
-            + sum_atol(count, loss, margin))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +54,7 @@ def test_changing_one_document_leaves_the_other_documents_logits_unchanged(model
     blocked = GPT(dataclasses.replace(TINY, attn_block_size=4), jax.random.PRNGKey(0))  # same weights
     # Query blocks are another computation (softmaxes and products over fewer keys, other shapes):
     # equal up to float32 rounding of the whole forward pass, not bit for bit (here it is exact).
-# atol: logits_atol, mlp_ratio·dim·(blocks+1) float32 terms summed at max|logits| per side, two sides, 2x margin
+    # atol: logits_atol, mlp_ratio·dim·(blocks+1) float32 terms summed at max|logits| per side, two sides, 2x margin
     np.testing.assert_allclose(jax.jit(lambda t, s: blocked(t, segment_ids_BxT=s))(both_2xT, seg_2xT), logits,
                                rtol=0, atol=logits_atol(TINY, logits))
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import compose_config, logits_atol, sum_atol
+from helpers import compose_config, logits_atol, mean_loss_atol
 
 import train_jax
 from loaders.windows import WindowDataset
@@ -16,6 +16,7 @@ from utils.config import validate
 from utils.parallel import mesh as meshlib
 
 WINDOW = 17  # the tiny run's context_length 16, plus the next-token target
+BATCH_TARGETS = 8 * (WINDOW - 1)  # a batch's targets, the most one float32 sum of the eval's mean holds
 
 
 @pytest.fixture(scope="module")
@@ -66,20 +67,6 @@ def plain_means(model, val, windows) -> tuple[float, float]:
     return float(np.mean(losses)), float(np.mean(accs))
 
 
-def mean_loss_atol(cfg, logits, loss: float, margin: float = 4) -> float:
-    """atol of a mean next-token loss (`loss`) over windows computed in the two programs, `logits`
-    theirs: a token's loss logsumexp − logit moves by its two logits' error (2·logits_atol) plus its
-    logsumexp's own rounding, m + log Σ exp(l − m): V exps of at most 1 summed (relative (V + 1)·u,
-    absolute after the log) and the log, the add and the subtraction (u·max(1, |value|) each):
-    sum_atol(V + 3, max(1, max|logsumexp|)); the mean sums nonnegative losses, at most a batch's
-    8·16 targets in one float32 sum (the rest in float64): sum_atol(128, loss). Margin 4 as above."""
-    l64 = np.asarray(logits, np.float64)
-    m = l64.max(-1, keepdims=True)
-    lse = float(np.abs(m + np.log(np.exp(l64 - m).sum(-1, keepdims=True))).max())
-    return (2 * logits_atol(cfg, logits, margin) + sum_atol(l64.shape[-1] + 3, max(1.0, lse), margin)
-            + sum_atol(8 * (WINDOW - 1), loss, margin))
-
-
 def window_logits(model, val, windows) -> np.ndarray:
     return np.asarray(jax.jit(lambda m, t: m(t))(model, jnp.asarray(val.get(np.asarray(windows))[:, :-1])))
 
@@ -91,7 +78,7 @@ def test_fewer_windows_than_a_batch_count_each_window_once(tiny_run, eval_step, 
     loss, acc = plain_means(model, val, range(3))
     # A batch wrapped around the 3 windows would weigh them 3:3:2.
     logits = window_logits(model, val, range(3))
-    tol = mean_loss_atol(model.cfg, logits, loss)
+    tol = mean_loss_atol(model.cfg, logits, loss, BATCH_TARGETS)
     # tol: mean_loss_atol, 2·logits_atol per token + its logsumexp's (V+1)·u rounding + the mean's, 2x margin
     np.testing.assert_allclose(metrics["val/loss"], loss, rtol=0, atol=tol)
     # Accuracy is exact: both sides count the same hits (no top-2 logits closer than the two sides'
@@ -114,8 +101,9 @@ def test_evaluates_min_of_val_and_max_val_steps_batches(tiny_run, eval_step, mod
     metrics = run_eval(run, eval_step, model, val, index, seen)
     assert len(seen) == expected and len(set(seen)) == expected  # that many, each once
     loss = plain_means(model, val, seen)[0]
-    np.testing.assert_allclose(metrics["val/loss"], loss, rtol=0,
-                               atol=mean_loss_atol(model.cfg, window_logits(model, val, seen), loss))
+    # atol: mean_loss_atol, 2·logits_atol per token + its logsumexp's (V+1)·u rounding + the mean's, 2x margin
+    atol = mean_loss_atol(model.cfg, window_logits(model, val, seen), loss, BATCH_TARGETS)
+    np.testing.assert_allclose(metrics["val/loss"], loss, rtol=0, atol=atol)
 
 
 def test_evaluated_windows_are_a_fixed_random_selection(tiny_run, eval_step, model):
