@@ -38,10 +38,13 @@ import time
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable
 
+import numpy as np
+
 from compare.plan import CompareConfig, Plan, PlannedRun, override_key, run_json
 from utils.checkpoint.storage import complete_steps
 from utils.errors import ConfigError, EqtrainError, TrainingError
 from utils.files import atomic_write
+from utils.logging.metrics_file import read_metrics
 from utils.versions import provenance
 
 COMPARE_JSON = "compare.json"
@@ -105,7 +108,7 @@ def _save_steps(run: PlannedRun, save_every: int | None) -> list[int] | None:
     its plan) and its end; None without save_every (the plan's own saves)."""
     if not save_every:
         return None
-    end = next(int(o.split("=", 1)[1]) for o in run.overrides if override_key(o) == "train.max_steps")
+    end = max_steps(run)
     planned = next((o.split("=", 1)[1] for o in run.overrides if override_key(o) == "checkpoint.save_steps"), "[]")
     keep = {int(s) for s in planned.strip("[]").split(",") if s}
     return sorted({*range(save_every, end + 1, save_every), *keep, end})
@@ -333,22 +336,19 @@ def _logged(directory: str, quiet: bool):
 
 def final_val_loss(directory: str) -> float | None:
     """The last val/loss a run logged (None: none)."""
-    loss = None
-    try:
-        with open(os.path.join(directory, "metrics.jsonl")) as f:
-            for line in f:
-                record = json.loads(line)
-                if "val/loss" in record:
-                    loss = float(record["val/loss"])
-    except (OSError, ValueError):
-        return None
-    return loss
+    path = os.path.join(directory, "metrics.jsonl")
+    losses = [r["val/loss"] for r in read_metrics(path) if "val/loss" in r] if os.path.isfile(path) else []
+    return float(losses[-1]) if losses else None
+
+
+def max_steps(run: PlannedRun) -> int:
+    """A run's train.max_steps, from its plan's overrides."""
+    return next(int(o.split("=", 1)[1]) for o in reversed(run.overrides) if override_key(o) == "train.max_steps")
 
 
 def planned_steps(run: PlannedRun) -> int:
     """The optimizer steps a run trains: its train.max_steps, less the branch point for a branch."""
-    steps = next((int(o.split("=", 1)[1]) for o in reversed(run.overrides) if override_key(o) == "train.max_steps"), 0)
-    return steps - (run.branch_step or 0)
+    return max_steps(run) - (run.branch_step or 0)
 
 
 def eta(done: list[tuple[PlannedRun, float]], left: tuple[PlannedRun, ...]) -> float | None:
@@ -357,23 +357,20 @@ def eta(done: list[tuple[PlannedRun, float]], left: tuple[PlannedRun, ...]) -> f
     least squares when the runs differ in length, else their mean per run. None: nothing to go on."""
     total = 0.0
     for kind in ("trunk", "branch"):
-        mine = [(planned_steps(r), sec) for r, sec in done if r.kind == kind]
         todo = [planned_steps(r) for r in left if r.kind == kind]
         if not todo:
             continue
+        mine = [(planned_steps(r), sec) for r, sec in done if r.kind == kind] or [
+            (planned_steps(r), sec) for r, sec in done]
         if not mine:
-            mine = [(planned_steps(r), sec) for r, sec in done]
-            if not mine:
-                return None
-        steps = [s for s, _ in mine]
+            return None
+        steps, secs = np.array(mine, dtype=float).T
         if len(set(steps)) > 1:
-            n, sx, sy = len(mine), sum(steps), sum(sec for _, sec in mine)
-            sxx, sxy = sum(s * s for s in steps), sum(s * sec for s, sec in mine)
-            slope = max((n * sxy - sx * sy) / (n * sxx - sx * sx), 0.0)
-            fixed = max((sy - slope * sx) / n, 0.0)
-            total += sum(fixed + slope * s for s in todo)
+            slope = max(float(np.polyfit(steps, secs, 1)[0]), 0.0)
+            fixed = max(float(np.mean(secs - slope * steps)), 0.0)  # least squares' intercept, given that slope
+            total += sum(fixed + slope * n for n in todo)
         else:
-            total += len(todo) * sum(sec for _, sec in mine) / len(mine)
+            total += len(todo) * float(secs.mean())
     return total
 
 
