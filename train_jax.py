@@ -31,7 +31,7 @@ from loaders.tokenizers import Tokenizer
 from loaders.windows import WindowDataset
 from models import hf_generation, lora
 from models.sample import sampler
-from optimizer import diagnostics, eval_view, group_schedules, make_optimizer
+from optimizer import arguments, diagnostics, eval_view, group_schedules, make_optimizer
 from optimizer.nonfinite import skip_nonfinite
 from optimizer.restart import fresh_state
 from trainer import aux_state, early_stopping, loss_scale, memory, precompile, step_metrics
@@ -82,18 +82,20 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, metrics=(
     """(state, its shardings): built or restored (`source`) straight into its shards; `metrics`' states beside it."""
     init_metrics = lambda m: step_metrics.init_states(metrics, eqx.filter(m, eqx.is_inexact_array))
 
-    def build() -> TrainState:
-        model_key, train_key = initial_keys(run.random_seed)
+    def build(keys) -> TrainState:
+        model_key, train_key = keys
         model = init_model(run, model_key)
         return TrainState(model, tx.init(eqx.filter(model, eqx.is_array)), jnp.zeros((), jnp.int32), train_key,
                           init_metrics(model), loss_scale.initial(run.train))
 
-    abstract = jax.eval_shape(build)
+    # The keys are the program's argument, not its constants: one initialisation program serves every seed.
+    keys = initial_keys(run.random_seed)
+    abstract = jax.eval_shape(build, keys)
     shardings = layout.state_shardings(mesh, abstract, abstract.model, models.param_axes(abstract.model),
                                        zero1=run.parallel.shard_optimizer_state)
     if source is None:
-        return jax.jit(build, out_shardings=shardings)(), shardings
-    return restore_state(source, abstract, shardings, dataclasses.asdict(run.model), build,
+        return jax.jit(build, out_shardings=shardings)(keys), shardings
+    return restore_state(source, abstract, shardings, dataclasses.asdict(run.model), build, keys,
                          lambda m, step: fresh_state(tx, eqx.filter(m, eqx.is_array), step, shardings.opt_state),
                          jax.jit(init_metrics, out_shardings=shardings.metric_states)), shardings
 
@@ -139,15 +141,28 @@ def check_memory(run: RunConfig, mesh) -> None:
 def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=None,
                   schedule: optax.Schedule | None = None):
     """(schedule, optimizer, sharded initial or restored state, train step); model.vocab_size must be resolved.
-    `metrics` (StepMetric list) defaults to loss, norms and lrs; `schedule` replaces lr_config's (the LR finder's)."""
+    `metrics` (StepMetric list) defaults to loss, norms and lrs; `schedule` replaces lr_config's (the LR finder's).
+
+    The optimizer's numeric knobs (lr, schedule, weight decay, betas...: optimizer/arguments.py) are
+    the step's arguments, so runs that differ only in them share one compiled program; a replaced
+    `schedule` is a constant of the step, and the lr_config's knobs with it."""
     labels = models.param_labels(models.abstract(run.model))
-    schedule = schedule or init_scheduler(run)
-    tx = init_optimizer(run, schedule, labels)
-    metrics = default_metrics(run, schedule, labels) if metrics is None else metrics
-    state, shardings = init_state(run, tx, mesh, metrics, source)
+    given = schedule
+
+    def recipe(knobs):
+        """(tx, metrics) of the run whose optimizer knobs are `knobs` (Python floats or the step's tracers)."""
+        o, clip = arguments.bind(run.optimizer, run.train.gradient_clip_val, knobs)
+        bound = dataclasses.replace(run, optimizer=o, train=dataclasses.replace(run.train, gradient_clip_val=clip))
+        s = given or init_scheduler(bound)
+        return init_optimizer(bound, s, labels), (default_metrics(bound, s, labels) if metrics is None else metrics)
+
+    knobs = arguments.lift(run.optimizer, run.train.gradient_clip_val)
+    schedule = given or init_scheduler(run)
+    tx, step_metric_list = recipe(knobs)
+    state, shardings = init_state(run, tx, mesh, step_metric_list, source)
     loss, use_key = models.train_loss(run.model, run.objective), models.uses_key(run.model, run.objective)
-    return schedule, tx, state, build_train_step(loss, tx, metrics, shardings, mesh, run.train.compute_dtype,
-                                                 use_dropout=use_key)
+    return schedule, tx, state, build_train_step(loss, tx, step_metric_list, shardings, mesh, run.train.compute_dtype,
+                                                 use_dropout=use_key, knobs=knobs, recipe=recipe)
 
 
 def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[step_metrics.StepMetric]:

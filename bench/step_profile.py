@@ -362,13 +362,13 @@ def main() -> None:
     variant = step.logging if args.logging_step else step.plain
     hlo = variant.lower(state, batch).compile().as_text()
     for _ in range(3):  # compile, then warm
-        state, metrics = variant(state, batch)
+        state, metrics = variant(state, batch, step.args)
         jax.block_until_ready(metrics)
     faults, cpu, wall = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time(), time.perf_counter()
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(args.steps):
-                state, metrics = variant(state, batch)
+                state, metrics = variant(state, batch, step.args)
                 jax.block_until_ready(metrics)
         n = args.steps
         wall_ms, cpu_ms = (time.perf_counter() - wall) / n * 1e3, (time.process_time() - cpu) / n * 1e3

@@ -41,7 +41,9 @@ from typing import Any, Callable
 import numpy as np
 
 from compare.plan import CompareConfig, Plan, PlannedRun, override_key, run_json
+from utils import compile_cache
 from utils.checkpoint.storage import complete_steps
+from utils.config import to_dict
 from utils.errors import ConfigError, EqtrainError, TrainingError
 from utils.files import atomic_write
 from utils.logging.metrics_file import read_metrics
@@ -305,8 +307,12 @@ def run_one(run: PlannedRun, compare_dir: str, train: Callable[..., Any], compos
     write_json(json_path, _record(run, overrides, "running"))
     t0 = time.perf_counter()
     try:
+        config = compose(overrides)
+        # As train_jax.py's entry point does: the persistent compilation cache, so that the runs, whose
+        # knobs are the step's arguments (optimizer/arguments.py), load each other's programs.
+        compile_cache.enable(to_dict(config))
         with _logged(directory, quiet):
-            train(compose(overrides), directory)
+            train(config, directory)
     except EqtrainError as e:
         return _fail(run, overrides, json_path, say, head, str(e).splitlines()[0] if str(e) else type(e).__name__,
                      isinstance(e, TrainingError))

@@ -24,6 +24,7 @@ from optimizer.adafactor import Adafactor
 from optimizer.adamw import AdamW
 from optimizer.ademamix import AdEMAMix
 from optimizer.adopt import ADOPT
+from optimizer.arguments import clipping
 from optimizer.groups import group_schedules, per_group
 from optimizer.kron import Kron
 from optimizer.lion import Lion
@@ -61,7 +62,7 @@ def make_optimizer(hparams, schedule: optax.Schedule, labels, clip: float | None
                    cautious: bool = False) -> optax.GradientTransformation:
     """Global-norm clipping, then the per-group optimizer, whose last stage applies the lr;
     `cautious` (optimizer.cautious) masks each group's direction (optimizer/cautious.py)."""
-    clip_tx = optax.clip_by_global_norm(clip) if clip else optax.identity()
+    clip_tx = optax.clip_by_global_norm(clip) if clipping(clip) else optax.identity()
     return optax.chain(clip_tx, per_group(hparams, schedule, labels, base_lr, overrides, cautious))
 
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import ScaleByAdemamixState, ademamix
 
+from optimizer.arguments import known_zero
 from optimizer.diagnostics import array_leaves, find_states, sqrt_v_stats
 from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 from utils.errors import ConfigError
@@ -78,6 +79,8 @@ class AdEMAMix:
     # The knob whose null means "the run's length": a comparison's trunk and branches have
     # different lengths, so it sets it to the largest budget for all of them (compare/plan.py).
     RUN_LENGTH_KNOB = "alpha_b3_warmup"
+    # constants of the step (optimizer/arguments.py): b3's warmup reads their half-lives in float64 at trace time
+    CONSTANT_KNOBS = ("b1", "b3")
 
     def check(self, prefix: str) -> None:
         check_unit_interval(prefix, self, "b1", "b2", "b3")
@@ -95,7 +98,7 @@ class AdEMAMix:
 
     def schedules(self) -> tuple:
         """(α, b3) as optax takes them: schedules of count_m2 during a warmup, else constants."""
-        if not self.alpha_b3_warmup:  # 0, or None outside a validated run (a bare dataclass)
+        if self.alpha_b3_warmup is None or known_zero(self.alpha_b3_warmup):  # None outside a validated run
             return self.alpha, self.b3
         return (alpha_schedule(self.alpha, self.alpha_b3_warmup),
                 b3_schedule(self.b1, self.b3, self.alpha_b3_warmup))

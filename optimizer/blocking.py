@@ -186,7 +186,8 @@ def stats_shape(plan: Plan, x, side: str) -> tuple[int, ...]:
 
 
 def accumulate(stats: jax.Array, outer: jax.Array, beta: float) -> jax.Array:
-    if beta == 1.0:
+    """An EMA at rate `beta`; a plain sum for a constant beta of 1 (a traced beta is an EMA's)."""
+    if isinstance(beta, (int, float)) and beta == 1.0:
         return stats + outer
     return beta * stats + (1.0 - beta) * outer
 

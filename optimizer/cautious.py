@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optimizer.arguments import known_zero
 from utils.errors import ConfigError
 
 MIN_KEPT = 1e-3
@@ -98,7 +99,7 @@ def cautious_transform(hparams: Any, group: str, schedule: optax.Schedule) -> op
 
     check(hparams, next((n for n, cls in OPTIMIZERS.items() if type(hparams) is cls), type(hparams).__name__))
     weight_decay = getattr(hparams, "weight_decay", 0.0)
-    if not weight_decay:
+    if weight_decay is None or known_zero(weight_decay):
         return cautious(hparams.transform(group, schedule))
     direction = dataclasses.replace(hparams, weight_decay=0.0).transform(group, schedule)
     return optax.chain(cautious(direction), decoupled_decay(weight_decay, schedule))

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optimizer.arguments import clipping
 from optimizer.cautious import CautiousState
 from optimizer.groups import group_hparams
 
@@ -157,7 +158,7 @@ def optimizer_metrics(hparams: Any, opt_state: Any, params: Any,
     out: dict[str, jax.Array] = cautious_kept_fraction(opt_state, params)
     if getattr(hparams, "diagnostics", None) is None:
         return out
-    if grads is not None and clip:
+    if grads is not None and clipping(clip):
         grads = optax.clip_by_global_norm(clip).update(grads, optax.EmptyState())[0]
     for group, state in group_states(opt_state).items():
         own = group_hparams(hparams, group, overrides or {})

@@ -43,10 +43,10 @@ def group_knobs(hparams: Any, group: str) -> tuple[str, ...]:
     return tuple(getattr(hparams, "GROUP_KNOBS", ("lr",)))
 
 
-def scaled_schedule(schedule: optax.Schedule, factor: float) -> optax.Schedule:
-    """`schedule` times a constant. A function per call, so every group keeps its own factor
-    (no late binding)."""
-    if factor == 1.0:
+def scaled_schedule(schedule: optax.Schedule, factor) -> optax.Schedule:
+    """`schedule` times `factor` (None: unchanged). A function per call, so every group keeps its
+    own factor (no late binding)."""
+    if factor is None:
         return schedule
     return lambda step: schedule(step) * factor
 
@@ -73,10 +73,13 @@ def group_lr(hparams: Any, group: str, base_lr: float, overrides: dict[str, dict
 def group_schedules(hparams: Any, schedule: optax.Schedule, base_lr: float | None,
                     overrides: dict[str, dict[str, float]]) -> dict[str, optax.Schedule]:
     """Each group's lr schedule: the run's, rescaled to the group's peak lr. `base_lr=None`
-    (a bare schedule with no known peak) gives every group the schedule unchanged."""
+    (a bare schedule with no known peak) gives every group the schedule unchanged, as does a
+    group whose peak is `base_lr` itself (the object: it may be a traced step argument, which
+    cannot be compared in Python)."""
     if base_lr is None:
         return {g: schedule for g in GROUPS}
-    return {g: scaled_schedule(schedule, group_lr(hparams, g, base_lr, overrides) / base_lr) for g in GROUPS}
+    lrs = {g: group_lr(hparams, g, base_lr, overrides) for g in GROUPS}
+    return {g: scaled_schedule(schedule, None if lr is base_lr else lr / base_lr) for g, lr in lrs.items()}
 
 
 def built_groups(labels) -> tuple[str, ...]:

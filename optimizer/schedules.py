@@ -63,7 +63,7 @@ def _with_warmup(lr: float, warmup: int, after: Callable) -> optax.Schedule:
 
     def schedule(step):
         s = jnp.asarray(step, jnp.float32)
-        return jnp.where(s < warmup, lr * (s + 1.0) / max(warmup, 1), after(s))
+        return jnp.where(s < warmup, lr * (s + 1.0) / jnp.maximum(warmup, 1), after(s))
 
     return schedule
 
@@ -78,8 +78,8 @@ def _decay(lr: float, min_lr: float, decay_start: int, max_steps: int, shape: Ca
     no room left (warmup and flat phase fill the run) lr holds to the last step and min_lr
     follows it; the length is floored at 1, so no edge case divides by zero.
     """
-    peak = max(decay_start - 1, 0)
-    span = max(max_steps - 1 - peak, 1)
+    peak = jnp.maximum(decay_start - 1, 0)
+    span = jnp.maximum(max_steps - 1 - peak, 1)
 
     def after(s):
         x = jnp.clip((s - peak) / span, 0.0, 1.0)
@@ -130,7 +130,7 @@ class Linear:
         return warmup_warning(prefix, self.warmup + (self.const or 0), max_steps, "warmup + const")
 
     def build(self, max_steps: int) -> optax.Schedule:
-        start = self.warmup + (self.const or 0)
+        start = self.warmup + (0 if self.const is None else self.const)
         return _with_warmup(self.lr, self.warmup, _decay(self.lr, self.min_lr, start, max_steps, _linear_shape))
 
 
@@ -184,7 +184,7 @@ class Trapezoid:
             )
 
     def build(self, max_steps: int) -> optax.Schedule:
-        start = max(max_steps - self.decay, self.warmup)
+        start = jnp.maximum(max_steps - self.decay, self.warmup)
         shape = DECAY_SHAPES[self.decay_shape]
         return _with_warmup(self.lr, self.warmup, _decay(self.lr, self.min_lr, start, max_steps, shape))
 

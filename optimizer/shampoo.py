@@ -288,6 +288,8 @@ class Shampoo:
     graft_eps: float = 1e-8
 
     GROUP_KNOBS = ("lr", "weight_decay", "momentum", "beta2", "epsilon", "graft_b2", "graft_eps")
+    # constants of the step (optimizer/arguments.py): a value of 1 turns their EMA into a plain sum
+    CONSTANT_KNOBS = ("beta2", "graft_b2")
 
     def group_knobs(self, group: str) -> tuple[str, ...]:
         """`scalar` leaves take the diagonal path: no statistics, so beta2 and epsilon would be ignored."""

@@ -63,7 +63,7 @@ def test_a_dispatch_that_waits_for_a_background_compilation_counts_the_wait(tiny
     traced = threading.Event()
 
     def slow_compile():
-        lowered = step.logging.lower(*precompile.abstract((state, batch)))
+        lowered = step.logging.lower(*precompile.abstract((state, batch, step.args)))
         traced.set()
         time.sleep(0.3)
         lowered.compile()

@@ -118,7 +118,7 @@ def memorise(run, steps: int = 40):
                                            dtype=np.int32), meshlib.batch_sharding(mesh, 1))
     losses = []
     for _ in range(steps):
-        state, metrics = step.plain(state, batch)
+        state, metrics = step.plain(state, batch, step.args)
         losses.append(float(metrics["train/loss"]))
     return losses, state
 

@@ -64,7 +64,7 @@ def test_train_step_lowers_for_cuda_with_cudnn_attention(tiny_run, cuda_lowering
         batch = {"tokens": batch, "segment_ids": jax.ShapeDtypeStruct(per_target, jnp.int32),
                  "loss_mask": jax.ShapeDtypeStruct(per_target, jnp.float32)}
     for variant in (step.plain, step.logging):
-        text = lower_for_cuda(variant, state, batch)
+        text = lower_for_cuda(variant, state, batch, step.args)
         assert CUDNN_CALL in text and "Backward" in text  # the kernel's forward and backward calls
 
 

@@ -559,19 +559,31 @@ def test_adam_sqrt_v_is_the_denominator_the_logged_update_divided_by(tiny_run):
         by_group: dict[str, list] = {}
         for g, u, label in zip(jax.tree.leaves(grads), jax.tree.leaves(updates), jax.tree.leaves(labels), strict=True):
             g, u = np.asarray(g, np.float64).ravel(), np.asarray(u, np.float64).ravel()
-            assert np.all(g != 0), label  # every token is in the batch: no zero row, so u determines √v̂
-            by_group.setdefault(label, []).append(metrics[f"train/lr/{label}"] * g / -u - eps)
+            # Every token is in the batch: no zero row. An element can still be exactly 0 (a key bias's
+            # gradient is 0 up to rounding: softmax ignores a shift of every score), and there u = 0
+            # says nothing of √v̂: those few are left out.
+            # u = 0 says nothing of √v̂: such an element is read as unknown, bounded by -inf and +inf below.
+            known = g != 0
+            assert known.mean() > 0.9, label
+            recovered = np.where(known, metrics[f"train/lr/{label}"] * g / np.where(known, -u, 1.0) - eps, np.nan)
+            by_group.setdefault(label, []).append(recovered)
         assert {"hidden", "embed", "scalar"} <= set(by_group) <= set(GROUPS)
         for group, parts in by_group.items():
             sqrt_v = np.concatenate(parts)
+            low, high = np.nan_to_num(sqrt_v, nan=-np.inf), np.nan_to_num(sqrt_v, nan=np.inf)
             # the logged √v̂ and the update's each carry a float32 bias correction (adam_sqrt_v_rtol);
             # the recovered one √v̂ + eps = lr·g/(−u) carries the update's √, + eps, ÷, × lr and its own
             # ×, ÷ (6 roundings) of √v̂ + eps, which subtracting eps leaves as they were (absolute)
             rtol = 2 * adam_sqrt_v_rtol(b2, k)
-            for stat, value in (("min", sqrt_v.min()), ("median", np.median(sqrt_v)), ("max", sqrt_v.max())):
-                np.testing.assert_allclose(metrics[f"optim/{group}/sqrt_v_{stat}"], value, rtol=rtol,
-                                           atol=rounding_rtol(6) * (value + eps),
-                                           err_msg=f"step {k}: {group} sqrt_v_{stat}")
+            for stat, fn in (("min", np.min), ("median", np.median), ("max", np.max)):
+                logged, bounds = metrics[f"optim/{group}/sqrt_v_{stat}"], sorted((fn(low), fn(high)))
+                finite = [b for b in bounds if np.isfinite(b)]
+                slack = rtol * max(finite) + rounding_rtol(6) * (max(finite) + eps)
+                if bounds[0] == bounds[1]:  # every element known: equal within the rounding above
+                    np.testing.assert_allclose(logged, bounds[0], rtol=rtol, atol=rounding_rtol(6) * (bounds[0] + eps),
+                                               err_msg=f"step {k}: {group} sqrt_v_{stat}")
+                else:  # an unknown element moves the statistic at most to its neighbour
+                    assert bounds[0] - slack <= logged <= bounds[1] + slack, (k, group, stat, logged, bounds)
 
 
 def test_muon_ortho_error_is_that_of_the_logged_update(tiny_run):

@@ -8,6 +8,7 @@ into the run's shards.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable
 
@@ -112,17 +113,19 @@ def merge_config(source: Source, current: dict, cfg: CheckpointConfig, warn: Cal
 # ----------------------------------------------------------------------------- the state
 
 
-def restore_state(source: Source, abstract, shardings, model_config: dict, build: Callable,
+def restore_state(source: Source, abstract, shardings, model_config: dict, build: Callable, keys,
                   fresh_opt_state: Callable, init_metrics: Callable):
     """The TrainState saved in `source`, read straight into `shardings` (no host copy of the whole
     state; any mesh shape, any process count). `abstract`: the state's shapes. What the checkpoint
-    lacks is made anew: the frozen LoRA base it holds by reference (the model of `build()`, the
-    run's initial state, compiled for the model alone), the optimizer state (`fresh_opt_state(model,
-    step)`, for overwrite_optimizer), the step metrics' states (`init_metrics(model)`, when a run
-    switches them on or changes them) and a float16 run's loss scale (at its init)."""
+    lacks is made anew: the frozen LoRA base it holds by reference (the model of `build(keys)`,
+    the run's initial state, compiled for the model alone, the keys its argument as in the run),
+    the optimizer state (`fresh_opt_state(model, step)`, for overwrite_optimizer), the step
+    metrics' states (`init_metrics(model)`, when a run switches them on or changes them) and a
+    float16 run's loss scale (at its init)."""
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
     restored = restore(source, target, model_config)
-    model = with_frozen(source, restored["model"], jax.jit(lambda: build().model, out_shardings=shardings.model))
+    rebuild = jax.jit(lambda keys: build(keys).model, out_shardings=shardings.model)
+    model = with_frozen(source, restored["model"], functools.partial(rebuild, keys))
     progress = restored["progress"]
     opt_state = restored["opt_state"] if "opt_state" in restored else fresh_opt_state(model, progress["step"])
     metric_states = restored["metric_states"] if "metric_states" in restored else (

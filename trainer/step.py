@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optimizer import arguments
 from trainer import step_metrics
 from utils.parallel import mesh as meshlib
 
@@ -78,19 +79,28 @@ def over_micro_batches(fn: Callable, batch_AxBxT1, keys_A: jax.Array):
 
 
 def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metrics: Sequence[step_metrics.StepMetric],
-                     state_shardings, mesh, compute_dtype, use_dropout: bool) -> step_metrics.TrainStep:
+                     state_shardings, mesh, compute_dtype, use_dropout: bool,
+                     knobs: dict | None = None, recipe: Callable | None = None) -> step_metrics.TrainStep:
     """One jitted update: gradient accumulation as a scan over micro-batches, clipping and the
     optimizer inside `tx`, every step metric updated (its state carried in `metric_states`),
     metrics returned as device arrays (pulled only on logging steps). `loss_fn(model, batch_BxT1,
     key or None, compute_dtype) -> (loss, aux)`, where a batch is a token array or a dict of
     arrays (see `with_loss_norm`). A state with a `loss_scale` (float16 compute) has its loss scaled
     before the gradient and the gradient unscaled after, and the scale adjusted to whether it was
-    finite (trainer/loss_scale.py)."""
+    finite (trainer/loss_scale.py).
+
+    With `knobs` (optimizer/arguments.py's values: Python floats) and `recipe(knobs) -> (tx,
+    metrics)`, those numbers are the step's third argument, float32 arrays bound to the returned
+    TrainStep, and the step rebuilds `tx` and `metrics` from them while it is traced: runs that
+    differ only in them (lr, schedule, budget, weight decay...) share one program. `tx` and
+    `metrics` are then recipe(knobs) (the optimizer state's layout, the metrics' names and states).
+    Without them, every number is a constant of the program, as a test's own tx needs."""
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     compute_dtype = jnp.dtype(compute_dtype)
     step_metrics.stateful(metrics)  # unique state names, checked once here
 
-    def train_step(state: TrainState, batch_AxBxT1: jax.Array, logging: bool):
+    def train_step(state: TrainState, batch_AxBxT1: jax.Array, args, logging: bool):
+        step_tx, step_metric_list = (tx, metrics) if recipe is None else recipe(args)
         batch_AxBxT1 = with_loss_norm(batch_AxBxT1)
         key, micro_keys = step_keys(state.key, num_micro_batches(batch_AxBxT1))
         scaler = state.loss_scale  # static: None unless float16 compute
@@ -120,14 +130,16 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
         grads, aux = mean_grads(state.model)
         params = eqx.filter(state.model, eqx.is_array)
         # A non-finite gradient (under float16: an overflow) is skipped inside `tx` (optimizer/nonfinite.py).
-        updates, opt_state = tx.update(grads, state.opt_state, params)
+        updates, opt_state = step_tx.update(grads, state.opt_state, params)
         new_state = TrainState(eqx.apply_updates(state.model, updates), opt_state, state.step + 1, key,
                                state.metric_states,
                                None if scaler is None else scaler.adjust(step_metrics.all_finite(grads)))
         inputs = step_metrics.StepInputs(state, new_state, grads, updates, aux, loss_at, batch_AxBxT1)
-        metric_states, out = step_metrics.compute(metrics, inputs, logging)
+        metric_states, out = step_metrics.compute(step_metric_list, inputs, logging)
         return eqx.tree_at(lambda s: s.metric_states, new_state, metric_states), out
 
-    return step_metrics.compile_variants(train_step, metrics, donate_argnums=0,
-                                         in_shardings=(state_shardings, meshlib.batch_sharding(mesh, 1)),
-                                         out_shardings=(state_shardings, meshlib.replicated(mesh)))
+    replicated = meshlib.replicated(mesh)
+    args = None if recipe is None else arguments.as_arrays(knobs, replicated)
+    return step_metrics.compile_variants(train_step, metrics, args=args, donate_argnums=0,
+                                         in_shardings=(state_shardings, meshlib.batch_sharding(mesh, 1), replicated),
+                                         out_shardings=(state_shardings, replicated))

@@ -209,10 +209,11 @@ class TrainStep:
     traces: list = dataclasses.field(default_factory=lambda: [0])  # one mutable cell
     # variants compiling ahead of time (`precompile`), by their `logging` flag
     background: precompile.Background = dataclasses.field(default_factory=precompile.Background)
+    args: Any = None  # the step's third argument, bound: the run's knobs (optimizer/arguments.py) as arrays
 
     def __call__(self, state, batch, logging: bool = True):
         self.background.wait(self._variant(logging))  # a call racing its compilation would compile it again
-        return (self.logging if logging else self.plain)(state, batch)
+        return (self.logging if logging else self.plain)(state, batch, self.args)
 
     def compiled(self) -> int:
         """Programs compiled so far: grows on the call that traced and compiled a variant (or, with
@@ -223,7 +224,7 @@ class TrainStep:
         """Start compiling the variants (their `logging` flags, in the order they are needed) in
         background threads for arguments shaped like `state` and `batch` (arrays or
         ShapeDtypeStructs); the call of a variant waits for its compilation (trainer/precompile.py)."""
-        args = precompile.abstract((state, batch))
+        args = precompile.abstract((state, batch, self.args))
         for logging in dict.fromkeys(self._variant(v) for v in variants):
             fn = self.logging if logging else self.plain
             self.background.start(logging, lambda fn=fn: fn.lower(*args).compile())
@@ -241,16 +242,20 @@ class TrainStep:
         return True if self.plain is self.logging else bool(logging)
 
 
-def compile_variants(step: Callable, metrics: Sequence[StepMetric], split: bool = False, **jit_kwargs) -> TrainStep:
-    """`step(state, batch, logging)` jitted once per variant it needs (`logging` is static); `split`
-    asks for both variants whatever the metrics (the aux-state hook computes values only when logging)."""
+def compile_variants(step: Callable, metrics: Sequence[StepMetric], split: bool = False, args: Any = None,
+                     **jit_kwargs) -> TrainStep:
+    """`step(state, batch, args, logging)` jitted once per variant it needs (`logging` is static);
+    `split` asks for both variants whatever the metrics (the aux-state hook computes values only
+    when logging). `args` (device arrays: the knobs of optimizer/arguments.py, or None) is bound:
+    the TrainStep is called as `step(state, batch, logging)`."""
     traces = [0]
 
-    def counted(*args, logging: bool):
+    def counted(*call_args, logging: bool):
         traces[0] += 1  # runs only while jax traces: once per compiled program
-        return step(*args, logging=logging)
+        return step(*call_args, logging=logging)
 
     logging_step = jax.jit(functools.partial(counted, logging=True), **jit_kwargs)
     if not split and not any(m.logging_only or m.name is not None for m in metrics):
-        return TrainStep(logging_step, logging_step, traces)
-    return TrainStep(jax.jit(functools.partial(counted, logging=False), **jit_kwargs), logging_step, traces)
+        return TrainStep(logging_step, logging_step, traces, args=args)
+    return TrainStep(jax.jit(functools.partial(counted, logging=False), **jit_kwargs), logging_step, traces,
+                     args=args)
