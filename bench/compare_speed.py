@@ -1,7 +1,7 @@
 """How a comparison spends its wall time: runs per hour, and the shares of compilation, start-up
 and training, for one or more checkouts of eqtrain, alternated in one sitting.
 
-    python bench/compare_speed.py --side before=/tmp/eqtrain-old --side after=. --pairs 2 -- \\
+    python bench/compare_speed.py --side before=/tmp/eqtrain-old --side after=. --pairs 2 \\
         optimizers=[adamw,muon] budgets=[15,30,60] lr.points=2 seeds=1 warmup=5 dataset.batch_size=16 \\
         train.max_val_steps=4 logging.log_callback_data=false
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--side", action="append", default=[], metavar="NAME=CHECKOUT",
                         help="a checkout to time (repeatable); default: this one, as 'this'")
     parser.add_argument("--pairs", type=int, default=1, help="alternated rounds (default 1)")
-    parser.add_argument("arguments", nargs="*", help="compare.py's knobs and run overrides (after --)")
+    parser.add_argument("arguments", nargs="*", help="compare.py's knobs and run overrides")
     args = parser.parse_args(argv)
     sides = dict(s.split("=", 1) for s in args.side) or {"this": REPO}
     sides = {name: os.path.abspath(path) for name, path in sides.items()}
