@@ -100,18 +100,11 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, metrics=(
                          jax.jit(init_metrics, out_shardings=shardings.metric_states)), shardings
 
 
-@functools.lru_cache(maxsize=8)
-def evaluation_step(objective, compute_dtype: str) -> Callable:
-    """The jitted evaluation of one batch, one per (objective, compute dtype) in a process: the runs of a
-    comparison (or of a test session) reuse its traced and compiled programs (mdlm: fixed seeded masks)."""
-    return eqx.filter_jit(functools.partial(objective.eval_sums, compute_dtype=compute_dtype))
-
-
 def make_evaluate(run: RunConfig, val: WindowDataset, mesh, eval_step: Callable | None = None
                   ) -> Callable[[eqx.Module], dict[str, float]]:
     """model -> val/loss, perplexity, accuracy over min(len(val), max_val_steps·batch_size) windows, each once, drawn
     by a fixed seed (not random_seed): the same windows at every evaluation, resume and sweep seed, so they compare."""
-    eval_step = eval_step or evaluation_step(run.objective, run.train.compute_dtype)
+    eval_step = eval_step or H.evaluation_step(run.objective, run.train.compute_dtype)  # mdlm: fixed seeded masks
     return H.evaluator(eval_step, mesh, functools.partial(
         eval_batches, val, run.dataset.batch_size, run.train.max_val_steps, process_index=jax.process_index(),
         process_count=jax.process_count()))

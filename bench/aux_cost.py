@@ -78,7 +78,7 @@ def main() -> None:
         batch = meshlib.put_batch(tokens, meshlib.batch_sharding(trainer.mesh, 1))
         step, state = trainer.train_step, trainer.state
         param_bytes = nbytes(state.model)
-        temp = step.logging.lower(state, batch).compile().memory_analysis()
+        temp = step.logging.lower(state, batch, step.args).compile().memory_analysis()
         t0 = time.perf_counter()
         state, m = step(state, batch, False)
         jax.block_until_ready(m)

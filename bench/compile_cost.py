@@ -37,6 +37,7 @@ from jax import monitoring
 
 import train_jax as T
 from models.sample import sampler
+from trainer import hooks as H
 from trainer import precompile
 from utils.config import validate
 
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def compile_all(run) -> int:
     """Every program a run's start-up compiles, one after another; the number of step variants."""
+    H.evaluation_step.cache_clear()  # a fresh start-up's: not one this process already traced
     trainer = T.build_trainer(run)  # compiles the initial state's program
     run, model = trainer.run, trainer.state.model
     if not run.train.skip_validation:

@@ -360,7 +360,7 @@ def main() -> None:
     tokens = np.random.default_rng(0).integers(0, trainer.tokenizer.vocab_size, shape, dtype=np.int32)
     batch = meshlib.put_batch(tokens, meshlib.batch_sharding(trainer.mesh, 1))
     variant = step.logging if args.logging_step else step.plain
-    hlo = variant.lower(state, batch).compile().as_text()
+    hlo = variant.lower(state, batch, step.args).compile().as_text()
     for _ in range(3):  # compile, then warm
         state, metrics = variant(state, batch, step.args)
         jax.block_until_ready(metrics)

@@ -104,10 +104,12 @@ def clipping(clip) -> bool:
     return clip is not None and not known_zero(clip)
 
 
-def as_arrays(values: Values, sharding=None) -> Values:
-    """The values as weakly typed float32 device scalars, the step's arguments: weak, as a Python
-    float is, so a knob meeting a bfloat16 array (a clip scaling bfloat16 gradients) leaves it
-    bfloat16 as the constant did, instead of promoting it to float32."""
+def as_arguments(values: Values) -> Values:
+    """The values as the step's arguments: Python floats, which jit passes as weakly typed float32
+    scalars (weak, as a constant is, so a knob meeting a bfloat16 array, a clip scaling bfloat16
+    gradients, leaves it bfloat16 instead of promoting it to float32). Not device arrays made
+    ahead: jax.device_put checks a multi-process value for equality across processes, and its check
+    fails on a Python float."""
     import jax
 
-    return jax.device_put(jax.tree.map(float, values), sharding)
+    return jax.tree.map(float, values)

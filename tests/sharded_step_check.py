@@ -240,7 +240,7 @@ def prepare_golden(run, devices):
     _, _, state, step = T.init_training(run, mesh)
     batch_1xBxT1 = np.random.default_rng(0).integers(0, 64, (1, 8, 17), dtype=np.int32)
     batch = meshlib.put_batch(batch_1xBxT1, meshlib.batch_sharding(mesh, 1))
-    step.logging.lower(state, batch).compile()  # what step(state, batch) runs: the logging variant
+    step.logging.lower(state, batch, step.args).compile()  # what step(state, batch) runs: the logging variant
     return state, step, batch
 
 

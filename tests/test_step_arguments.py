@@ -33,7 +33,7 @@ def traced(o, clip, build, *args):
     evaluated by XLA's constant folder, whose arithmetic is not the compiled program's."""
     values = arguments.lift(o, clip)
     return (jax.jit(lambda *a: build(o, clip, *a))(*args),
-            jax.jit(lambda v, *a: build(*arguments.bind(o, clip, v), *a))(arguments.as_arrays(values), *args))
+            jax.jit(lambda v, *a: build(*arguments.bind(o, clip, v), *a))(arguments.as_arguments(values), *args))
 
 
 def knob_rtol(values: arguments.Values, roundings: int) -> float:

@@ -24,12 +24,15 @@ once it has run.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
+
+import equinox as eqx
 
 from trainer.step_metrics import UPDATE_NORM
 from utils.checkpoint import signals
@@ -276,6 +279,15 @@ def evaluate(eval_step: Callable, model: Any, batches: Iterable[tuple]) -> dict[
                         "check the dataset's loss mask or raise train.max_val_steps")
     loss = loss_sum / targets
     return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0)), "val/accuracy": correct_sum / targets}
+
+
+@functools.lru_cache(maxsize=8)
+def evaluation_step(objective, compute_dtype: str) -> Callable:
+    """`objective.eval_sums` of one batch, jitted: one per (objective, compute dtype) in a process, so
+    the runs of a comparison (or of a test session) reuse its traced and compiled programs. (Here, not
+    in train_jax.py: a module-level cache there would be pickled by reference to `__main__` by
+    submitit's launcher.)"""
+    return eqx.filter_jit(functools.partial(objective.eval_sums, compute_dtype=compute_dtype))
 
 
 def evaluator(eval_step: Callable, mesh, batches: Callable[[], Iterable[tuple]]) -> Callable[[Any], dict[str, float]]:

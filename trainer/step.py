@@ -139,7 +139,7 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
         return eqx.tree_at(lambda s: s.metric_states, new_state, metric_states), out
 
     replicated = meshlib.replicated(mesh)
-    args = None if recipe is None else arguments.as_arrays(knobs, replicated)
+    args = None if recipe is None else arguments.as_arguments(knobs)
     return step_metrics.compile_variants(train_step, metrics, args=args, donate_argnums=0,
                                          in_shardings=(state_shardings, meshlib.batch_sharding(mesh, 1), replicated),
                                          out_shardings=(state_shardings, replicated))
