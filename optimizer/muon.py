@@ -16,6 +16,14 @@ An orthogonalised m×n update has RMS 1/√max(m, n), so its size depends on the
   * `adam_rms`: ×0.2·√max(fan_in, fan_out), an update RMS of 0.2·lr whatever the shape, like
     AdamW's, so AdamW's lr and weight decay carry over (Moonlight, "Muon is Scalable for LLM
     Training", arXiv:2502.16982; optax.contrib.muon(consistent_rms=0.2)).
+
+`ns_coefficients` picks the Newton–Schulz polynomial. `quintic` (default): Keller Jordan's one
+(a, b, c) = (3.4445, −4.7750, 2.0315) every iteration, which leaves singular values anywhere in
+about [0.68, 1.2] however many iterations run. `polar_express`: Polar Express (Amsel, Persson,
+Musco, Gower 2025, "The Polar Express: Optimal Matrix Sign Methods and Their Application to the
+Muon Algorithm", arXiv:2505.16932), one minimax-optimal (a_t, b_t, c_t) per iteration for singular
+values in [1e-3, 1], so the same ns_steps lands them closer to 1 (5 steps: within [0.84, 1.13]).
+Both run in optax's scale_by_muon; Polar Express as a (ns_steps, 3) table (`polar_express_coefficients`).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 
@@ -35,6 +44,44 @@ from utils.errors import ConfigError
 STACKED_MATRIX = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)  # every leading axis: a batch axis
 SHAPE_SCALES = ("reference", "adam_rms")
 ADAM_RMS = 0.2  # the update RMS (per unit lr) of `adam_rms`: what AdamW's updates typically have
+NS_COEFFICIENTS = ("quintic", "polar_express")
+QUINTIC_EPS = 1e-8  # scale_by_muon's default: X / (‖X‖_F + eps) before the quintic iterations
+
+# Polar Express's (a_t, b_t, c_t), iteration t applying X <- a_t X + b_t (X Xᵀ) X + c_t (X Xᵀ)² X: the
+# coefficients the authors publish for arXiv:2505.16932 in github.com/NoahAmsel/PolarExpress,
+# polar_express/basic.py, computed by their optimal_composition(l=1e-3, num_iters=8,
+# safety_factor_eps=1e-2, cushion=0.02) and listed before the safety factor. The last is the limit
+# the sequence reaches, (15/8, −10/8, 3/8); the authors repeat it past 8 steps, when singular values in
+# [1e-3, 1] are already 1 to float32's precision, so ns_steps is refused above 8 instead.
+POLAR_EXPRESS_ABC = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+# The authors' safety factor s: each polynomial but the last takes x/s (a/s, b/s³, c/s⁵), so rounding
+# that pushes a singular value just above the interval it was designed for cannot blow up; and their
+# input normalisation X / (s·‖X‖_F + POLAR_EXPRESS_EPS), a spectral norm at most 1/s.
+POLAR_EXPRESS_SAFETY = 1.01
+POLAR_EXPRESS_EPS = 1e-7
+
+
+def polar_express_coefficients(ns_steps: int) -> np.ndarray:
+    """(ns_steps, 3) float64: the first ns_steps Polar Express triples as scale_by_muon applies them
+    after its own normalisation X / (‖X‖_F + eps) with eps = POLAR_EXPRESS_EPS / s. That is the
+    authors' X / (s·‖X‖_F + POLAR_EXPRESS_EPS) times s, so the first polynomial takes one more
+    factor 1/s, folded into its coefficients as the safety factor is: the same map in exact
+    arithmetic (tests/test_polar_express.py checks it against the authors' order in float64)."""
+    s = POLAR_EXPRESS_SAFETY
+    last = len(POLAR_EXPRESS_ABC) - 1
+    abc = np.array([(a / s, b / s**3, c / s**5) if t < last else (a, b, c)
+                    for t, (a, b, c) in enumerate(POLAR_EXPRESS_ABC)], np.float64)[:ns_steps]
+    abc[0] /= (s, s**3, s**5)  # the normalisation's 1/s
+    return abc
 
 
 def _stacked_dims(updates):
@@ -59,12 +106,13 @@ def scale_by_shape(convention: str) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda _params: optax.EmptyState(), update_fn)
 
 
-def newton_schulz(mu: jax.Array, ns_coeffs: jax.Array, ns_steps: int) -> jax.Array:
+def newton_schulz(mu: jax.Array, ns_coeffs: jax.Array, ns_steps: int, eps: float) -> jax.Array:
     """The Newton–Schulz output scale_by_muon computes from momentum `mu` (a stack of blocks), with
     optax's public API only (its `orthogonalize_via_newton_schulz` is not re-exported): a fresh
     scale_by_muon with beta 0 and no Nesterov is exactly that pass (its momentum 1·mu + 0·0 and bias
-    correction /(1 − 0¹) are exact), with the same coefficients, Frobenius pre-scaling and eps."""
-    ns = scale_by_muon(ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=0.0, nesterov=False,
+    correction /(1 − 0¹) are exact), with the same coefficients (a (3,) triple or an (ns_steps, 3)
+    table), Frobenius pre-scaling and eps (Muon.newton_schulz_args')."""
+    ns = scale_by_muon(ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=0.0, nesterov=False, eps=eps,
                        weight_dimension_numbers=_stacked_dims)
     return ns.update(mu, ns.init(mu))[0]
 
@@ -94,6 +142,7 @@ class Muon:
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int = 5
+    ns_coefficients: str = "quintic"  # quintic | polar_express: see the module docstring
     shape_scale: str = "reference"  # reference | adam_rms: see the module docstring
     weight_decay: float = 0.0
     decay_embeddings: bool = False
@@ -120,6 +169,13 @@ class Muon:
         check_non_negative(prefix, self, "weight_decay")
         if self.ns_steps <= 0:
             raise ConfigError(f"{prefix}.ns_steps={self.ns_steps} must be a positive integer")
+        if self.ns_coefficients not in NS_COEFFICIENTS:
+            raise ConfigError(f"{prefix}.ns_coefficients={self.ns_coefficients!r} must be one of "
+                              f"{', '.join(NS_COEFFICIENTS)}")
+        if self.ns_coefficients == "polar_express" and self.ns_steps > len(POLAR_EXPRESS_ABC):
+            raise ConfigError(f"{prefix}.ns_steps={self.ns_steps} exceeds the {len(POLAR_EXPRESS_ABC)} published "
+                              f"Polar Express iterations of {prefix}.ns_coefficients=polar_express: set "
+                              f"{prefix}.ns_steps to at most {len(POLAR_EXPRESS_ABC)}")
         if self.shape_scale not in SHAPE_SCALES:
             raise ConfigError(f"{prefix}.shape_scale={self.shape_scale!r} must be one of {', '.join(SHAPE_SCALES)}")
         if self.adam_lr <= 0 or self.adam_eps <= 0:
@@ -128,13 +184,25 @@ class Muon:
     def default_group_lr(self, group: str, base_lr: float) -> float:
         return base_lr if group == "hidden" else self.adam_lr
 
+    def newton_schulz_args(self) -> dict:
+        """scale_by_muon's Newton–Schulz arguments for `ns_coefficients`: quintic's are optax's
+        defaults (its coefficients, eps 1e-8), so its updates are what they always were."""
+        if self.ns_coefficients == "quintic":
+            return {"ns_steps": self.ns_steps, "eps": QUINTIC_EPS}
+        return {"ns_steps": self.ns_steps, "ns_coeffs": tuple(map(tuple, polar_express_coefficients(self.ns_steps))),
+                "eps": POLAR_EXPRESS_EPS / POLAR_EXPRESS_SAFETY}
+
+    def orthogonalise(self) -> optax.GradientTransformation:
+        """Momentum, Nesterov and Newton–Schulz per block of each stacked leaf (optax's scale_by_muon)."""
+        return scale_by_muon(beta=self.momentum, nesterov=self.nesterov, weight_dimension_numbers=_stacked_dims,
+                             **self.newton_schulz_args())
+
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
         if group != "hidden":
             return optax.adamw(schedule, b1=self.adam_b1, b2=self.adam_b2, eps=self.adam_eps,
                                weight_decay=self.weight_decay)
         return optax.chain(
-            scale_by_muon(ns_steps=self.ns_steps, beta=self.momentum, nesterov=self.nesterov,
-                          weight_dimension_numbers=_stacked_dims),
+            self.orthogonalise(),
             scale_by_shape(self.shape_scale),
             optax.add_decayed_weights(self.weight_decay),
             optax.scale_by_learning_rate(schedule),
@@ -160,6 +228,7 @@ class Muon:
             jax.tree.map(lambda m, g: None if is_masked(m) else gs.append(g), states[0].mu, grads, is_leaf=is_masked)
             mus = [nesterov_input(mu, g, states[0].count, self.momentum) for mu, g in zip(mus, gs)]
         errs = jnp.concatenate([
-            orthogonality_error(newton_schulz(mu, states[0].ns_coeffs, self.ns_steps)).reshape(-1)
+            orthogonality_error(newton_schulz(mu, states[0].ns_coeffs, self.ns_steps,
+                                              self.newton_schulz_args()["eps"])).reshape(-1)
             for mu in mus])
         return {"ortho_err_mean": jnp.mean(errs), "ortho_err_max": jnp.max(errs)}

@@ -16,7 +16,8 @@ authors'; the block's rescaling removes the common factor it would have been.
 
 Everything else is Muon's (optimizer/muon.py): the same momentum, Nesterov, Newton–Schulz on each
 block of a stack, decoupled weight decay times the lr, AdamW on the embed, head and scalar groups
-at `adam_lr`. The state adds v: one float32 per output neuron per block.
+at `adam_lr`, and `ns_coefficients` (quintic, or Polar Express's per-iteration polynomials). The
+state adds v: one float32 per output neuron per block.
 """
 
 from __future__ import annotations
@@ -28,11 +29,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from optax.contrib import scale_by_muon
 
 from optimizer.diagnostics import array_leaves, find_states
 from optimizer.groups import check_positive, check_unit_interval
-from optimizer.muon import ADAM_RMS, STACKED_MATRIX, Muon, _stacked_dims, scale_by_shape
+from optimizer.muon import ADAM_RMS, STACKED_MATRIX, Muon, scale_by_shape
 
 
 class NeuronNormState(NamedTuple):
@@ -89,8 +89,7 @@ class NorMuon(Muon):
         if group != "hidden":
             return super().transform(group, schedule)
         return optax.chain(
-            scale_by_muon(ns_steps=self.ns_steps, beta=self.momentum, nesterov=self.nesterov,
-                          weight_dimension_numbers=_stacked_dims),
+            self.orthogonalise(),
             scale_by_neuron_norm(self.beta2, self.eps, self.shape_scale),
             scale_by_shape("reference") if self.shape_scale == "reference" else optax.identity(),
             optax.add_decayed_weights(self.weight_decay),

@@ -143,10 +143,12 @@ def as_legacy_aux_checkpoint(step_dir: Path) -> None:
                                           (("optimizer=mars",), False), (("optimizer=kron",), False),
                                           (("optimizer=adopt",), False), (("optimizer=prodigy",), False),
                                           (("optimizer=normuon",), False),
+                                          (("optimizer=muon", "optimizer.ns_coefficients=polar_express"), False),
                                           (("train.compute_dtype=float16", "train.loss_scale.growth_interval=2"),
                                            False)],
                          ids=["plain", "accumulation-legacy-aux-item", "shampoo", "nadamw", "schedule_free_adamw",
-                              "ademamix", "soap", "mars", "kron", "adopt", "prodigy", "normuon", "float16-loss-scale"])
+                              "ademamix", "soap", "mars", "kron", "adopt", "prodigy", "normuon", "muon-polar-express",
+                              "float16-loss-scale"])
 def test_resume_is_bit_identical(tmp_path, extra, legacy):
     """Stop at step 5 and resume: losses at every step and the final weights and optimizer state
     equal an uninterrupted run's exactly (data order and dropout keys included), and so do the
@@ -160,7 +162,8 @@ def test_resume_is_bit_identical(tmp_path, extra, legacy):
     SOAP refreshes its eigenbases on updates 4, 7 and 10 (frequency 3), across the resume; Kron draws
     its random probes from a key folded with the update count, so the resumed run draws the same.
     Prodigy's d, its initial weights x_0 and its lr counter come back with its state; NorMuon's
-    neuron second moments too; ADOPT's first update (v only) is before the resume."""
+    neuron second moments too; ADOPT's first update (v only) is before the resume. Muon with Polar
+    Express carries its (ns_steps, 3) coefficient table in the state, where the quintic has (3,)."""
     full_ck, seg_ck = Path("ckpt/full"), Path("ckpt/seg")  # relative, as in the docs
     # The aux diagnostics' buffers must resume exactly too; the optimizer's own diagnostics carry no
     # state (and double the compile), so they stay off.
