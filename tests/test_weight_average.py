@@ -20,6 +20,7 @@ import pytest
 from helpers import compose_config, restore_item, rounding_rtol
 
 import train_jax as T
+from models import lora
 from trainer import hooks as H
 from trainer import weight_average as W
 from utils.checkpoint.storage import EVAL_MODEL, complete_steps, open_checkpoint
@@ -219,3 +220,30 @@ def test_none_builds_the_step_it_always_built():
     for avg, p in zip(jax.tree.leaves(state.metric_states[W.NAME]), jax.tree.leaves(eqx.filter(
             state.model, eqx.is_inexact_array)), strict=True):
         np.testing.assert_array_equal(np.asarray(avg), np.asarray(p))  # step 0: the initial weights
+
+
+def test_a_lora_run_averages_the_factors_alone():
+    """With LoRA factors the average holds them alone (the frozen base never changes: averaging it
+    would only copy it); the eval view is the average's factors on the model's own base."""
+    run = validate(compose_config("model.lora.rank=4", "model.lora.alpha=8", "optimizer.lr_config.lr=1e-2",
+                                  *KINDS["ema"]))
+    mesh = meshlib.make_mesh(1, 1, 8, devices=jax.devices()[:1])
+    _, _, state, step = T.init_training(run, mesh)
+    leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(state.model, eqx.is_inexact_array))[0]
+    factors = [p for p, _ in leaves if lora.is_factor(p)]
+    assert 0 < len(factors) == len(jax.tree.leaves(state.metric_states[W.NAME])) < len(leaves)
+    batch_2x1xBxT1 = np.random.default_rng(0).integers(0, 64, (2, 1, 8, 17), dtype=np.int32)
+    for batch in batch_2x1xBxT1:
+        state, _ = step(state, meshlib.put_batch(batch, meshlib.batch_sharding(mesh, 1)), False)
+    view = W.eval_view(run.train)(state)
+    average = iter(jax.tree.leaves(state.metric_states[W.NAME]))
+    moved = 0
+    for (path, x), (_, y) in zip(jax.tree_util.tree_flatten_with_path(eqx.filter(view, eqx.is_array))[0],
+                                 jax.tree_util.tree_flatten_with_path(eqx.filter(state.model, eqx.is_array))[0],
+                                 strict=True):
+        if lora.is_factor(path):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(next(average)))  # float32 weights: no cast
+            moved += not np.array_equal(np.asarray(x), np.asarray(y))
+        else:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # the base: the model's own
+    assert moved  # after 2 steps the average's factors are not the trained ones

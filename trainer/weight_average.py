@@ -1,7 +1,8 @@
 """Weight averaging (train.weight_average=ema|tail): an average of the trained weights, kept
 beside them, that evaluation, samples, the best checkpoint's ranking and exports use.
 
-Why a step metric: its state (the average, float32, one array per float parameter) then lives
+Why a step metric: its state (the average, float32, one array per float parameter; with LoRA
+factors one per factor, as the frozen base never changes) then lives
 in TrainState.metric_states, so it shards like the parameters, is saved in every checkpoint and
 a resumed run continues it bit for bit, with no new field in the state or the checkpoint. The
 loop reads it through the eval-view seam Schedule-Free's average uses (optimizer.eval_view):
@@ -38,6 +39,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from models import lora
+
 NAME = "weight_average"  # its key in TrainState.metric_states
 
 
@@ -54,7 +57,7 @@ class WeightAverage:
 
     def init(self, params) -> Any:
         """The average at step 0: the weights (`params`: the model's float arrays, None elsewhere), float32."""
-        return jax.tree.map(lambda p_: p_.astype(jnp.float32), params)
+        return jax.tree.map(lambda p_: p_.astype(jnp.float32), averaged(params))
 
     def weight(self, t: jax.Array) -> jax.Array:
         """w_t, float32, of the step count `t` (int32: steps done, this one included)."""
@@ -67,8 +70,17 @@ class WeightAverage:
 
     def update(self, avg, inputs, logging: bool) -> tuple[Any, dict]:
         w = self.weight(inputs.new_state.step)
-        params = eqx.filter(inputs.new_state.model, eqx.is_inexact_array)
+        params = averaged(inputs.new_state.model)
         return jax.tree.map(lambda a, p_: (1.0 - w) * a + w * p_.astype(jnp.float32), avg, params), {}
+
+
+def averaged(model) -> Any:
+    """The arrays the average keeps: `model`'s float arrays, None elsewhere; with LoRA factors the
+    factors alone (the frozen base is never trained: its average would be a copy of it)."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+    if not lora.has_factors(model):
+        return params
+    return jax.tree_util.tree_map_with_path(lambda path, x: x if lora.is_factor(path) else None, params)
 
 
 def metric(train) -> WeightAverage | None:
@@ -89,8 +101,7 @@ def eval_view(train) -> Callable[[Any], Any] | None:
         return None
 
     @eqx.filter_jit
-    def view(model, avg):
-        params, rest = eqx.partition(model, eqx.is_inexact_array)
-        return eqx.combine(jax.tree.map(lambda a, p_: a.astype(p_.dtype), avg, params), rest)
+    def view(model, avg):  # the average's leaves, cast to the weights' dtypes; the model's own elsewhere
+        return eqx.combine(jax.tree.map(lambda a, p_: a.astype(p_.dtype), avg, averaged(model)), model)
 
     return lambda state: view(state.model, state.metric_states[NAME])
