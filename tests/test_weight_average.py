@@ -247,3 +247,18 @@ def test_a_lora_run_averages_the_factors_alone():
         else:
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # the base: the model's own
     assert moved  # after 2 steps the average's factors are not the trained ones
+
+
+@pytest.mark.slow
+def test_switching_averaging_on_at_a_resume_starts_it_at_the_restored_weights(tmp_path, monkeypatch, capsys):
+    """A checkpoint without an average (weight_average=none) resumed with one (overwrite_config):
+    the step metrics' states start afresh, the run says so, and the average is logged from there."""
+    monkeypatch.chdir(tmp_path)
+    run = (*RUN, "checkpoint.save=true", "checkpoint.save_path=ck")
+    for name, extra in (("first", ("checkpoint.num_steps=3",)),
+                        ("second", ("checkpoint.resume=auto", "checkpoint.overwrite_config=true", *KINDS["ema"]))):
+        (tmp_path / name).mkdir()
+        T.train(compose_config(*run, *extra), str(tmp_path / name))
+    assert "holds no step-metric states in this run's layout (weight_average)" in capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "second" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val/loss_raw" in r] == [STEPS]
