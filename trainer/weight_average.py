@@ -2,12 +2,11 @@
 beside them, that evaluation, samples, the best checkpoint's ranking and exports use.
 
 Why a step metric: its state (the average, float32, one array per float parameter; with LoRA
-factors one per factor, as the frozen base never changes) then lives
-in TrainState.metric_states, so it shards like the parameters, is saved in every checkpoint and
-a resumed run continues it bit for bit, with no new field in the state or the checkpoint. The
-loop reads it through the eval-view seam Schedule-Free's average uses (optimizer.eval_view):
-`eval_view(run)` is the model with its float leaves replaced by the average, cast back to each
-leaf's dtype.
+factors one per factor, as the frozen base never changes) then lives in TrainState.metric_states,
+so it shards like the parameters, is saved in every checkpoint and a resumed run continues it bit
+for bit, with no new field in the state or the checkpoint. The loop reads it through the
+eval-view seam Schedule-Free's average uses (optimizer.eval_view): `eval_view(train)` is the model
+with its averaged leaves replaced by the average, cast back to each leaf's dtype.
 
 Both averages are one update after each step t (1-based: the weights the step produced, p_t):
 
@@ -19,8 +18,8 @@ Both averages are one update after each step t (1-based: the weights the step pr
   d = 0.5^(1/half_life). avg_t = Σ_{s=1..t} (1 − d)·d^(t−s)·p_s / (1 − d^t): the weights of the
   steps taken so far, weighted by d^(age), normalised to sum to 1 (Adam's bias correction of a
   zero-started average; w_1 = 1), so an early evaluation averages trained weights only, not the
-  initial ones. 1 − d^t is computed as −expm1(−t·ln2/half_life): exact to float32 for long
-  half-lives, where d rounds close to 1.
+  initial ones. 1 − d^t is computed as −expm1(−t·ln2/half_life): accurate to float32's rounding
+  for long half-lives, where d rounds close to 1 and 1 − d would lose its digits.
 - tail: the uniform average of the weights at steps start..t, start = round((1 − f)·max_steps)
   (f = train.weight_average_tail; LAWA / tail averaging): w_t = 1/(t − start + 1), and w_t = 1
   before the window (the average is the current weights until step `start`).
