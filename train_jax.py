@@ -34,7 +34,7 @@ from models.sample import sampler
 from optimizer import arguments, diagnostics, eval_view, group_schedules, make_optimizer
 from optimizer.nonfinite import skip_nonfinite
 from optimizer.restart import fresh_state
-from trainer import aux_state, early_stopping, loss_scale, memory, precompile, step_metrics
+from trainer import aux_state, early_stopping, loss_scale, memory, precompile, step_metrics, weight_average
 from trainer import hooks as H
 from trainer.activations import ActivationNorms
 from trainer.flops import peak_flops
@@ -120,8 +120,12 @@ def build_trainer(run: RunConfig, source: Source | None = None, schedule: optax.
     check_memory(run, mesh)  # before the data is read and anything compiles
     data = init_data(run, tokenizer, docs, source.data_state if source is not None else None)
     schedule, tx, state, train_step = init_training(run, mesh, source, schedule=schedule)
+    # The model evaluated, sampled, ranked and exported: Schedule-Free's x, or train.weight_average's average
+    # (validation refuses both at once), else the state's own.
+    view = eval_view(run.optimizer.hparams) or (weight_average.eval_view(run.train)
+                                                if weight_average.NAME in state.metric_states else None)
     return Trainer(run, mesh, tokenizer, data, schedule, tx, state, train_step, make_evaluate(run, data.val, mesh),
-                   eval_view(run.optimizer.hparams))
+                   view)
 
 
 def check_memory(run: RunConfig, mesh) -> None:
@@ -166,7 +170,8 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
 
 def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[step_metrics.StepMetric]:
     """Loss, norms, lrs; with logging.log_callback_data the aux-state hook, per-block norms and the
-    optimizer's diagnostics (of the state this update used and left, not the one before it)."""
+    optimizer's diagnostics (of the state this update used and left, not the one before it); with
+    train.weight_average the average of the weights (trainer/weight_average.py)."""
     o, aux = run.optimizer, run.logging.aux
     by_group = group_schedules(o.hparams, schedule, o.schedule.lr, o.group_overrides)
     metrics = step_metrics.defaults(schedule, by_group, jax.tree.leaves(labels), run.train.skip_nonfinite)
@@ -178,7 +183,8 @@ def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[st
         metrics.append(step_metrics.optimizer_diagnostics(o.hparams, o.group_overrides, run.train.gradient_clip_val))
     if run.logging.activation_norms:
         metrics.append(ActivationNorms(run.model.num_blocks, run.train.compute_dtype, run.objective.causal))
-    return metrics
+    average = weight_average.metric(run.train)
+    return metrics + ([average] if average else [])
 
 
 def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: StopSignals | None,
@@ -191,7 +197,8 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
                                         peak_flops(t.compute_dtype, run.cache_dir),
                                         resumed.get("metrics", {}).get("time/elapsed_sec", 0.0))]
     if not t.skip_validation:
-        hooks.append(H.Evaluation(trainer.evaluate, t.val_freq, t.max_steps, t.val_at_start, t.val_at))
+        hooks.append(H.Evaluation(trainer.evaluate, t.val_freq, t.max_steps, t.val_at_start, t.val_at,
+                                  raw=t.weight_average != "none"))  # val/loss_raw beside the average's val/loss
     saver = (Checkpointer(ck, run.config_dict, dataclasses.asdict(run.model), warn, trainer.eval_view,
                           frozen_base(trainer, source)) if ck.save else None)
     # Opened last, so a hook that fails to build leaves no open file, bar or wandb run behind.

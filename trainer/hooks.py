@@ -65,7 +65,8 @@ class LoopContext:
     pulled: bool = False  # this step's metrics are in `record` already
     data_wait: float = 0.0  # seconds the loop waited for this step's batch
     compile_sec: float = 0.0  # seconds this step's dispatch waited for a compilation
-    # state -> the model to evaluate, sample and rank (optimizer.eval_view: Schedule-Free's average);
+    # state -> the model to evaluate, sample and rank (optimizer.eval_view: Schedule-Free's average;
+    # trainer/weight_average.py: train.weight_average's);
     # None: the state's own model
     eval_view: Callable[[Any], Any] | None = None
     _eval_model: Any = field(default=None, init=False, repr=False)  # eval_view's model of this step, made once
@@ -306,15 +307,17 @@ def evaluator(eval_step: Callable, mesh, batches: Callable[[], Iterable[tuple]])
 class Evaluation(Hook):
     """Every `val_freq` steps, at each step of `val_at` (train.val_at) and at train.max_steps (not at
     a segment's end: a resumed run evaluates where an unbroken one would, so each listed step once),
-    plus the untrained baseline at step 0."""
+    plus the untrained baseline at step 0. The values are of `ctx.eval_model()`; with `raw`
+    (train.weight_average) the state's own model is evaluated too, its values logged with a `_raw`
+    suffix (val/loss_raw...)."""
 
     produces = ("val/loss",)
     off_the_clock = True  # evaluation time is not training throughput
 
     def __init__(self, evaluate: Callable[[Any], dict[str, float]], val_freq: int, max_steps: int, at_start: bool,
-                 val_at: Sequence[int] = ()):
+                 val_at: Sequence[int] = (), raw: bool = False):
         self.evaluate, self.every, self.max_steps, self.at_start = evaluate, val_freq, max_steps, at_start
-        self.val_at = frozenset(val_at)
+        self.val_at, self.raw = frozenset(val_at), raw
 
     def due(self, ctx: LoopContext) -> bool:
         if ctx.step == ctx.start:
@@ -324,6 +327,8 @@ class Evaluation(Hook):
     def __call__(self, ctx: LoopContext) -> None:
         began = clock()
         ctx.add(self.evaluate(ctx.eval_model()))
+        if self.raw:
+            ctx.add({f"{name}_raw": value for name, value in self.evaluate(ctx.state.model).items()})
         ctx.add({"time/eval_sec": clock() - began})
 
 

@@ -131,6 +131,9 @@ def restore_state(source: Source, abstract, shardings, model_config: dict, build
     metric_states = restored["metric_states"] if "metric_states" in restored else (
         {"aux": restored["aux"]} if "aux" in restored else None)
     if metric_states is None:
+        if abstract.metric_states and source.with_opt_state:  # a run that switched a stateful metric on or off
+            say(f"{source.path} holds no step-metric states in this run's layout ({', '.join(abstract.metric_states)}):"
+                " they start afresh (train.weight_average's average at the restored weights)")
         metric_states = init_metrics(model) if abstract.metric_states else {}
     loss_scale = restored.get("loss_scale")  # a float16 run from a checkpoint without one starts its scale afresh
     if loss_scale is None and abstract.loss_scale is not None:

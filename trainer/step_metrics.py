@@ -25,7 +25,8 @@ schedule at the step's own index) reads the starting state.
 A metric marked `logging_only` costs nothing on other steps: the step is compiled in two
 variants and the loop calls the one that computes it only on logging steps (a second
 compilation, so it is only made when some metric asks for it; a stateful metric always asks, as
-its `update` gets `logging`).
+its `update` gets `logging`, unless it says `same_when_logging = True`: its update ignores the flag,
+as the weight average's does, trainer/weight_average.py).
 """
 
 from __future__ import annotations
@@ -255,7 +256,8 @@ def compile_variants(step: Callable, metrics: Sequence[StepMetric], split: bool 
         return step(*call_args, logging=logging)
 
     logging_step = jax.jit(functools.partial(counted, logging=True), **jit_kwargs)
-    if not split and not any(m.logging_only or m.name is not None for m in metrics):
+    if not split and not any(m.logging_only or (m.name is not None and not getattr(m, "same_when_logging", False))
+                             for m in metrics):
         return TrainStep(logging_step, logging_step, traces, args=args)
     return TrainStep(jax.jit(functools.partial(counted, logging=False), **jit_kwargs), logging_step, traces,
                      args=args)

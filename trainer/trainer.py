@@ -28,4 +28,5 @@ class Trainer:
     state: TrainState
     train_step: TrainStep
     evaluate: Callable  # model -> {val/loss, val/perplexity, val/accuracy}
-    eval_view: Callable | None = None  # state -> the model to evaluate (optimizer.eval_view); None: state.model
+    # state -> the model to evaluate (optimizer.eval_view, weight_average.eval_view); None: state.model
+    eval_view: Callable | None = None

@@ -40,6 +40,7 @@ from utils.sections import _coerce, build_registered, build_section
 
 DTYPES = ("float32", "bfloat16")  # of the weights and optimizer state
 COMPUTE_DTYPES = DTYPES + ("float16",)  # float16 with dynamic loss scaling (trainer/loss_scale.py)
+WEIGHT_AVERAGES = ("none", "ema", "tail")  # train.weight_average (trainer/weight_average.py)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class TrainConfig:
     sample_temperature: float = 0.8
     skip_nonfinite: bool = False  # a step with a non-finite gradient is skipped instead of stopping the run
     max_consecutive_skips: int = 10  # after this many in a row the update is applied and the run stops
+    weight_average: str = "none"  # none | ema | tail: the weights evaluated and exported (trainer/weight_average.py)
+    weight_average_half_life: float = 100.0  # ema: steps for a step's weight in the average to halve
+    weight_average_tail: float = 0.2  # tail: the last fraction of train.max_steps averaged uniformly
     # built from the train.early_stopping mapping in validate (a nested section)
     early_stopping: EarlyStoppingConfig = dataclasses.field(default_factory=EarlyStoppingConfig)
     # built from the train.loss_scale mapping in validate; read under compute_dtype=float16 only
@@ -93,6 +97,15 @@ class TrainConfig:
             raise ConfigError(f"{prefix}.sample_tokens={self.sample_tokens} must be >= 0")
         if self.sample_temperature < 0:
             raise ConfigError(f"{prefix}.sample_temperature={self.sample_temperature} must be >= 0 (0 = greedy)")
+        if self.weight_average not in WEIGHT_AVERAGES:
+            raise ConfigError(f"{prefix}.weight_average={self.weight_average!r} must be one of "
+                              f"{', '.join(WEIGHT_AVERAGES)}")
+        if not self.weight_average_half_life > 0:
+            raise ConfigError(f"{prefix}.weight_average_half_life={self.weight_average_half_life} must be > 0 "
+                              f"(optimizer steps), e.g. {prefix}.weight_average_half_life=100")
+        if not 0 < self.weight_average_tail <= 1:
+            raise ConfigError(f"{prefix}.weight_average_tail={self.weight_average_tail} must lie in (0, 1] (the "
+                              f"fraction of {prefix}.max_steps averaged), e.g. {prefix}.weight_average_tail=0.2")
 
 
 @dataclass(frozen=True)
@@ -241,6 +254,10 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
     hparams = for_run(hparams, schedule_name, schedule, train.max_steps)  # knobs that depend on the run
     if cautious:
         cautious_mask.check(hparams, opt_name)
+    if train.weight_average != "none" and getattr(hparams, "eval_params", None) is not None:
+        raise ConfigError(f"train.weight_average={train.weight_average} cannot be combined with optimizer={opt_name}, "
+                          "which evaluates its own average of the weights: set train.weight_average=none or choose "
+                          "another optimizer")
     optimizer = OptimizerConfig(
         name=opt_name,
         hparams=hparams,

@@ -6,7 +6,8 @@ Layout of `checkpoint.save_path`:
     iter_{N}/opt_state/    orbax arrays of the optimizer state
     iter_{N}/progress/     orbax arrays: step (int32) and the training RNG key
     iter_{N}/eval_model/   orbax arrays of the model to evaluate, when the optimizer trains another
-                           point (Schedule-Free: the average x; `model` holds the y it trains)
+                           point (Schedule-Free: the average x; `model` holds the y it trains) or
+                           train.weight_average keeps an average (trainer/weight_average.py)
     iter_{N}/loss_scale/   orbax arrays of a float16 run's loss scale and its count of finite steps
     iter_{N}/manifest/manifest.json   step, time, metrics, data-iterator position, resolved model
                                       config, library versions, and `files`: the size and sha256 of
