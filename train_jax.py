@@ -133,7 +133,7 @@ def check_memory(run: RunConfig, mesh) -> None:
     one device: a ConfigError naming dataset.context_length and the largest window that fits. The
     state's shapes come from `eval_shape`: nothing is allocated, read or compiled."""
     model = models.abstract(run.model, run.train.param_dtype)
-    params = eqx.filter(model, eqx.is_array)
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))  # eqx.is_array is False for these
     labels = models.param_labels(model)
     opt_state = jax.eval_shape(init_optimizer(run, init_scheduler(run), labels).init, params)
     trained = [x for x, label in zip(jax.tree.leaves(params), jax.tree.leaves(labels)) if label != lora.FROZEN_GROUP]

@@ -15,6 +15,7 @@ import re
 
 import equinox as eqx
 import jax
+import numpy as np
 import pytest
 from helpers import compose_config
 
@@ -24,6 +25,7 @@ from models import hf
 from trainer import memory
 from utils.config import validate
 from utils.errors import ConfigError
+from utils.parallel import mesh as meshlib
 
 MAXIMUM = 131072  # a long-context llama's max_position_embeddings
 YAML_WINDOW = 16  # helpers.TINY_OVERRIDES' model.context_length
@@ -81,6 +83,19 @@ def test_a_window_that_cannot_fit_is_refused_before_the_data_is_read(long_dir, m
 def _state(run):
     """(weights, optimizer state, trained weights) of `run`, abstract: train_jax.check_memory's."""
     model = jax.eval_shape(lambda: train_jax.init_model(run, jax.random.PRNGKey(0)))
-    params = eqx.filter(model, eqx.is_array)
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    assert len(jax.tree.leaves(params)) == len(jax.tree.leaves(model))  # every weight counted
     tx = train_jax.init_optimizer(run, train_jax.init_scheduler(run), models.param_labels(model))
     return params, jax.eval_shape(tx.init, params), params
+
+
+def test_a_state_too_large_for_the_device_is_refused_before_anything_is_read(monkeypatch):
+    """The estimate counts the weights, the optimizer state and a gradient (AdamW: 4 copies of the
+    weights): a device a little smaller than that refuses the run in one line, whatever the window.
+    (Before: the abstract model's weights were filtered out as non-arrays and the state counted 0.)"""
+    run = train_jax.resolve_vocab(validate(compose_config("optimizer=adamw")), 64)
+    params = 4 * 4 * sum(int(np.prod(x.shape)) for x in jax.tree.leaves(models.abstract(run.model)))
+    monkeypatch.setattr(memory, "device_memory", lambda device=None: (params * 0.9, "a small test device"))
+    with pytest.raises(ConfigError) as err:
+        train_jax.check_memory(run, meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1]))
+    assert "\n" not in str(err.value) and "the weights and optimizer state alone do not fit" in str(err.value)
