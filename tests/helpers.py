@@ -334,3 +334,25 @@ def hf_logits(model, tokens_BxT):
 
     with torch.no_grad():
         return model(torch.as_tensor(tokens_BxT, dtype=torch.long)).logits.float().numpy()
+
+
+def learnable_losses(run, steps: int = 30) -> tuple[list[float], dict]:
+    """(train/loss per step, the last step's metrics) of `run` (a validated RunConfig) trained
+    `steps` steps on one fixed batch with a learnable pattern (the next token is the current one
+    plus one, vocab 64, 8 rows of 17), on one device: the every-optimizer "it learns" check."""
+    import jax
+    import numpy as np
+
+    import train_jax
+    from utils.parallel import mesh as meshlib
+
+    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
+    _, _, state, step = train_jax.init_training(run, mesh)
+    batch = np.random.default_rng(0).integers(0, 64, (1, 8, 17), dtype=np.int32)
+    batch[..., 1:] = (batch[..., :1] + np.arange(1, 17)) % 64
+    placed = meshlib.put_batch(batch, meshlib.batch_sharding(mesh, 1))
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, placed)
+        losses.append(float(metrics["train/loss"]))
+    return losses, metrics

@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import EPS32, compose_config, per_optimizer, rounding_rtol
+from helpers import EPS32, compose_config, learnable_losses, per_optimizer, rounding_rtol
 
-import train_jax as T
 from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import OPTIMIZERS, make_optimizer
 from optimizer.adamw import AdamW
@@ -22,7 +21,6 @@ from optimizer.muon import Muon
 from optimizer.sgdm import SGDM
 from utils.config import to_dict, validate
 from utils.errors import ConfigError
-from utils.parallel import mesh as meshlib
 
 CFG = GPTConfig(dim=32, num_heads=2, num_blocks=3, context_length=16, vocab_size=64, tie_embeddings=False)
 
@@ -248,16 +246,7 @@ def test_every_optimizer_trains_the_tiny_model(tiny_run, name):
     extra = {"prodigy": ("optimizer.d0=1e-4",)}.get(name, ())
     run = tiny_run(f"optimizer={name}", "train.max_steps=30", "optimizer.lr_config.warmup=5",
                    *([f"optimizer.lr_config.lr={lr}"] if lr else []), *extra)
-    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
-    _, _, state, step = T.init_training(run, mesh)
-    batch = np.random.default_rng(0).integers(0, 64, (1, 8, 17), dtype=np.int32)
-    # A learnable pattern: the next token is the current one plus one.
-    batch[..., 1:] = (batch[..., :1] + np.arange(1, 17)) % 64
-    placed = meshlib.put_batch(batch, meshlib.batch_sharding(mesh, 1))
-    losses = []
-    for _ in range(30):
-        state, metrics = step(state, placed)
-        losses.append(float(metrics["train/loss"]))
+    losses, metrics = learnable_losses(run, 30)  # the next token is the current one plus one
     assert np.all(np.isfinite(losses))
     assert losses[-1] < 0.8 * losses[0], (name, losses[0], losses[-1])
     assert {f"train/lr/{g}" for g in ("hidden", "embed", "scalar")} <= set(metrics)

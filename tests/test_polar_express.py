@@ -17,15 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import EPS32
+from helpers import EPS32, learnable_losses
 from optax.contrib import MuonState, scale_by_muon
 
-import train_jax as T
 from optimizer.diagnostics import find_states
 from optimizer.muon import POLAR_EXPRESS_ABC, Muon, _stacked_dims, newton_schulz, scale_by_shape
 from optimizer.normuon import NorMuon, scale_by_neuron_norm
 from utils.errors import ConfigError
-from utils.parallel import mesh as meshlib
 
 EPS64 = float(np.finfo(np.float64).eps)
 QUINTIC = (3.4445, -4.7750, 2.0315)
@@ -220,14 +218,6 @@ def test_muon_and_normuon_with_polar_express_train_the_tiny_model(tiny_run, name
     token is the current one plus one) at the yaml's lr take the loss under 0.8 of its start."""
     run = tiny_run(f"optimizer={name}", "optimizer.ns_coefficients=polar_express", "train.max_steps=30",
                    "optimizer.lr_config.warmup=5")
-    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
-    _, _, state, step = T.init_training(run, mesh)
-    batch = np.random.default_rng(0).integers(0, 64, (1, 8, 17), dtype=np.int32)
-    batch[..., 1:] = (batch[..., :1] + np.arange(1, 17)) % 64
-    placed = meshlib.put_batch(batch, meshlib.batch_sharding(mesh, 1))
-    losses = []
-    for _ in range(30):
-        state, metrics = step(state, placed)
-        losses.append(float(metrics["train/loss"]))
+    losses, _ = learnable_losses(run, 30)
     assert np.all(np.isfinite(losses))
     assert losses[-1] < 0.8 * losses[0], (name, losses[0], losses[-1])
