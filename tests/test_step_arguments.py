@@ -167,8 +167,8 @@ def test_a_zero_knob_stays_a_constant_and_a_traced_one_is_never_known_zero():
 
 @pytest.mark.slow
 def test_a_comparisons_later_runs_load_every_program(tmp_path):
-    """Per optimizer, the first trunk and the first branch compile (or load) the step, evaluation
-    and initialisation programs; every later run, whatever its lr, seed or budget, only loads them:
+    """The first trunk and the first branch compile (or load) the step, evaluation and
+    initialisation programs; every later run, whatever its lr, seed or budget, only loads them:
     JAX's persistent-cache events counted per run, a miss being a compilation."""
     counts: collections.Counter = collections.Counter()
     counting = [False]
@@ -189,13 +189,12 @@ def test_a_comparisons_later_runs_load_every_program(tmp_path):
 
     run = tuple(o for o in TINY_OVERRIDES if not o.startswith(("train.max_steps", "model.vocab_size"))) + (
         "train.max_val_steps=2", "logging.log_callback_data=false")
-    k = compare_config({"optimizers": ["adamw", "muon"], "budgets": [6, 10], "lr": {"points": 2}, "seeds": 2,
-                        "warmup": 2})
+    # One optimizer (test_runs_that_differ_in_their_knobs_trace_one_step_program covers each one's step).
+    k = compare_config({"optimizers": ["adamw"], "budgets": [4, 6], "lr": {"points": 2}, "seeds": 2, "warmup": 1})
     plan = make_plan(k, run, base_lrs(k.optimizers, run))
     summary = launch.run_plan(plan, str(tmp_path), train=train, say=lambda line: None)
-    assert len(summary.done) == len(plan.runs) == 2 * 2 * 2 * 3
-    firsts = {next(r.id for r in plan.runs if r.optimizer == opt and r.kind == kind)
-              for opt in ("adamw", "muon") for kind in ("trunk", "branch")}
+    assert len(summary.done) == len(plan.runs) == 2 * 2 * 3
+    firsts = {next(r.id for r in plan.runs if r.kind == kind) for kind in ("trunk", "branch")}
     later = {rid: c for rid, c in per_run.items() if rid not in firsts}
-    assert len(later) == len(plan.runs) - 4
+    assert len(later) == len(plan.runs) - 2
     assert all(c["cache_misses"] == 0 and c["cache_hits"] > 0 for c in later.values()), later
