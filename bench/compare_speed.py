@@ -65,8 +65,7 @@ def account(compare_dir: str, wall: float) -> dict[str, float]:
 
 def run_side(checkout: str, arguments: list[str], cache_dir: str, work: str) -> dict[str, float]:
     shutil.rmtree(os.path.join(cache_dir, "xla"), ignore_errors=True)  # every comparison compiles afresh
-    compare_dir = tempfile.mkdtemp(dir=work)
-    shutil.rmtree(compare_dir)
+    compare_dir = os.path.join(work, f"comparison{len(os.listdir(work))}")  # a new name: compare.py makes it
     env = {**os.environ, "EQTRAIN_CACHE": cache_dir}
     began = time.perf_counter()
     proc = subprocess.run([sys.executable, os.path.join(checkout, "scripts", "compare.py"), *arguments,

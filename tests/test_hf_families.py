@@ -65,6 +65,8 @@ def parity_atol(want: np.ndarray, length: int) -> float:
 
 def assert_parity(got: np.ndarray, want: np.ndarray) -> float:
     """Asserts `got` equals `want` within parity_atol; returns the largest error over the logits' scale."""
+    # two float32 forwards: (n + 1)·u·max|logits| per side for the n = 240-term sums, plus the rotary
+    # angles' 10u·length relative turn, twice (parity_atol's docstring derives it)
     np.testing.assert_allclose(got, want, rtol=0, atol=parity_atol(want, want.shape[1]))
     return float(np.abs(got - want).max() / np.abs(want).max())
 
@@ -140,6 +142,7 @@ def test_transformers_rope_scaling_loads_with_equal_logits(tmp_path, rope):
     want = llama.RopeScaling(rope["rope_type"], rope["factor"], **(
         {"original_context_length": 32} if rope is LLAMA3 else {}))
     assert (cfg.rope_scaling, cfg.rope_theta, cfg.head_dim, cfg.context_length) == (want, 500.0, 16, 128)
+    # the same float32 operations on both sides: at most 8 roundings of EPS32/2, twice (inv_freq_rtol)
     np.testing.assert_allclose(our_inv_freq(cfg), their_inv_freq(theirs), rtol=inv_freq_rtol(), atol=0)
     toks = tokens(LONG)
     err = assert_parity(ours_logits(ours, toks), hf_logits(theirs, toks))
@@ -171,6 +174,7 @@ def test_our_rope_scaling_loads_in_transformers_with_equal_logits(tmp_path, scal
     ours = our_model(dim=64, context_length=128, rope_scaling=scaling)
     theirs = export_and_load(tmp_path, ours, "llama")
     assert theirs.config.rope_parameters["rope_type"] == scaling["type"]
+    # the same float32 operations on both sides: at most 8 roundings of EPS32/2, twice (inv_freq_rtol)
     np.testing.assert_allclose(our_inv_freq(ours.cfg), their_inv_freq(theirs), rtol=inv_freq_rtol(), atol=0)
     toks = tokens(LONG, seed=2)
     err = assert_parity(hf_logits(theirs, toks), ours_logits(ours, toks))
@@ -303,6 +307,7 @@ def test_released_configs_read_with_transformers_frequencies(name):
     assert cfg.qk_norm == (config["model_type"] == "qwen3") and cfg.rope_theta == config["rope_theta"]
     assert (cfg.rope_scaling and cfg.rope_scaling.factor) == factor
     theirs = their_rotary(config).inv_freq.numpy()
+    # the same float32 operations on both sides: at most 8 roundings of EPS32/2, twice (inv_freq_rtol)
     np.testing.assert_allclose(our_inv_freq(cfg), theirs, rtol=inv_freq_rtol(), atol=0)
     # ... and back: the config.json we would write describes the same frequencies to transformers
     np.testing.assert_array_equal(their_rotary(llama.hf_config(cfg)).inv_freq.numpy(), theirs)
