@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from compare import ladder, significance, stats
+from compare import ladder, significance, stats, tune
 from utils.errors import DataError
 from utils.files import atomic_write
 from utils.logging.metrics_file import read_metrics as _read_metrics
@@ -362,6 +362,11 @@ def f_num(x: float, spec: str) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def f_value(v) -> str:
+    """A searched knob's value: an lr or float as %g, anything else as itself."""
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
 def f_lr(lr) -> str:
     return "–" if lr is None else f"{float(lr):.4g}"
 
@@ -562,6 +567,50 @@ def section_sweep(w: Workload, h: str) -> list[str]:
             rows.append([o + (" *" if st == w.best_setting[o] else ""), *(values.get(k, "–") for k in w.knobs),
                          f_lr(lr), f_loss(loss)])
     return out + table(["optimizer", *w.knobs, "best lr", "final val/loss"], rows)
+
+
+def attach_search(w: Workload, recorded: dict) -> None:
+    """tune=coordinate: w.search[optimizer] = the coordinate search's path, replayed from compare.json's
+    "search" (each space) and the results, as compare.py replayed it to choose its runs."""
+    knobs = recorded.get("knobs") or {}
+    spaces = [e for e in recorded.get("search") or [] if e.get("workload") == w.name and e.get("optimizer")]
+    if not spaces or not knobs.get("budgets"):
+        return
+    loss_of = tune.cell_losses({w.name: w}, int(knobs.get("seeds") or 1), max(knobs["budgets"]))
+    w.search = {}
+    for entry in spaces:
+        space = tune.Space.from_json(entry)
+        w.search[entry["optimizer"]] = (space, tune.coordinate_path(
+            space, loss_of(w.name, entry["optimizer"], space), float(knobs.get("coordinate_threshold", 0.0)),
+            knobs.get("coordinate_max_trials")))
+
+
+def section_search(w: Workload, h: str) -> list[str]:
+    """tune=coordinate: each optimizer's search, one row per knob varied: the values tried with their
+    mean final val/loss at the largest budget, and the setting kept."""
+    paths = getattr(w, "search", {})
+    if not paths:
+        return []
+    out = [f"{h} Tuning path (tune=coordinate)", "",
+           f"Coordinate descent (Wen et al. 2025): per round, each knob in turn is varied with the others held at the "
+           f"best setting so far; a value is kept when its mean final val/loss over the tuning seeds at the largest "
+           f"budget ({w.largest}) beats the kept one by more than coordinate.threshold. (*) marks the value kept.", ""]
+    for o in w.optimizers:
+        if o not in paths:
+            continue
+        space, path = paths[o]
+        names = [k for k, _ in space.axes]
+        rows = []
+        for st in path.steps:
+            kept = st.after[names.index(st.axis)]
+            rows.append([o, str(st.round), st.axis, ", ".join(
+                f"{f_value(v)}: {f_num(x, '.4f')}{' (*)' if v == kept else ''}" for v, x in st.tried),
+                "moved" if st.moved else "kept"])
+        out += table(["optimizer", "round", "knob", "value: mean final val/loss", "incumbent"], rows)
+        final = ", ".join(f"{k}={f_value(v)}" for k, v in zip(names, path.incumbent))
+        out += [f"{o}: {path.trials} settings tried; {path.stop or 'still running (rerun the command to continue)'}; "
+                f"setting: {final}.", ""]
+    return out
 
 
 def section_special(runs: dict[str, Run]) -> list[str]:
@@ -1103,6 +1152,8 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
         for r in recorded.get("runs", []):  # the plan's own lrs: lr.extend's are not in it
             base[(r.get("workload"), r.get("optimizer"))].add(float(r.get("lr")))
         extend = {"on": knobs.get("lr_extend"), "max": knobs.get("lr_extend_max", 0), "base": dict(base)}
+        for w in workloads:
+            attach_search(w, recorded)
     names = [w.name for w in workloads]
     fingerprint = ", ".join(f"{n}: {fingerprints[n] or 'not logged'}" for n in names) if len(names) > 1 else (
         fingerprints[names[0]] or "not logged")
@@ -1139,6 +1190,7 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
         plot_curves(w, "seconds", os.path.join(compare_dir, sec))
         lines += section_summary(w, h, extend)
         lines += section_sweep(w, h)
+        lines += section_search(w, h)
         lines += section_sensitivity(w, h, sens)
         lines += [f"{h} Curves at the best lr", "", "val/loss of every seed at each optimizer's best lr and the "
                   "largest budget: the trunk, then the cooldown branch.", "", f"![vs tokens]({tok})", "",
@@ -1219,6 +1271,11 @@ def workload_summary(w: Workload, tests: dict[tuple[str, str], Test]) -> dict:
             if best is not None else {}
         x["sensitivity"] = [{"lr": lr, **_mean_json(w.losses[(o, lr, w.largest)], w.planned.get((o, lr, w.largest), 0))}
                             for lr in w.grid[o]]
+        space, path = getattr(w, "search", {}).get(o, (None, None))
+        if path is not None:
+            x["search"] = {"trials": path.trials, "stop": path.stop or "running", "incumbent": list(path.incumbent),
+                           "steps": [{"round": st.round, "knob": st.axis, "tried": [[v, loss] for v, loss in st.tried],
+                                      "before": list(st.before), "after": list(st.after)} for st in path.steps]}
         if w.knobs:
             x["sweep"] = [{"setting": dict(st), "best_lr": w.setting_best(o, st)[1], "loss": w.setting_best(o, st)[0]}
                           for st in w.settings[o]]
