@@ -249,16 +249,18 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
     run, ck = trainer.run, run.checkpoint
     start = int(trainer.state.step)
     end = min(run.train.max_steps, start + (ck.num_steps or run.train.max_steps))
-    announce(run, trainer.state, trainer.mesh, trainer.data, run_dir, models.count_params(trainer.state.model), source)
+    num_params = models.count_params(trainer.state.model)
+    announce(run, trainer.state, trainer.mesh, trainer.data, run_dir, num_params, source)
     if start >= run.train.max_steps:
         say(f"nothing to train: the run is at step {start} = train.max_steps")
         return dict(source.manifest.get("metrics", {})) if source else {}
     precompile.compile_ahead(trainer, start, end)  # in a background thread, while the start hooks run
     ctx = H.LoopContext(start, end, trainer.state, trainer.data.train, eval_view=trainer.eval_view)
     # Logged once, with the first record: the data stream's fingerprint and what the source counted, the
-    # device the step times were measured on, and the start-up time (below).
+    # device the step times were measured on, the parameter count (a comparison's size ladder reads it), and the
+    # start-up time (below).
     ctx.add({**diagnostics.state_bytes_metric(trainer.state.opt_state), "data/fingerprint": trainer.data.fingerprint,
-             **trainer.data.info, "time/device": jax.devices()[0].device_kind})
+             **trainer.data.info, "time/device": jax.devices()[0].device_kind, "model/params": num_params})
     with StopSignals(catch_interrupt=ck.save_on_interrupt) if ck.save else contextlib.nullcontext() as stop_signals:
         hooks = make_hooks(run, trainer, run_dir, stop_signals, source)
         ctx.add({"time/startup_sec": H.clock() - began})

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from compare import ladder, significance, stats, tune
+from compare import ladder, significance, sizes, stats, tune
 from utils.errors import DataError
 from utils.files import atomic_write
 from utils.logging.metrics_file import read_metrics as _read_metrics
@@ -546,7 +546,7 @@ def section_summary(w: Workload, h: str, extend: dict | None = None) -> list[str
     out += ["Trials (the settings each optimizer was tuned over: lrs × sweep values, lr.extend's included): "
             + ", ".join(f"{o} {n}" for o, n in trials.items())
             + ("." if len(set(trials.values())) <= 1 else " (**not the same for every optimizer**: "
-               "sweep.<optimizer>.<knob> or lr.extend gave some more).") , ""]
+               "sweep.<optimizer>.<knob>, lr.extend or tune=coordinate's search gave some more).") , ""]
     if notes:
         out += ["Edge of the grid:", "", *notes, ""]
     return out
@@ -1033,6 +1033,108 @@ def section_profiles(workloads: list[Workload], compare_dir: str, into: dict | N
     return out
 
 
+def _f_trend(t: dict | None) -> str:
+    if t is None:
+        return "–"
+    iv = t["slope_interval"]
+    return f"{t['slope']:+.3f}" + (f" {f_iv(iv)}" if iv else "") + ladder._unknown(iv)
+
+
+def f_params(n: float) -> str:
+    """A parameter count as 8.94k, 124M, 1.2B (3 significant digits)."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def f_iv(iv) -> str:
+    """An interval as the ladder tables print it ([lo, hi], a bound's flag kept)."""
+    return ladder.f_interval(iv, ".3f") if iv else "–"
+
+
+def section_sizes(lad: dict | None, compare_dir: str) -> list[str]:
+    """The workloads as a model-size ladder (compare/sizes.py): speedup against parameters, its trend, the best lrs."""
+    if lad is None:
+        return []
+    ref, sized = lad["reference"], lad["workloads"]
+    out = ["## Across model sizes", "",
+           f"The workloads as model sizes (their runs' `model/params`). Per optimizer and size, the speedup over {ref} "
+           "the workload's sections print: time to target on the budget ladder, and D_eff/D at the largest budget, "
+           f"each with its {ladder.LEVEL:.0%} bootstrap interval; then the trend: the least-squares line of the "
+           "speedup against log10(parameters), its slope the change per 10× parameters, with an interval from the "
+           "sizes' resamples joined draw by draw (a draw where a size's value is a bound has no slope, and is "
+           "counted).", "",
+           "![speedup against model size](speedup_vs_size.png)", ""]
+    rows = []
+    for o, row in lad["optimizers"].items():
+        for key, label in (("ttt", "time-to-target speedup"), ("deff", "D_eff/D at S_max")):
+            if key in row:
+                cells = [f"{ladder.f_bounded(*v, '.3f')} {f_iv(iv)}" for v, iv, _ in row[key]["per_size"]]
+                rows.append([o, label, *cells, _f_trend(row[key]["trend"])])
+    out += table(["optimizer", "speedup", *(f"{name} ({f_params(n)})" for name, n in sized), "slope per 10× params"],
+                 rows)
+    out += ["Best lr per size (the lowest mean final val/loss at the size's largest budget) and the exponent e of "
+            "the least-squares fit lr ∝ N^e (0: the lr transfers across sizes).", ""]
+    out += table(["optimizer", *(name for name, _ in sized), "e"],
+                 [[o, *(f_lr(row["lr"][name]) for name, _ in sized), f_num(row["lr_exponent"], "+.3f")]
+                  for o, row in lad["optimizers"].items()])
+    plot_sizes(lad, os.path.join(compare_dir, "speedup_vs_size.png"))
+    return out
+
+
+def plot_sizes(lad: dict, path: str) -> None:
+    """Speedup against parameters per optimizer (time to target: filled; D_eff/D: hollow), error bars
+    the intervals, and each trend line."""
+    fig, ax = _figure()
+    params = np.array([n for _, n in lad["workloads"]], float)
+    names = list(lad["optimizers"])
+    colours = _colours(names)
+    xs = np.geomspace(params.min(), params.max(), 50)
+    for o, row in lad["optimizers"].items():
+        for key, marker, label in (("ttt", "o", "time to target"), ("deff", "s", "D_eff/D")):
+            if key not in row:
+                continue
+            per = row[key]["per_size"]
+            ok = [i for i, ((v, f), _, _) in enumerate(per) if f != "?" and math.isfinite(v)]
+            if not ok:
+                continue
+            y = np.array([per[i][0][0] for i in ok])
+            lo = np.array([per[i][1][0] if per[i][1] else np.nan for i in ok])
+            hi = np.array([per[i][1][2] if per[i][1] else np.nan for i in ok])
+            err = np.vstack([np.where(np.isfinite(lo), np.maximum(y - lo, 0), 0),
+                             np.where(np.isfinite(hi), np.maximum(hi - y, 0), 0)])
+            ax.errorbar(params[ok], y, yerr=err, fmt=marker, color=colours[o], capsize=3,
+                        mfc=colours[o] if key == "ttt" else "none", label=f"{o}: {label}")
+            t = row[key]["trend"]
+            if t is not None:
+                ax.plot(xs, t["intercept"] + t["slope"] * np.log10(xs), color=colours[o],
+                        linestyle="-" if key == "ttt" else "--", linewidth=1)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel(f"speedup over {lad['reference']}")
+    ax.set_title("Speedup against model size")
+    _legend_or_note(ax, "no speedup with a value")
+    _save(fig, path)
+
+
+def sizes_json(lad: dict) -> dict:
+    """summary.json's "sizes": the numbers section_sizes prints."""
+    out = {"params": dict(lad["workloads"]), "reference": lad["reference"], "optimizers": {}}
+    for o, row in lad["optimizers"].items():
+        x: dict = {"best_lr": row["lr"], "lr_exponent": row["lr_exponent"]}
+        for key, name in (("ttt", "time_to_target_speedup"), ("deff", "d_eff_over_d")):
+            if key in row:
+                t = row[key]["trend"]
+                x[name] = {"per_size": {wn: {"value": v, "flag": f, "interval": _interval_json(iv)}
+                                        for (wn, _), ((v, f), iv, _) in zip(lad["workloads"], row[key]["per_size"])},
+                           "slope": t["slope"] if t else None, "intercept": t["intercept"] if t else None,
+                           "slope_interval": _interval_json(t["slope_interval"]) if t else None}
+        out["optimizers"][o] = x
+    return out
+
+
 def load_workloads(compare_dir: str, target: float | None = None) -> list[Workload]:
     """The comparison under `compare_dir` read back: a Workload per workload name (sorted), each
     with its results and target. DataError: no runs, or a workload whose runs' data fingerprints differ."""
@@ -1201,7 +1303,10 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
         lines += section_cost(w, h)
     profiles: dict = {}
     lines += section_profiles(workloads, compare_dir, profiles)
-    write_summary(compare_dir, summary_of(runs, workloads, tests, planned, profiles))
+    size_ladder = sizes.ladder_of(workloads)
+    lines += section_sizes(size_ladder, compare_dir)
+    write_summary(compare_dir, {**summary_of(runs, workloads, tests, planned, profiles),
+                                **({"sizes": sizes_json(size_ladder)} if size_ladder else {})})
     path = os.path.join(compare_dir, "report.md")
     with atomic_write(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
