@@ -165,6 +165,35 @@ def test_requests_encode_as_lm_eval_and_truncate_from_the_left(tmp_path):
         tasklib.requests(task, tok, 7)
 
 
+def test_requests_of_a_trained_bpe_split_where_the_context_ends(tmp_path):
+    """The continuation's ids are those of context + continuation after the context's (lm-eval's split)."""
+    from loaders import tokenizers
+
+    bpe = tokenizers.bpe_tokenizer(300, lambda: ["the quick brown fox jumps " * 40], str(tmp_path))
+    context_ids, continuation_ids = tasklib.encode_pair(bpe, "the quick brown ", "fox")
+    assert context_ids.tolist() == bpe.encode("the quick brown").tolist()
+    assert [*context_ids, *continuation_ids] == bpe.encode("the quick brown fox").tolist()
+    assert bpe.decode(continuation_ids) == " fox"
+
+
+@pytest.mark.slow  # ~4 s: importing transformers
+def test_a_llama_style_hf_tokenizer_marks_the_context_with_its_bos(tmp_path):
+    """As the training stream marks a document: BOS first; an empty context is then the BOS alone."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from loaders import tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", tokenizers.EOT_TOKEN, "hello", "world", "fine"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, add_bos_token=True, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(tmp_path)
+    hf = tokenizers.hf_tokenizer(str(tmp_path))
+    assert [x.tolist() for x in tasklib.encode_pair(hf, "hello world ", "fine")] == [[1, 4, 5], [6]]
+    assert [x.tolist() for x in tasklib.encode_pair(hf, "", "fine")] == [[1], [6]]
+
+
 def test_batches_have_a_few_fixed_shapes_and_one_program_serves_every_evaluation(tmp_path, monkeypatch):
     """Two tasks of 13 requests, batch 3: traced (compiled) once per bucket used, never again."""
     assert tasklib.buckets(1024) == (32, 64, 128, 256, 512, 1024) and tasklib.buckets(100) == (32, 64, 100)
