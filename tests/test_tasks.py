@@ -302,3 +302,48 @@ def test_a_run_logs_task_metrics_on_their_schedule(tmp_path):
         assert r["eval/mc/acc"] in (0.0, 0.5, 1.0) and r["eval/mc/acc_norm"] in (0.0, 0.5, 1.0)
         assert r["eval/cl/acc"] in (0.0, 0.5, 1.0) and r["eval/cl/loglik"] < 0
         assert r["time/task_eval_sec"] > 0
+
+
+SHARDED = """
+import json, sys, tempfile, pathlib
+sys.path.insert(0, "tests")
+import jax, numpy as np
+import test_tasks as T
+from utils.parallel import layout, mesh as meshlib
+run, model = T.setup("gpt")
+d = pathlib.Path(tempfile.mkdtemp())
+paths = [T.write(d / "c.jsonl", T.CHOICE_LINES), T.write(d / "z.jsonl", T.CLOZE_LINES)]
+one = T.tasks.TaskScorer(paths, T.ByteTokenizer(), T.C, 3, T.one_device_mesh(3), "float32")
+mesh = meshlib.make_mesh(2, 2, 4)  # rows over data x fsdp; the weights sharded over fsdp, as a run's are
+import equinox as eqx, models
+params, static = eqx.partition(model, eqx.is_array)
+sharded = eqx.combine(jax.device_put(params, layout.state_shardings(mesh, params, params, models.param_axes(model))),
+                      static)
+four = T.tasks.TaskScorer(paths, T.ByteTokenizer(), T.C, 3, mesh, "float32")
+worst = 0.0
+for reqs in one.requests:
+    a, b = one.scores(model, reqs)[0], four.scores(sharded, reqs)[0]
+    for (tokens, n), x, y in zip(reqs, a, b):
+        logits = np.asarray(T.forward(model, tokens[None, :-1]))[0, -n:]
+        worst = max(worst, abs(x - y) / T.atol(run.model, logits, x, n))
+print(json.dumps({"devices": len(jax.devices()), "rows": four.batch_size, "worst": worst}))
+"""
+
+
+@pytest.mark.slow  # ~15 s: a subprocess with 4 CPU devices
+def test_rows_split_over_devices_score_as_on_one(tmp_path):
+    """A 2x2 (data x fsdp) mesh: batch 3 rounds up to 4 rows, one per device; every request's score
+    within its atol of the one-device scorer's."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, offline_env
+
+    env = {**offline_env(tmp_path), "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} --xla_force_host_platform_device_count=4"
+    out = subprocess.run([sys.executable, "-c", SHARDED], cwd=REPO, env={**env, "PYTHONPATH": REPO},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 4 and result["rows"] == 4
+    assert result["worst"] <= 1.0  # every difference within its derived atol (test_tasks.atol)
