@@ -425,6 +425,33 @@ def fake_train(cfg, run_dir):
                                 "time/elapsed_sec": step * 0.01}) + "\n")
 
 
+def test_a_comparison_grows_by_seeds_and_optimizers_and_trains_only_the_new_runs(tmp_path, monkeypatch, capsys):
+    """The same dir= with a second seed and a second optimizer: 6 new runs beside the 2 done, which are
+    kept untouched; a change of budgets would change the runs made, so it is refused in one line."""
+    script = load_script("compare")
+    trained = []
+    monkeypatch.setattr(T, "train", lambda cfg, d: (trained.append(os.path.basename(d)), fake_train(cfg, d)))
+    monkeypatch.setattr(script, "build_report", lambda d: None)
+    common = ["lr.points=1", "warmup=2", *RUN, f"dir={tmp_path}"]
+    assert script.main(["optimizers=[adamw]", "budgets=[10]", "seeds=1", *common]) == 0
+    first = {d: (tmp_path / "runs" / d / "metrics.jsonl").read_text() for d in trained}
+    assert len(first) == 2
+    trained.clear()
+    capsys.readouterr()
+    assert script.main(["optimizers=[adamw,sgdm]", "budgets=[10]", "seeds=2", *common]) == 0
+    out = capsys.readouterr().out
+    assert f"compare: {tmp_path} grows by 6 runs" in out and "2 skipped" in out
+    assert len(trained) == 6 and not set(trained) & set(first)
+    assert {d: (tmp_path / "runs" / d / "metrics.jsonl").read_text() for d in first} == first
+    plan = json.loads((tmp_path / "compare.json").read_text())
+    assert len(plan["runs"]) == 8 and plan["knobs"]["optimizers"] == ["adamw", "sgdm"] and plan["knobs"]["seeds"] == 2
+    assert script.main(["optimizers=[adamw,sgdm]", "budgets=[10,20]", "seeds=2", *common]) == 2
+    err = capsys.readouterr().err
+    assert "its budgets differ from this command's" in err and len(err.strip().splitlines()) == 1
+    assert script.main(["optimizers=[sgdm]", "budgets=[10]", "seeds=2", *common]) == 2  # dropping runs is not growing
+    assert "is not planned alike" in capsys.readouterr().err
+
+
 def test_lr_extend_runs_lrs_past_the_edge_until_the_best_is_inside(tmp_path, monkeypatch, capsys):
     """lr.grid [1e-4, 3e-4]: the best (3e-4) is the top edge, so 9e-4 is added, then 2.7e-3; the
     best is then inside (2.7e-3 beats 9e-4, but 8.1e-3 would be a third: lr.extend_max=2 stops
