@@ -49,7 +49,8 @@ WORKLOAD = "default"  # the workload's name when `workloads` is empty
 CONTROLLED = {
     "optimizer": "optimizers=[...]",
     "optimizer/lr_config": "cooldown.shape (the schedules are the comparison's)",
-    "optimizer.lr_config": "lr.points, lr.factor, lr.grid.<optimizer>, warmup and cooldown.*",
+    "optimizer.lr_config": "lr.points, lr.factor, lr.grid.<optimizer>, warmup and cooldown.* (in a workload, "
+                           "lr.<optimizer>=X centres that optimizer's grid there)",
     "optimizer.name": "optimizers=[...]",
     "random_seed": "seeds.tune=K seeds.eval=M (random_seed 0..K+M-1)",
     "data_seed": "the comparison's data_seed (and seeds.vary_data=true)",
@@ -95,6 +96,7 @@ class CompareConfig:
     lr_extend_max: int = 2  # at most this many added lrs per optimizer and workload
     sweep: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # (optimizer knob, its values), crossed with the lrs
     workloads: tuple[tuple[str, tuple[str, ...]], ...] = ((WORKLOAD, ()),)  # (name, its run overrides)
+    workload_lr: tuple[tuple[str, str, float], ...] = ()  # (workload, optimizer, lr): its grid's centre there
     val_every: int | None = None  # train.val_freq of every run; None: the runs' own (conf/train.yaml's)
     baseline: str | None = None  # the optimizer the report is relative to; None: adamw if compared, else the first
     tune: str = "grid"  # grid: every lr x sweep combination; coordinate: compare/tune.py's coordinate descent
@@ -242,6 +244,12 @@ def compare_config(node: dict) -> CompareConfig:
     shape = cooldown.get("shape", "1-sqrt")
     if shape not in DECAY_SHAPES:
         raise ConfigError(f"cooldown.shape={shape!r} must be one of {', '.join(DECAY_SHAPES)}")
+    workloads, centres = _workloads(node.get("workloads") or {}, optimizers)
+    explicit = {opt for opt, _ in grid}
+    both = next(((w, o) for w, o, _ in centres if o in explicit), None)
+    if both:
+        raise ConfigError(f"workloads.{both[0]} sets lr.{both[1]} and lr.grid.{both[1]} gives its lrs: give one (an "
+                          "explicit grid is every workload's)")
     strategy = node.get("tune", "grid")
     if strategy not in TUNE:
         raise ConfigError(f"tune={strategy!r} must be one of {', '.join(TUNE)}: grid tries every lr x sweep setting, "
@@ -267,7 +275,7 @@ def compare_config(node: dict) -> CompareConfig:
         warmup=_int(node.get("warmup", 0), "warmup", 0, "linear warmup steps of every run"),
         cooldown_fraction=fraction, cooldown_shape=shape, lr_extend=extend,
         lr_extend_max=_int(lr.get("extend_max", 2), "lr.extend_max", 1, "lrs lr.extend may add per optimizer"),
-        sweep=_sweep(node.get("sweep") or {}, optimizers), workloads=_workloads(node.get("workloads") or {}),
+        sweep=_sweep(node.get("sweep") or {}, optimizers), workloads=workloads, workload_lr=centres,
         baseline=_baseline(node.get("baseline"), optimizers),
         val_every=None if node.get("val_every") is None else _int(
             node["val_every"], "val_every", 1, "evaluate every N steps besides the branch points and budgets"))
@@ -377,9 +385,11 @@ def _sweep(node: dict, optimizers: list[str]) -> tuple[tuple[str, tuple[Any, ...
 WORKLOAD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*(_[A-Za-z0-9.-]+)*")
 
 
-def _workloads(node: dict) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """workloads.<name>=[overrides] (or one string of space-separated overrides) -> ((name, overrides), ...)."""
-    out = []
+def _workloads(node: dict, optimizers: list[str]) -> tuple[tuple[tuple[str, tuple[str, ...]], ...],
+                                                            tuple[tuple[str, str, float], ...]]:
+    """workloads.<name>=[overrides] (or one string of space-separated overrides) -> ((name, overrides), ...),
+    and the lr centres its `lr.<optimizer>=X` items give ((name, optimizer, X), ...)."""
+    out, centres = [], []
     for name, overrides in sorted(dict(node).items()):
         knob = f"workloads.{name}"
         if not WORKLOAD_NAME.fullmatch(str(name)):
@@ -392,9 +402,27 @@ def _workloads(node: dict) -> tuple[tuple[str, tuple[str, ...]], ...]:
         if not isinstance(overrides, (list, tuple)) or any(not isinstance(o, str) or "=" not in o for o in overrides):
             raise ConfigError(f"{knob}={overrides!r} must be a list of run overrides, e.g. "
                               f"'{knob}=[model.dim=64,dataset.batch_size=16]'")
+        runs = []
+        for item in overrides:
+            key, value = item.split("=", 1)
+            if not key.startswith("lr."):
+                runs.append(item)
+                continue
+            opt = key[3:]
+            if opt not in optimizers:
+                raise ConfigError(f"{knob}: {item}: lr.<optimizer>=X centres an optimizer's lr grid in this workload; "
+                                  f"{opt!r} is not one of optimizers={optimizers}")
+            try:
+                lr = float(value)
+            except ValueError:
+                lr = math.nan
+            if not lr > 0 or math.isinf(lr):
+                raise ConfigError(f"{knob}: {item}: the lr must be a positive number, e.g. lr.{opt}=1e-3")
+            centres.append((str(name), opt, lr))
+        overrides = runs
         check_run_overrides(overrides, knob)
         out.append((str(name), tuple(overrides)))
-    return tuple(out) or ((WORKLOAD, ()),)
+    return tuple(out) or ((WORKLOAD, ()),), tuple(centres)
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -430,8 +458,12 @@ def base_lrs(optimizers: tuple[str, ...], run_overrides: tuple[str, ...] = ()) -
 
 
 def workload_lrs(knobs: CompareConfig, run_overrides: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
-    """base_lrs per workload (a workload's overrides may change an optimizer's yaml lr)."""
-    return {name: base_lrs(knobs.optimizers, (*run_overrides, *extra)) for name, extra in knobs.workloads}
+    """base_lrs per workload (a workload's overrides may change an optimizer's yaml lr), or the
+    workload's own `lr.<optimizer>=X` centre."""
+    out = {name: base_lrs(knobs.optimizers, (*run_overrides, *extra)) for name, extra in knobs.workloads}
+    for name, opt, lr in knobs.workload_lr:
+        out[name][opt] = lr
+    return out
 
 
 def start_values(knobs: CompareConfig, run_overrides: tuple[str, ...] = ()) -> dict[tuple[str, str], dict[str, Any]]:
@@ -445,7 +477,8 @@ def start_values(knobs: CompareConfig, run_overrides: tuple[str, ...] = ()) -> d
     for name, extra in knobs.workloads:
         for opt in knobs.optimizers:
             cfg = compose_overrides([*run_overrides, *extra, f"optimizer={opt}"], job_name="compare")
-            values = {"lr": float(cfg.optimizer.lr_config.lr)}
+            values = {"lr": dict(((w, o), lr) for w, o, lr in knobs.workload_lr).get(
+                (name, opt), float(cfg.optimizer.lr_config.lr))}
             for knob, _ in knobs.sweep_of(opt):
                 values[knob] = OmegaConf.select(cfg.optimizer, knob)
             out[(name, opt)] = values
