@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from compare.plan import CompareConfig, Plan, PlannedRun, override_key, run_json
+from compare.plan import CompareConfig, Plan, PlannedRun, override_key, phase_seeds, run_json
 from utils import compile_cache
 from utils.checkpoint.storage import complete_steps
 from utils.config import to_dict
@@ -162,6 +162,7 @@ def same_order(plan_json: dict) -> dict:
 
 
 EVALUATION = "evaluation"  # compare.json's record of the evaluation phase (seeds.eval), added once it starts
+PHASE_RECORD = {"eval": EVALUATION, "target": "target"}  # compare.json's record of each phase after tuning
 # Knobs whose change alters runs already made (their schedules, data or length): a comparison cannot grow by them.
 FIXED_KNOBS = ("budgets", "warmup", "cooldown_fraction", "cooldown_shape", "data_seed", "seeds_vary_data", "val_every")
 
@@ -182,8 +183,8 @@ def growth_refused(planned: dict, wanted: dict, evaluated: bool) -> str | None:
     if changed:
         return f"its runs differ from this command's: {changed} is not planned alike"
     if evaluated:
-        return ("its evaluation phase (seeds.eval) has chosen its settings already, so it cannot grow; its runs "
-                "differ from this command's")
+        return ("its evaluation phase (seeds.eval) or target track has chosen its settings already, so it cannot "
+                "grow; its runs differ from this command's")
     return None
 
 
@@ -208,7 +209,7 @@ def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) ->
         wanted["knobs"] = {k: v for k, v in wanted.get("knobs", {}).items()
                            if k in recorded or k not in defaults or v != defaults[k]}
         if planned != wanted:
-            refused = growth_refused(planned, wanted, EVALUATION in have)
+            refused = growth_refused(planned, wanted, any(k in have for k in PHASE_RECORD.values()))
             if refused:
                 raise ConfigError(f"{path} holds another comparison ({refused}): rerun the command that made it to "
                                   "continue it, or choose a new dir=")
@@ -227,20 +228,21 @@ def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) ->
             write_json(json_path, _record(run, run_overrides(run, compare_dir), "planned"))
 
 
-def record_evaluation(plan: Plan, compare_dir: str, chosen: dict,
-                      runs: tuple[PlannedRun, ...]) -> tuple[PlannedRun, ...]:
+def record_evaluation(plan: Plan, compare_dir: str, chosen: dict, runs: tuple[PlannedRun, ...],
+                      phase: str = "eval") -> tuple[PlannedRun, ...]:
     """seeds.eval: the evaluation phase's chosen settings and runs, written into compare.json's
     "evaluation" the first time; later, the recorded runs (the choice made when the evaluation
-    started stands, so a rerun finishes the same evaluation). Returns the runs to train."""
+    started stands, so a rerun finishes the same evaluation). Returns the runs to train.
+    phase="target": the target track's, in compare.json's "target"."""
     path = os.path.join(compare_dir, COMPARE_JSON)
     have = read_json(path) or {}
-    if EVALUATION in have:
+    key = PHASE_RECORD[phase]
+    if key in have:
         return tuple(PlannedRun(**{**r, "overrides": tuple(r["overrides"]), "sweep": tuple(r["sweep"].items())})
-                     for r in have[EVALUATION]["runs"])
+                     for r in have[key]["runs"])
     choice = [{"workload": w, "optimizer": o, "budget": b, "lr": lr, "sweep": dict(sweep)}
               for (w, o), per_budget in sorted(chosen.items()) for b, (sweep, lr) in sorted(per_budget.items())]
-    have[EVALUATION] = {"seeds": list(range(plan.knobs.seeds, plan.knobs.seeds + plan.knobs.seeds_eval)),
-                        "chosen": choice, "runs": [run_json(r) for r in runs]}
+    have[key] = {"seeds": list(phase_seeds(plan.knobs, phase)), "chosen": choice, "runs": [run_json(r) for r in runs]}
     write_json(path, have)
     return runs
 

@@ -102,6 +102,8 @@ class CompareConfig:
     tune: str = "grid"  # grid: every lr x sweep combination; coordinate: compare/tune.py's coordinate descent
     coordinate_threshold: float = 1e-3  # tune=coordinate: a move must lower the mean final loss by more than this
     coordinate_max_trials: int | None = None  # tune=coordinate: at most this many settings per optimizer (None: no cap)
+    target_loss: float | None = None  # target.loss: the target track's val/loss (modded-nanogpt's protocol)
+    target_runs: int = 0  # target.runs: fresh seeds the chosen setting at the largest budget runs on for it
 
     def sweep_of(self, optimizer: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
         """The sweep an optimizer's lrs are crossed with: the shared `sweep.<knob>` values and its own
@@ -136,7 +138,8 @@ class PlannedRun:
     branch_step: int | None  # the trunk checkpoint a branch starts from
     overrides: tuple[str, ...]  # Hydra overrides, without the checkpoint paths (launch.py adds them)
     sweep: tuple[tuple[str, Any], ...] = ()  # (optimizer knob, value) of this run, one per sweep knob
-    phase: str = "tune"  # "tune": a run of the grid; "eval": a chosen setting on an evaluation seed
+    phase: str = "tune"  # "tune": a run of the grid; "eval": a chosen setting on an evaluation seed; "target": on
+    # a target-track seed (target.runs)
 
 
 @dataclass(frozen=True)
@@ -201,7 +204,7 @@ def compare_config(node: dict) -> CompareConfig:
     """conf/compare.yaml's composed knobs -> CompareConfig, or one ConfigError line naming the knob."""
     node = dict(node)
     known = {"optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
-             "val_every", "baseline", "tune", "coordinate", *EXECUTION}
+             "val_every", "baseline", "tune", "coordinate", "target", *EXECUTION}
     unknown = sorted(set(node) - known)
     if unknown:
         raise ConfigError(f"unknown comparison knob {unknown[0]!r}: the knobs are {', '.join(sorted(known))}")
@@ -266,7 +269,19 @@ def compare_config(node: dict) -> CompareConfig:
     max_trials = coordinate.get("max_trials")
     if max_trials is not None:
         max_trials = _int(max_trials, "coordinate.max_trials", 1, "the most settings tried per optimizer, or null")
+    target = dict(node.get("target") or {})
+    _known(target, {"loss", "runs"}, "target", "target knobs are target.loss, target.runs")
+    target_loss = None if target.get("loss") is None else _float(target["loss"], "target.loss")
+    target_runs = _int(target.get("runs", 0), "target.runs", 0, "fresh seeds the target track runs per optimizer")
+    if (target_loss is None) != (target_runs == 0):
+        raise ConfigError(f"target.loss={target_loss} and target.runs={target_runs}: the target track needs both, a "
+                          "val/loss to reach and the runs per optimizer (e.g. target.loss=3.28 target.runs=8)")
+    if target_runs == 1:
+        raise ConfigError("target.runs=1: the target track's tests need at least 2 runs per optimizer")
+    if target_loss is not None and not (target_loss > 0 and math.isfinite(target_loss)):
+        raise ConfigError(f"target.loss={target_loss} must be a positive val/loss")
     knobs = CompareConfig(
+        target_loss=target_loss, target_runs=target_runs,
         tune=strategy, coordinate_threshold=threshold, coordinate_max_trials=max_trials,
         optimizers=tuple(optimizers), budgets=tuple(budgets), lr_points=points, lr_factor=factor,
         lr_grid=tuple(sorted(grid)),
@@ -513,7 +528,7 @@ def run_id(optimizer: str, lr: float, seed: int, budget: int | None = None, work
            sweep: tuple[tuple[str, Any], ...] = (), phase: str = "tune") -> str:
     tail = "trunk" if budget is None else f"S{budget}"
     swept = "".join(f"__{knob}{_value(v)}" for knob, v in sweep)
-    tag = "eval" if phase == "eval" else "seed"
+    tag = phase if phase in ("eval", "target") else "seed"
     return f"{workload}__{optimizer}__lr{lr:g}{swept}__{tag}{seed}__{tail}"
 
 
@@ -658,14 +673,15 @@ def extension_runs(plan: Plan, new_lrs: dict[tuple[str, str], float]) -> tuple[P
     return tuple(runs)
 
 
-def evaluation_runs(plan: Plan,
-                    chosen: dict[tuple[str, str], dict[int, tuple[tuple, float]]]) -> tuple[PlannedRun, ...]:
+def evaluation_runs(plan: Plan, chosen: dict[tuple[str, str], dict[int, tuple[tuple, float]]],
+                    phase: str = "eval") -> tuple[PlannedRun, ...]:
     """seeds.eval: per (workload, optimizer), `chosen[(workload, optimizer)][budget] = (sweep values,
     lr)`, the setting the tuning seeds chose at that budget; the runs of each distinct chosen setting
     on the evaluation seeds (random_seed seeds.tune .. seeds.tune + seeds.eval - 1): a trunk per seed
-    to the branch point of its largest chosen budget, and a branch per budget it was chosen at."""
+    to the branch point of its largest chosen budget, and a branch per budget it was chosen at.
+    phase="target" (target.runs): the same on the target track's seeds, after the evaluation ones."""
     knobs = plan.knobs
-    seeds = range(knobs.seeds, knobs.seeds + knobs.seeds_eval)
+    seeds = phase_seeds(knobs, phase)
     runs: list[PlannedRun] = []
     for (workload, opt), per_budget in sorted(chosen.items()):
         defaults, overrides = _workload_overrides(knobs, plan.run_overrides, workload)
@@ -674,9 +690,15 @@ def evaluation_runs(plan: Plan,
             settings.setdefault((tuple(sweep), float(lr)), []).append(int(budget))
         for (sweep, lr), budgets in settings.items():
             runs += _setting_runs(knobs, workload, opt, lr, overrides, defaults, [sweep], seeds, tuple(budgets),
-                                  "eval")
+                                  phase)
     _check_ids([*plan.runs, *runs])
     return tuple(runs)
+
+
+def phase_seeds(knobs: CompareConfig, phase: str) -> range:
+    """The random_seeds of a phase's runs: tune 0..K-1, eval K..K+M-1, target K+M..K+M+N-1 (disjoint)."""
+    start = {"tune": 0, "eval": knobs.seeds, "target": knobs.seeds + knobs.seeds_eval}[phase]
+    return range(start, start + {"tune": knobs.seeds, "eval": knobs.seeds_eval, "target": knobs.target_runs}[phase])
 
 
 def base_grid(plan: Plan, workload: str, optimizer: str) -> tuple[float, ...]:

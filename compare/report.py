@@ -156,8 +156,8 @@ def read_plan(compare_dir: str) -> list[dict] | None:
         return None
     if not isinstance(recorded, dict) or not isinstance(recorded.get("runs"), list) or not recorded["runs"]:
         return None
-    evaluation = recorded.get("evaluation") if isinstance(recorded.get("evaluation"), dict) else {}
-    planned = [*recorded["runs"], *(evaluation.get("runs") or [])]
+    phases = [recorded.get(k) if isinstance(recorded.get(k), dict) else {} for k in ("evaluation", "target")]
+    planned = [*recorded["runs"], *(r for phase in phases for r in phase.get("runs") or [])]
     ok = lambda r: (isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("optimizer"), str)
                     and isinstance(r.get("lr"), (int, float))
                     and (r.get("kind") != "branch" or isinstance(r.get("budget"), int)))
@@ -411,7 +411,9 @@ class Workload:
     def __post_init__(self):
         # The evaluation seeds' results (seeds.eval) stay out of every choice and tuning table below.
         evaluation = [res for res in self.results if res.run.phase == "eval"]
-        self.results = [res for res in self.results if res.run.phase != "eval"]
+        # the target track's runs (target.runs) are read by section_target alone
+        self.target_results = [res for res in self.results if res.run.phase == "target"]
+        self.results = [res for res in self.results if res.run.phase == "tune"]
         self.evaluation: dict[tuple, list[Result]] = defaultdict(list)  # (optimizer, budget) -> per seed
         self.evaluation_planned: dict[tuple, int] = defaultdict(int)
         for res in sorted(evaluation, key=lambda r: (r.run.seed, r.run.id)):
@@ -435,13 +437,13 @@ class Workload:
         chosen = [res for res in self.results if res.run.setting == self.best_setting[res.run.optimizer]]
         self.planned = {}  # the sweep tables' counts above are not the chosen setting's
         self.losses, self.by_key = self._index(chosen)  # (optimizer, lr, budget) -> per seed
-        self.grid = {o: sorted({float(r.lr) for r in self.runs if r.optimizer == o and r.phase != "eval"
+        self.grid = {o: sorted({float(r.lr) for r in self.runs if r.optimizer == o and r.phase == "tune"
                                 and r.setting == self.best_setting[o]}) for o in self.optimizers}
         self.best = {o: self._best_lr(o) for o in self.optimizers}
 
     def trials(self, optimizer: str) -> int:
         """The settings (sweep values, lr) the optimizer was tuned over: its tuning runs' distinct cells."""
-        return len({(r.setting, float(r.lr)) for r in self.runs if r.optimizer == optimizer and r.phase != "eval"})
+        return len({(r.setting, float(r.lr)) for r in self.runs if r.optimizer == optimizer and r.phase == "tune"})
 
     def losses_at(self, optimizer: str, budget: int) -> list[float]:
         """Every finished result (finite or not) of `optimizer` at `budget`, over lrs and seeds."""
@@ -611,6 +613,77 @@ def section_search(w: Workload, h: str) -> list[str]:
         out += [f"{o}: {path.trials} settings tried; {path.stop or 'still running (rerun the command to continue)'}; "
                 f"setting: {final}.", ""]
     return out
+
+
+def target_track(w: Workload, loss: float) -> dict[str, dict]:
+    """target.loss / target.runs: per optimizer, its target-track runs (the setting chosen at the largest
+    budget on fresh seeds): the step each run's val/loss curve (trunk, then cooldown branch) first reaches
+    `loss` (stats.crossing, interpolated between evaluations; inf: not reached, a failed or diverged run
+    included), its final val/loss (inf: failed or diverged), and the tests against the baseline's."""
+    out: dict[str, dict] = {}
+    for o in w.optimizers:
+        mine = sorted((r for r in w.target_results if r.run.optimizer == o), key=lambda r: (r.run.seed, r.run.id))
+        done = [r for r in mine if r.counted]
+        hit = [stats.crossing(r.curve["loss"], loss, r.curve["step"]) if math.isfinite(r.loss) else None for r in done]
+        out[o] = {"planned": len(mine), "n": len(done), "steps": [h[0] if h else math.inf for h in hit],
+                  "final": [r.loss for r in done], "lr": float(done[0].run.lr) if done else None,
+                  "setting": dict(done[0].run.setting) if done else {}}
+    ref = out.get(w.reference)
+    for o, t in out.items():
+        t["reached"] = sum(math.isfinite(x) for x in t["steps"])
+        finite = t["n"] >= 2 and all(math.isfinite(x) for x in t["final"])
+        # modded-nanogpt's claim: the mean final val/loss is below the target (one-sided one-sample t-test)
+        t["below"] = one_sided(float(np.mean(t["final"])) - loss, _se(t["final"]), t["n"] - 1) if finite else math.nan
+        t["steps_diff"] = None
+        if ref is not None and o != w.reference and t["n"] >= 2 and ref["n"] >= 2:
+            every = all(math.isfinite(x) for x in (*t["steps"], *ref["steps"]))
+            if every:  # fewer steps than the baseline's: Welch's t-test, one-sided
+                d = significance.welch(t["steps"], ref["steps"], ALPHA)
+                t["steps_diff"] = {"mean": d.mean, "low": d.low, "high": d.high, "df": d.df,
+                                   "p_fewer": one_sided(d.mean, d.se, d.df)}
+    return out
+
+
+def _se(values: list[float]) -> float:
+    return float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) >= 2 else math.nan
+
+
+def one_sided(mean: float, se: float, df: float) -> float:
+    """P(T <= mean/se) for T ~ t(df): the one-sided p-value of "the true mean is below 0"."""
+    from scipy.stats import t as student
+
+    if not (math.isfinite(mean) and math.isfinite(se) and df > 0):
+        return math.nan
+    if se == 0:
+        return 0.0 if mean < 0 else 1.0
+    return float(student.cdf(mean / se, df))
+
+
+def section_target(w: Workload, h: str, loss: float, runs: int) -> list[str]:
+    track = getattr(w, "target_track", {})
+    out = [f"{h} Target track (target.loss={loss:g}, target.runs={runs})", "",
+           "modded-nanogpt's protocol: each optimizer's setting chosen at the largest budget "
+           f"({w.largest}) on {runs} fresh seeds. Steps to target: where each run's val/loss curve (trunk, then "
+           "cooldown branch) first reaches the target, interpolated between evaluations (their spacing is the "
+           "resolution; ∞ if it does not). Δ steps: the mean difference from the baseline's, with its "
+           f"{1 - ALPHA:.0%} Welch interval and the one-sided p of 'fewer steps' (only when every run of both "
+           "reaches the target). p(final < target): the one-sided one-sample t-test that the mean final val/loss "
+           "is below the target, the claim modded-nanogpt's records make (at p < 0.01).", ""]
+    if not any(t["planned"] for t in track.values()):
+        return out + ["No target-track runs yet (they start once every earlier run has finished).", ""]
+    rows = []
+    for o, t in track.items():
+        steps, d = [x for x in t["steps"] if math.isfinite(x)], t["steps_diff"]
+        mean, std = stats.mean_std(steps)
+        rows.append([o, f_lr(t["lr"]) + "".join(f", {k}={v}" for k, v in t["setting"].items()),
+                     f"{t['n']} of {t['planned']}", f"{t['reached']}/{t['n']}",
+                     f"{mean:.1f} ± {std:.1f}" if steps and len(steps) == t["n"] else
+                     f"{t['n'] - len(steps)} not reached",
+                     "–" if d is None else
+                     f"{d['mean']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}], p={d['p_fewer']:.3g}",
+                     f_mean(t["final"]), f_num(t["below"], ".3g")])
+    return out + table(["optimizer", "setting", "runs", "reached", "steps to target", f"Δ steps vs {w.reference}",
+                        "final val/loss", "p(final < target)"], rows)
 
 
 def section_special(runs: dict[str, Run]) -> list[str]:
@@ -1300,6 +1373,9 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
         lines += section_ttt(w, h, target is not None)
         lines += section_speedup(w, h)
         lines += section_significance(w, h, tests, int(knobs.get("seeds_eval") or 0))
+        if knobs.get("target_loss") is not None:
+            w.target_track = target_track(w, float(knobs["target_loss"]))
+            lines += section_target(w, h, float(knobs["target_loss"]), int(knobs.get("target_runs") or 0))
         lines += section_cost(w, h)
     profiles: dict = {}
     lines += section_profiles(workloads, compare_dir, profiles)
@@ -1415,6 +1491,10 @@ def workload_summary(w: Workload, tests: dict[tuple[str, str], Test]) -> dict:
             x["significance"] = {"seeds": test.seeds, "test": test.diff.method, "n": test.diff.n,
                                  "mean_diff": test.diff.mean, "ci": _diff_json(test.diff), "p": test.diff.p,
                                  "holm_p": test.holm_p, "holm": _diff_json(test.holm), "verdict": test.verdict}
+        track = getattr(w, "target_track", {}).get(o)
+        if track is not None:
+            x["target_track"] = {k: track[k] for k in ("planned", "n", "reached", "steps", "final", "lr", "setting",
+                                                       "below", "steps_diff")}
         evaluation = {}
         for b in w.budgets:
             res = w.evaluation.get((o, b), [])

@@ -42,7 +42,8 @@ from utils.script_errors import script_error
 
 # conf/compare.yaml's top-level keys: an argument whose key starts with one is a comparison knob.
 COMPARE_KEYS = ("optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
-                "val_every", "baseline", "tune", "coordinate", "dir", "save_every", "parallel", "keep_checkpoints")
+                "val_every", "baseline", "tune", "coordinate", "target", "dir", "save_every", "parallel",
+                "keep_checkpoints")
 # Keys of mappings that are empty in conf/compare.yaml: a new key there needs Hydra's `++`.
 OPEN_MAPPINGS = ("lr.grid.", "sweep.", "workloads.")
 
@@ -176,6 +177,18 @@ def compare(argv: list[str]) -> int:
         print(f"compare: seeds.eval: {len(runs)} runs of the chosen settings on evaluation seeds "
               f"{knobs.seeds}..{knobs.seeds + knobs.seeds_eval - 1}")
         summaries.append(execute(plan, runs))
+    if knobs.target_runs and any(s.interrupted for s in summaries):
+        print("compare: target: the target track waits until every earlier run has finished; rerun the command "
+              f"with dir={compare_dir} to continue")
+    elif knobs.target_runs:
+        from compare.launch import record_evaluation
+        from compare.plan import phase_seeds
+
+        runs = record_evaluation(plan, compare_dir, *evaluation(plan, compare_dir, "target"), phase="target")
+        seeds = phase_seeds(knobs, "target")
+        print(f"compare: target: {len(runs)} runs (each optimizer's setting chosen at the largest budget, on seeds "
+              f"{seeds[0]}..{seeds[-1]}), each read for the step it reaches val/loss {knobs.target_loss:g}")
+        summaries.append(execute(plan, runs))
     build_report(compare_dir)
     return 2 if any(s.user_errors for s in summaries) else 0
 
@@ -233,20 +246,22 @@ def coordinate(plan, compare_dir: str):
     return coordinate_runs(plan, cell_losses(workloads, plan.knobs.seeds, max(plan.knobs.budgets)))
 
 
-def evaluation(plan, compare_dir: str):
+def evaluation(plan, compare_dir: str, phase: str = "eval"):
     """seeds.eval: (the setting the tuning seeds chose per (workload, optimizer) and budget, the
     runs of those settings on the evaluation seeds). Nothing is chosen for a budget where every
-    setting failed (the report then shows that optimizer without an evaluation there)."""
+    setting failed (the report then shows that optimizer without an evaluation there).
+    phase="target": the same at the largest budget only, on the target track's seeds."""
     from compare.plan import evaluation_runs
     from compare.report import load_workloads
 
     chosen = {}
     for w in load_workloads(compare_dir):
         for opt in w.optimizers:
-            per_budget = {b: c for b in w.budgets if (c := w.chosen(opt, b)) is not None}
+            budgets = w.budgets[-1:] if phase == "target" else w.budgets
+            per_budget = {b: c for b in budgets if (c := w.chosen(opt, b)) is not None}
             if per_budget:
                 chosen[(w.name, opt)] = per_budget
-    return chosen, evaluation_runs(plan, chosen)
+    return chosen, evaluation_runs(plan, chosen, phase)
 
 
 def run_one(compare_dir: str, run_id: str, rest: list[str]) -> int:
