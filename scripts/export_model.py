@@ -25,9 +25,13 @@ splits larger `--format hf` weights as transformers' save_pretrained does: model
 renamed into place: a failed export leaves OUT_DIR as it was.
 
 A LoRA run (model.lora.rank > 0): `--merge-lora` writes the merged weights W + (alpha/rank)·A·B as a
-plain model (rank 0 in config.json), in either format. Without it the safetensors export holds the
-base and the factors (and the `lora` config) and `load_export` rebuilds the LoRA model; `--format hf`
-needs --merge-lora (a transformers model has no place for the factors).
+plain model (rank 0 in config.json), in either format. `--format peft` writes the factors alone as a
+PEFT adapter directory (models/hf_peft.py: adapter_config.json with r, lora_alpha, target_modules;
+adapter_model.safetensors with PEFT's names) for the run's `model.init_from` base:
+`peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), OUT_DIR)`. Without
+--merge-lora or --format peft, the safetensors export holds the base and the factors (and the `lora`
+config) and `load_export` rebuilds the LoRA model; `--format hf` needs --merge-lora (a transformers
+model has no place for the factors).
 """
 
 from __future__ import annotations
@@ -57,10 +61,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "must be empty unless --force")
     p.add_argument("--force", action="store_true",
                    help="write into a non-empty OUT_DIR, replacing model.safetensors and config.json there")
-    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+    p.add_argument("--format", choices=("safetensors", "hf", "peft"), default="safetensors",
                    help="safetensors: eqtrain's export (models/export.py; default); hf: a transformers directory "
                         "(config.json, model.safetensors with Hugging Face names, the tokenizer's files) that "
-                        "AutoModelForCausalLM.from_pretrained(OUT_DIR) loads")
+                        "AutoModelForCausalLM.from_pretrained(OUT_DIR) loads; peft: a LoRA run's factors as a PEFT "
+                        "adapter (adapter_config.json, adapter_model.safetensors) that "
+                        "peft.PeftModel.from_pretrained(base, OUT_DIR) loads onto its model.init_from base")
     p.add_argument("--dtype", metavar="DTYPE",
                    help="float32, bfloat16 or float16: the dtype of every exported float tensor (config.json says it). "
                         "Default: the model.init_from base's dtype for a run started from one, else train.param_dtype")
@@ -101,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dtype: {dtype} ({why})")
         if args.format == "hf":
             print(inference.export_hf(args.out, run, model, generation, dtype, shard_size))
+        elif args.format == "peft":
+            print(inference.export_peft(args.out, run, model, dtype))
         else:
             export.save_export(args.out, model, source.step, source.config.get("tokenizer", {}), run.context_length,
                                objectives.as_dict(run.objective), dtype)

@@ -20,7 +20,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
-from helpers import compose_config, load_script
+from helpers import compose_config, docs_command, load_script
 from safetensors.numpy import load_file
 
 import models
@@ -180,15 +180,6 @@ def test_a_missing_checkpoint_dir_is_one_line_naming_it(script, tmp_path, capsys
 # ----------------------------------------------------------------------------- --dtype, --max-shard-size
 
 
-def docs_command(page: str, start: str) -> list[str]:
-    """The argv after `python scripts/export_model.py` of the one command in docs/<page> starting with `start`."""
-    import shlex
-
-    lines = [line.split(" # ")[0] for line in (ROOT / "docs" / page).read_text().splitlines() if line.startswith(start)]
-    assert len(lines) == 1, f"docs/{page}: {len(lines)} commands start with {start!r} (the docs changed)"
-    return shlex.split(lines[0])[2:]
-
-
 def test_the_docs_bfloat16_export_and_its_shards(ckpt, tmp_path, monkeypatch, capsys):
     """docs/models.md's `--format hf --dtype bfloat16 --max-shard-size 5GB` as typed (the tiny model fits
     one file), then with a limit it passes: transformers' shards, and --force leaves no single file."""
@@ -254,3 +245,12 @@ def test_a_failed_export_leaves_out_as_it_was(ckpt, tmp_path, monkeypatch):
     assert [p.name for p in out.iterdir()] == ["model.safetensors"] and (out / "model.safetensors").read_text() == \
         "previous"
     assert list(tmp_path.iterdir()) == [out]
+
+
+@pytest.mark.parametrize("flags,says", [(["--format", "peft"], "--format peft: this checkpoint has no LoRA factors"),
+                                        (["--format", "peft", "--merge-lora"], "--format peft writes the factors")])
+def test_peft_export_of_a_run_without_factors_is_one_line(ckpt, tmp_path, capsys, flags, says):
+    assert export_script.main([str(ckpt), "--out", str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: {says}")
+    assert list(tmp_path.iterdir()) == []

@@ -126,3 +126,15 @@ def export_hf(out_dir: str, run: RunConfig, model, generation: dict | None = Non
     if hf.hf_tokenizer_object(tokenizer) is not None:
         return f"tokenizer files: {', '.join(n for n in names if n.startswith(('tokenizer', 'special')))}"
     return f"no tokenizer files: the run's tokenizer cannot be rebuilt here ({why})"
+
+
+def export_peft(out_dir: str, run: RunConfig, model, dtype: str) -> str:
+    """A LoRA run's factors as a PEFT adapter (models.hf_peft.save_peft) for its `model.init_from`
+    base. Refused for a run from a random base: no Hugging Face directory holds it to load onto."""
+    from models import hf_peft
+
+    if not run.model.init_from:
+        raise CheckpointError("--format peft: this LoRA run's base is random (no model.init_from), so no Hugging Face "
+                              "model holds it for the adapter: export --merge-lora --format hf instead")
+    hf_peft.save_peft(out_dir, model, run.model.init_from, dtype)
+    return f"a PEFT adapter for the base {run.model.init_from}"
