@@ -257,6 +257,15 @@ def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def tensor_dtypes(path: str) -> set[str]:
+    """The dtypes (safetensors' names: F32, BF16, F16, I64, ...) of PATH's tensors, from the headers alone."""
+    found = set()
+    for shard in _shards(path):
+        with _reading(shard) as f:
+            found |= {f.get_slice(name).get_dtype() for name in f.keys()}
+    return found
+
+
 def check_shapes(cfg, path: str) -> None:
     """The family's tensor checks (names, shapes) run on zero-stride stand-ins of the headers' shapes:
     a misfit directory fails at the config boundary, before any weight is read or anything compiles."""

@@ -74,16 +74,12 @@ def read_base(path: str, hf: dict | None = None) -> dict:
 def base_dtype(path: str, hf: dict) -> str | None:
     """The dtype PATH's weights are stored in: config.json's `dtype` (transformers 5) or `torch_dtype`,
     else the one float dtype of its safetensors headers; None if neither says one of DTYPES."""
-    from models.hf import _reading, _shards  # here: models.hf imports this module
+    from models.hf import tensor_dtypes  # here: models.hf imports this module
 
     for key in ("dtype", "torch_dtype"):
         if hf.get(key) in DTYPES:
             return hf[key]
-    found = set()
-    for shard in _shards(path):
-        with _reading(shard) as f:
-            found |= {f.get_slice(name).get_dtype() for name in f.keys()}
-    floats = {_HEADER_DTYPES.get(d, d) for d in found if d.startswith(("F", "BF"))}
+    floats = {_HEADER_DTYPES.get(d, d) for d in tensor_dtypes(path) if d.startswith(("F", "BF"))}
     return floats.pop() if len(floats) == 1 and floats <= set(DTYPES) else None
 
 

@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="directory to write model.safetensors and config.json into; created if missing, "
                         "must be empty unless --force")
     p.add_argument("--force", action="store_true",
-                   help="write into a non-empty OUT_DIR, replacing model.safetensors and config.json there")
+                   help="write into a non-empty OUT_DIR, replacing the files this export writes (and a previous "
+                        "export's weights in the other layout: model.safetensors or shards); other files stay")
     p.add_argument("--format", choices=("safetensors", "hf", "peft"), default="safetensors",
                    help="safetensors: eqtrain's export (models/export.py; default); hf: a transformers directory "
                         "(config.json, model.safetensors with Hugging Face names, the tokenizer's files) that "

@@ -159,6 +159,7 @@ def test_export_files_have_umask_normal_permissions_and_round_trip(tmp_path):
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     for name in os.listdir(out):
         assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o644, name
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o755  # what mkdir gives, not the scratch directory's 0700
     rebuilt = export.load_export(str(out))
     assert rebuilt.cfg == model.cfg and export.read_export_config(str(out))[1]["step"] == 7
     want, got = export.model_tensors(model), export.model_tensors(rebuilt)

@@ -106,6 +106,22 @@ def test_bfloat16_adapter_holds_bfloat16_factors(tmp_path):
     assert json.loads((tmp_path / "adapter" / hf_peft.CONFIG_FILE).read_text())["base_model_name_or_path"] is None
 
 
+def test_an_adapter_for_a_random_base_or_a_bidirectional_model_is_refused_in_one_line(tmp_path):
+    from types import SimpleNamespace
+
+    from trainer import inference
+    from utils.errors import CheckpointError
+
+    run = lambda init_from, objective: SimpleNamespace(model=SimpleNamespace(init_from=init_from),
+                                                       objective=SimpleNamespace(name=objective))
+    with pytest.raises(CheckpointError, match=r"^--format peft: this LoRA run's base is random \(no model.init_from\)"
+                                              r".*: export --merge-lora --format hf instead$"):
+        inference.export_peft(str(tmp_path / "out"), run(None, "ar"), lora_model("llama"), "float32")
+    with pytest.raises(CheckpointError, match=r"^--format peft: this model was trained with objective=mdlm"):
+        inference.export_peft(str(tmp_path / "out"), run(str(tmp_path), "mdlm"), lora_model("llama"), "float32")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_a_lora_fine_tune_exports_an_adapter_for_its_base(tmp_path, monkeypatch):
     """model.init_from=<a bfloat16 llama directory> + model.lora -> 3 steps -> checkpoint -> export

@@ -109,6 +109,13 @@ def export_dtype(requested: str | None, run: RunConfig, generation: dict | None)
     return run.train.param_dtype, "train.param_dtype"
 
 
+def refuse_non_causal(run: RunConfig, flag: str) -> None:
+    """A masked-diffusion model has no Hugging Face form: transformers' causal LM would run it causally."""
+    if run.objective.name != "ar":
+        raise CheckpointError(f"{flag}: this model was trained with objective={run.objective.name} (bidirectional "
+                              "attention); a Hugging Face causal LM would run it causally: use --format safetensors")
+
+
 def export_hf(out_dir: str, run: RunConfig, model, generation: dict | None = None, dtype: str = "float32",
               max_shard_size: int | None = None) -> str:
     """A run's model as a transformers directory (models.hf.save_hf), its tokenizer included where it
@@ -118,9 +125,7 @@ def export_hf(out_dir: str, run: RunConfig, model, generation: dict | None = Non
     None for a checkpoint from before it (the tokenizer's ids then). `dtype`, `max_shard_size`: models.hf.save_hf's."""
     from models import hf
 
-    if run.objective.name != "ar":
-        raise CheckpointError(f"--format hf: this model was trained with objective={run.objective.name} (bidirectional "
-                              "attention); a Hugging Face causal LM would run it causally: use --format safetensors")
+    refuse_non_causal(run, "--format hf")
     tokenizer, why = run_tokenizer(run)
     names = hf.save_hf(out_dir, model, tokenizer, generation, dtype, max_shard_size)
     if hf.hf_tokenizer_object(tokenizer) is not None:
@@ -133,6 +138,7 @@ def export_peft(out_dir: str, run: RunConfig, model, dtype: str) -> str:
     base. Refused for a run from a random base: no Hugging Face directory holds it to load onto."""
     from models import hf_peft
 
+    refuse_non_causal(run, "--format peft")
     if not run.model.init_from:
         raise CheckpointError("--format peft: this LoRA run's base is random (no model.init_from), so no Hugging Face "
                               "model holds it for the adapter: export --merge-lora --format hf instead")

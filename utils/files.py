@@ -1,8 +1,9 @@
 """Paths as users type them, and files that are either whole or absent.
 
-Every file eqtrain writes outside orbax (token caches, trained tokenizers, exports, the CPU
-peak cache) goes through `atomic_write`: a killed run, or another process writing the same
-cache, never leaves half a file under the real name.
+Every file eqtrain writes outside orbax (token caches, trained tokenizers, the CPU peak cache)
+goes through `atomic_write`: a killed run, or another process writing the same cache, never
+leaves half a file under the real name. A directory of files that belong together (an export)
+goes through `atomic_dir`: written beside, then renamed into place.
 """
 
 from __future__ import annotations
