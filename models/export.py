@@ -12,8 +12,8 @@ Export layout of an OUT_DIR:
                         attention is bidirectional and its mask id the vocabulary's last):
                         enough to rebuild the model, its tokenizer and how to run it
 
-Both files are written to a tmp file in OUT_DIR and renamed, so a crash never leaves half a file
-under the real name.
+Both files are written to a scratch directory beside OUT_DIR and renamed into place
+(`utils.files.atomic_dir`), so a crash never leaves half an export.
 """
 
 from __future__ import annotations
@@ -55,21 +55,24 @@ def abstract_model(model_cfg, param_dtype: str) -> eqx.Module:
 
 
 def save_export(out_dir: str, model: eqx.Module, step: int, tokenizer: dict, trained_context_length: int,
-                objective: dict | None = None) -> None:
+                objective: dict | None = None, dtype: str | None = None) -> None:
     """Write OUT_DIR/model.safetensors and OUT_DIR/config.json (see the module docstring).
     `trained_context_length` (dataset.context_length, or the model's) tells a consumer which
-    positions were trained: a shorter training window leaves the later position embeddings random."""
+    positions were trained: a shorter training window leaves the later position embeddings random.
+    `dtype` (export --dtype): every float array cast to it; None keeps each array's own."""
     from safetensors.numpy import save_file
 
     tensors = model_tensors(model)
+    if dtype is not None:
+        tensors = {k: x.astype(jnp.dtype(dtype)) if jnp.issubdtype(x.dtype, jnp.floating) else x
+                   for k, x in tensors.items()}
     config = {**dataclasses.asdict(model.cfg), "step": step, "tokenizer": tokenizer,
               "trained_context_length": trained_context_length, "objective": objective or {"name": "ar"},
               "format": ckptlib.FORMAT_VERSION}
-    # atomic_write's default mode is what `open` gives: the safetensors writer alone makes private 0600 files.
-    with files.atomic_write(os.path.join(out_dir, WEIGHTS_FILE)) as tmp:
-        save_file(tensors, tmp, metadata={"format": "np"})
-    with files.atomic_write(os.path.join(out_dir, CONFIG_FILE)) as tmp:
-        _write_json(tmp, config)
+    # atomic_dir gives the files what `open` gives: the safetensors writer alone makes private 0600 files.
+    with files.atomic_dir(out_dir) as scratch:
+        save_file(tensors, os.path.join(scratch, WEIGHTS_FILE), metadata={"format": "np"})
+        _write_json(os.path.join(scratch, CONFIG_FILE), config)
 
 
 def _write_json(path: str, obj: dict) -> None:

@@ -32,7 +32,7 @@ from models.layers import (
     rms,
     split_heads,
 )
-from models.lora import LoraConfig, branch_keys
+from models.lora import LoraConfig, LoraLinear, branch_keys
 from models.moe import MoE, MoEConfig, init_blocks, logical_axes, run_blocks
 from models.moe import flops_per_token as moe_flops
 from utils.errors import ConfigError
@@ -433,6 +433,27 @@ def hf_tensors(model: GPT) -> dict:
                 stacked = stacked[..., to_hf]
             for i in range(cfg.num_blocks):
                 out[f"transformer.h.{i}.{theirs}.{param}"] = stacked[i]
+    return out
+
+
+HF_LORA_FAN_IN_FAN_OUT = True  # GPT-2's projections are Conv1D, weight (in, out): PEFT's fan_in_fan_out
+
+
+def hf_lora_tensors(model: GPT) -> dict[str, np.ndarray]:
+    """The LoRA factors as PEFT names them under GPT2LMHeadModel (`transformer.h.{i}.attn.c_attn.lora_A.weight`):
+    lora_A (rank, in) = Aᵀ and lora_B (out, rank) = Bᵀ, PEFT's nn.Linear layouts over a Conv1D too
+    (its forward adds lora_B(lora_A(x)) = x·A·B); c_attn's B in GPT-2's (q|k|v, head, K) column order."""
+    out = {}
+    for ours, theirs in _HF_BLOCK.items():
+        linear = getattr(model.blocks, ours)
+        if not isinstance(linear, LoraLinear):
+            continue
+        a, b = np.asarray(linear.lora_a_IxR), np.asarray(linear.lora_b_RxO)
+        if ours == "attn_qkv":
+            b = b[..., np.argsort(_qkv_perm(model.cfg))]
+        for i in range(model.cfg.num_blocks):
+            out[f"transformer.h.{i}.{theirs}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
+            out[f"transformer.h.{i}.{theirs}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
     return out
 
 

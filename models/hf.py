@@ -38,15 +38,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
-from models import hf_generation, hf_tokenizer
+from models import hf_generation, hf_shards, hf_tokenizer
 from models.hf_keys import json_text
 from models.hf_tokenizer import hf_tokenizer_object
 from utils import files
 from utils.errors import CheckpointError, ConfigError
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FILE, INDEX_FILE = hf_shards.WEIGHTS_FILE, hf_shards.INDEX_FILE
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # either marks a directory that has a tokenizer
 # The knobs a run keeps from its own yaml when it starts from a directory: how the model executes, not its shape.
 EXECUTION_KNOBS = ("dropout", "scan_blocks", "remat", "scan_unroll", "attn_block_size", "vocab_multiple",
@@ -258,6 +257,15 @@ def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def tensor_dtypes(path: str) -> set[str]:
+    """The dtypes (safetensors' names: F32, BF16, F16, I64, ...) of PATH's tensors, from the headers alone."""
+    found = set()
+    for shard in _shards(path):
+        with _reading(shard) as f:
+            found |= {f.get_slice(name).get_dtype() for name in f.keys()}
+    return found
+
+
 def check_shapes(cfg, path: str) -> None:
     """The family's tensor checks (names, shapes) run on zero-stride stand-ins of the headers' shapes:
     a misfit directory fails at the config boundary, before any weight is read or anything compiles."""
@@ -369,11 +377,12 @@ def build_from_hf(cfg, key: jax.Array, param_dtype=None) -> eqx.Module:
 # ----------------------------------------------------------------------------- save
 
 
-def hf_dir_config(model: eqx.Module, tokenizer=None, generation: dict | None = None) -> dict:
-    """config.json: the family's model fields plus what transformers reads to load it offline, and the
-    special ids of `generation` (models/hf_generation.py; None: the tokenizer's, if any)."""
+def hf_dir_config(model: eqx.Module, tokenizer=None, generation: dict | None = None, dtype: str = "float32") -> dict:
+    """config.json: the family's model fields plus what transformers reads to load it offline (the
+    weights' `dtype`, which `from_pretrained`'s default dtype="auto" loads them in), and the special
+    ids of `generation` (models/hf_generation.py; None: the tokenizer's, if any)."""
     refuse_moe(model.cfg, "MoE blocks cannot be exported as a Hugging Face directory")
-    hf = {**models.family(model).hf_config(model.cfg), "torch_dtype": "float32", "dtype": "float32"}
+    hf = {**models.family(model).hf_config(model.cfg), "torch_dtype": dtype, "dtype": dtype}
     if generation is None and tokenizer is not None:
         generation = hf_generation.from_tokenizer(tokenizer)
     if generation is not None:
@@ -381,37 +390,44 @@ def hf_dir_config(model: eqx.Module, tokenizer=None, generation: dict | None = N
     return hf
 
 
-def save_hf(out_dir: str, model: eqx.Module, tokenizer=None, generation: dict | None = None) -> list[str]:
-    """Write OUT_DIR as a transformers directory (config.json, model.safetensors in float32 and, with
-    a tokenizer, its files); each file written atomically. Returns the file names. `tokenizer` is the
-    run's built tokenizer (loaders.tokenizers; None: no tokenizer files): AutoTokenizer then encodes
-    as it does (models/hf_tokenizer.py, which may add tokenization_eqtrain.py). `generation` (a run's
-    manifest entry, models/hf_generation.py; None: the tokenizer's ids) gives config.json's special
-    ids and generation_config.json (written when there are ids: a tokenizer or `generation`)."""
-    from safetensors.numpy import save_file
+def as_dtype(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """Float tensors cast to `dtype` (float32, bfloat16, float16: round to nearest even, as torch's
+    .to()), C-contiguous for the safetensors writer; integer ones as they are."""
+    target = jnp.dtype(dtype)  # ml_dtypes' bfloat16, which numpy and safetensors' numpy writer take
+    return {k: np.ascontiguousarray(np.asarray(v).astype(target) if jnp.issubdtype(np.asarray(v).dtype, jnp.floating)
+                                    else np.asarray(v)) for k, v in tensors.items()}
 
+
+def save_hf(out_dir: str, model: eqx.Module, tokenizer=None, generation: dict | None = None, dtype: str = "float32",
+            max_shard_size: int | None = None) -> list[str]:
+    """Write OUT_DIR as a transformers directory (config.json, the weights in `dtype` as one
+    model.safetensors or, above `max_shard_size` bytes, transformers' shards (models/hf_shards.py)
+    and, with a tokenizer, its files), all in a scratch directory renamed into place
+    (utils.files.atomic_dir: a failure leaves OUT_DIR as it was). Returns the file names. `tokenizer`
+    is the run's built tokenizer (loaders.tokenizers; None: no tokenizer files): AutoTokenizer then
+    encodes as it does (models/hf_tokenizer.py, which may add tokenization_eqtrain.py). `generation`
+    (a run's manifest entry, models/hf_generation.py; None: the tokenizer's ids) gives config.json's
+    special ids and generation_config.json (written when there are ids: a tokenizer or `generation`)."""
     if generation is None and tokenizer is not None:
         generation = hf_generation.from_tokenizer(tokenizer)
-    config = hf_dir_config(model, tokenizer, generation)  # first: its refusals come before any file is written
-    tensors = {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32))
-               for k, v in models.family(model).hf_tensors(model).items()}
-    written = []
-    with files.atomic_write(os.path.join(out_dir, WEIGHTS_FILE)) as tmp:
-        save_file(tensors, tmp, metadata={"format": "pt"})  # "pt": transformers refuses other formats
-    written.append(WEIGHTS_FILE)
-    with files.atomic_write(os.path.join(out_dir, CONFIG_FILE)) as tmp:
-        with open(tmp, "w") as f:
-            json.dump(config, f, indent=2)
-            f.write("\n")
-    written.append(CONFIG_FILE)
-    if generation is not None:
-        with files.atomic_write(os.path.join(out_dir, hf_generation.FILE)) as tmp:
-            with open(tmp, "w") as f:
-                json.dump(hf_generation.generation_config(generation), f, indent=2)
-                f.write("\n")
-        written.append(hf_generation.FILE)
-    written += save_tokenizer(out_dir, tokenizer)
-    return written + hf_tokenizer.keep_run_ids(out_dir, tokenizer)  # AutoTokenizer's ids = the run's
+    config = hf_dir_config(model, tokenizer, generation, dtype)  # first: its refusals come before any file is written
+    tensors = as_dtype(models.family(model).hf_tensors(model), dtype)
+    with files.atomic_dir(out_dir, replaces=hf_shards.is_weights_file) as scratch:
+        written = hf_shards.write(scratch, tensors, max_shard_size)
+        _write_json(os.path.join(scratch, CONFIG_FILE), config)
+        written.append(CONFIG_FILE)
+        if generation is not None:
+            _write_json(os.path.join(scratch, hf_generation.FILE), hf_generation.generation_config(generation))
+            written.append(hf_generation.FILE)
+        written += save_tokenizer(scratch, tokenizer)
+        written += hf_tokenizer.keep_run_ids(scratch, tokenizer)  # AutoTokenizer's ids = the run's
+    return written
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
 
 
 def save_tokenizer(out_dir: str, tokenizer) -> list[str]:

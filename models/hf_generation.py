@@ -9,6 +9,10 @@ tokenizers; a Hugging Face tokenizer's own bos, eos and pad) and gets a generati
 those ids. The run records them in every checkpoint's manifest (`generation`), so the export writes
 what the run started with even where the base directory has changed since; a checkpoint from
 before the key gets its tokenizer's.
+
+The entry also records the base's `dtype` (its config.json's `dtype` or `torch_dtype`, else the one
+float dtype of its safetensors; None for a run from scratch or a base of mixed dtypes): an export's
+default `--dtype`, so a bfloat16 base fine-tuned in float32 is exported as bfloat16 again.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from utils.errors import CheckpointError, ConfigError
 MANIFEST_KEY = "generation"
 FILE = "generation_config.json"
 ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+DTYPES = ("float32", "bfloat16", "float16")  # what an export writes (--dtype)
+_HEADER_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors' names
 
 
 def _is_id(value) -> bool:
@@ -65,6 +71,18 @@ def read_base(path: str, hf: dict | None = None) -> dict:
     return {"ids": ids, "generation_config": generation_config}
 
 
+def base_dtype(path: str, hf: dict) -> str | None:
+    """The dtype PATH's weights are stored in: config.json's `dtype` (transformers 5) or `torch_dtype`,
+    else the one float dtype of its safetensors headers; None if neither says one of DTYPES."""
+    from models.hf import tensor_dtypes  # here: models.hf imports this module
+
+    for key in ("dtype", "torch_dtype"):
+        if hf.get(key) in DTYPES:
+            return hf[key]
+    floats = {_HEADER_DTYPES.get(d, d) for d in tensor_dtypes(path) if d.startswith(("F", "BF"))}
+    return floats.pop() if len(floats) == 1 and floats <= set(DTYPES) else None
+
+
 def from_tokenizer(tokenizer) -> dict:
     """bos/eos/pad of a run's tokenizer (loaders.tokenizers)."""
     from loaders.tokenizers import TransformersTokenizer
@@ -77,10 +95,12 @@ def from_tokenizer(tokenizer) -> dict:
 
 def for_run(init_from: str | None, tokenizer) -> dict:
     """What a run's checkpoints record under MANIFEST_KEY: the ids and the generation_config.json to export."""
-    meta = {**from_tokenizer(tokenizer), "generation_config": None}
+    meta = {**from_tokenizer(tokenizer), "generation_config": None, "dtype": None}
     if init_from:
-        base = read_base(init_from)
-        meta.update(base["ids"], generation_config=base["generation_config"])
+        with open(os.path.join(init_from, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+        base = read_base(init_from, hf)
+        meta.update(base["ids"], generation_config=base["generation_config"], dtype=base_dtype(init_from, hf))
     return meta
 
 
@@ -91,6 +111,9 @@ def checked(meta, where: str) -> dict:
         raise CheckpointError(f"{where} {MANIFEST_KEY} is {json_text(meta)}, not the object a run writes: "
                               "restore the checkpoint's manifest")
     check_ids(meta, f"{where} {MANIFEST_KEY}", CheckpointError)
+    if meta.get("dtype") not in (None, *DTYPES):
+        raise CheckpointError(f"{where} {MANIFEST_KEY} has dtype={json_text(meta['dtype'])}, not one of "
+                              f"{', '.join(DTYPES)}: restore the checkpoint's manifest, or pass --dtype")
     return meta
 
 

@@ -32,7 +32,7 @@ from models.layers import (
     output_logits,
     rms,
 )
-from models.lora import LoraConfig, branch, branch_keys
+from models.lora import LoraConfig, LoraLinear, branch, branch_keys
 from models.moe import MoE, MoEConfig, init_blocks, logical_axes, run_blocks
 from models.moe import flops_per_token as moe_flops
 from utils.errors import CheckpointError, ConfigError
@@ -667,6 +667,25 @@ def hf_tensors(model: Llama) -> dict[str, np.ndarray]:
         array = np.asarray(leaf)
         for i, a in enumerate(array) if stacked else [(None, array)]:
             out[name.format(i)] = np.array(a.T if transposed else a, order="C")  # a writable copy
+    return out
+
+
+HF_LORA_FAN_IN_FAN_OUT = False  # torch Linear projections, weight (out, in)
+
+
+def hf_lora_tensors(model: Llama) -> dict[str, np.ndarray]:
+    """The LoRA factors as PEFT names them (`model.layers.{i}.self_attn.q_proj.lora_A.weight`): lora_A
+    (rank, in) = Aᵀ, lora_B (out, rank) = Bᵀ, so lora_B(lora_A(x)) = x·A·B as our branch computes."""
+    out = {}
+    for field in LORA_TARGETS:
+        linear = getattr(model.blocks, field, None)
+        if not isinstance(linear, LoraLinear):
+            continue
+        module = _HF_BLOCK[(field, "weight_IxO")][0].removesuffix(".weight")
+        a, b = np.asarray(linear.lora_a_IxR), np.asarray(linear.lora_b_RxO)
+        for i in range(model.cfg.num_blocks):
+            out[f"model.layers.{i}.{module}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
+            out[f"model.layers.{i}.{module}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
     return out
 
 

@@ -205,9 +205,16 @@ def merge(model):
 def for_export(model, merge_factors: bool, fmt: str):
     """What `scripts/export_model.py` writes: with `--merge-lora` the merged model; without it, a
     LoRA model as it is (base + factors + its `lora` config) in eqtrain's safetensors format, which
-    `models.export.load_export` rebuilds, while `--format hf` (no place for the factors) is refused."""
+    `models.export.load_export` rebuilds, while `--format hf` (no place for the factors) is refused;
+    `--format peft` (the factors alone, models/hf_peft.py) needs a LoRA model and no `--merge-lora`."""
     from utils.errors import CheckpointError
 
+    if fmt == "peft" and merge_factors:
+        raise CheckpointError("--format peft writes the factors themselves (a PEFT adapter), --merge-lora folds them "
+                              "into the base: drop one of the two")
+    if fmt == "peft" and not has_factors(model):
+        raise CheckpointError("--format peft: this checkpoint has no LoRA factors (model.lora.rank=0), so there is no "
+                              "adapter to write: use --format hf for the whole model")
     if merge_factors and not has_factors(model):
         raise CheckpointError("--merge-lora: this checkpoint has no LoRA factors (model.lora.rank=0): "
                               "drop --merge-lora")

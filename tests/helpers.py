@@ -135,6 +135,17 @@ def load_script(name: str, folder: str = "scripts"):
     return module
 
 
+def docs_command(page: str, start: str) -> list[str]:
+    """The argv after `python scripts/X.py` of the one command in docs/<page> starting with `start`
+    (its comment taken off), for a test that runs a documented command as typed."""
+    import shlex
+
+    with open(os.path.join(os.path.dirname(CONF_DIR), "docs", page), encoding="utf-8") as f:
+        lines = [line.split(" # ")[0] for line in f.read().splitlines() if line.startswith(start)]
+    assert len(lines) == 1, f"docs/{page}: {len(lines)} commands start with {start!r} (the docs changed)"
+    return shlex.split(lines[0])[2:]
+
+
 def restore_item(path, target=None):
     """One orbax item of a checkpoint read back as saved (or laid out like `target`), its
     checkpointer closed at once: one left to the garbage collector tears down orbax's async machinery

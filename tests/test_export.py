@@ -20,7 +20,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
-from helpers import compose_config, load_script
+from helpers import compose_config, docs_command, load_script
 from safetensors.numpy import load_file
 
 import models
@@ -159,6 +159,7 @@ def test_export_files_have_umask_normal_permissions_and_round_trip(tmp_path):
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     for name in os.listdir(out):
         assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o644, name
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o755  # what mkdir gives, not the scratch directory's 0700
     rebuilt = export.load_export(str(out))
     assert rebuilt.cfg == model.cfg and export.read_export_config(str(out))[1]["step"] == 7
     want, got = export.model_tensors(model), export.model_tensors(rebuilt)
@@ -175,3 +176,82 @@ def test_a_missing_checkpoint_dir_is_one_line_naming_it(script, tmp_path, capsys
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and str(missing) in err
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- --dtype, --max-shard-size
+
+
+def test_the_docs_bfloat16_export_and_its_shards(ckpt, tmp_path, monkeypatch, capsys):
+    """docs/models.md's `--format hf --dtype bfloat16 --max-shard-size 5GB` as typed (the tiny model fits
+    one file), then with a limit it passes: transformers' shards, and --force leaves no single file."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from models import hf_shards
+
+    shutil.copytree(ckpt, tmp_path / "ckpt" / "run1")
+    monkeypatch.chdir(tmp_path)
+    argv = docs_command("models.md", "python scripts/export_model.py ckpt/run1 --format hf --dtype bfloat16")
+    assert export_script.main(argv) == 0
+    assert "dtype: bfloat16 (--dtype)" in capsys.readouterr().out
+    out = tmp_path / argv[argv.index("--out") + 1]
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(out / "model.safetensors", "numpy") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    total = (out / "model.safetensors").stat().st_size
+    argv[argv.index("--max-shard-size") + 1] = str(total // 3)  # bytes: at least 3 shards
+    assert export_script.main([*argv, "--force"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" not in names and hf_shards.INDEX_FILE in names
+    shards = [n for n in names if hf_shards.SHARD.fullmatch(n)]
+    assert len(shards) >= 3 and all(n.endswith(f"-of-{len(shards):05d}.safetensors") for n in shards)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no scratch directory left
+
+
+def test_export_defaults_to_the_runs_param_dtype(exported, capsys):
+    """A run from scratch (no model.init_from) in float32: the export is float32 (exported above)."""
+    tensors = load_file(str(exported / "model.safetensors"))
+    assert {x.dtype for x in tensors.values()} == {np.dtype(np.float32)}
+
+
+@pytest.mark.parametrize("flags,flag", [(["--dtype", "float64"], "--dtype"),
+                                        (["--format", "hf", "--max-shard-size", "5XB"], "--max-shard-size"),
+                                        (["--format", "hf", "--max-shard-size", "0"], "--max-shard-size"),
+                                        (["--max-shard-size", "5GB"], "--max-shard-size")])
+def test_bad_export_flags_are_one_line_before_the_checkpoint_is_read(tmp_path, capsys, flags, flag):
+    """Checked before the checkpoint is opened: a checkpoint directory that does not exist is not what they say."""
+    assert export_script.main([str(tmp_path / "no_such_run"), "--out", str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: {flag}") and "no_such_run" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_export_leaves_out_as_it_was(ckpt, tmp_path, monkeypatch):
+    """The weights half written when the writer fails: --out is not created, or keeps what it held."""
+    from safetensors import numpy as st_numpy
+
+    def fail(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise OSError(28, "No space left on device", path)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(st_numpy, "save_file", fail)
+    assert export_script.main([str(ckpt), "--out", str(out)]) == 2
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    out.mkdir()
+    (out / "model.safetensors").write_text("previous")
+    assert export_script.main([str(ckpt), "--out", str(out), "--force"]) == 2
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"] and (out / "model.safetensors").read_text() == \
+        "previous"
+    assert list(tmp_path.iterdir()) == [out]
+
+
+@pytest.mark.parametrize("flags,says", [(["--format", "peft"], "--format peft: this checkpoint has no LoRA factors"),
+                                        (["--format", "peft", "--merge-lora"], "--format peft writes the factors")])
+def test_peft_export_of_a_run_without_factors_is_one_line(ckpt, tmp_path, capsys, flags, says):
+    assert export_script.main([str(ckpt), "--out", str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: {says}")
+    assert list(tmp_path.iterdir()) == []

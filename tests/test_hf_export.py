@@ -116,7 +116,7 @@ def test_from_scratch_the_ids_are_the_tokenizers(tmp_path, bpe, kind):
         assert len(set(want.values())) == 3
     else:
         want = {"bos_token_id": tok.eot_id, "eos_token_id": tok.eot_id, "pad_token_id": None}
-    assert hf_generation.for_run(None, tok) == {**want, "generation_config": None}  # what a checkpoint records
+    assert hf_generation.for_run(None, tok) == {**want, "generation_config": None, "dtype": None}  # the manifest's
     written = export(tmp_path / "out", "llama", tok)  # no manifest entry (an older checkpoint): the same ids
     assert hf_generation.FILE in written
     config = json.loads((tmp_path / "out" / hf.CONFIG_FILE).read_text())

@@ -91,19 +91,56 @@ def run_tokenizer(run: RunConfig):
         return None, str(e)
 
 
-def export_hf(out_dir: str, run: RunConfig, model, generation: dict | None = None) -> str:
+def export_dtype(requested: str | None, run: RunConfig, generation: dict | None) -> tuple[str, str]:
+    """(the dtype an export writes, why): `--dtype` if given; else the dtype of the Hugging Face base
+    the run started from (`model.init_from`: the one its checkpoint's manifest recorded, or, for a
+    checkpoint from before that record, the directory's as it is now); else train.param_dtype."""
+    from models import hf_generation
+    from models.hf import read_hf_config
+
+    if requested is not None:
+        return requested, "--dtype"
+    if generation is not None and generation.get("dtype") is not None:
+        return generation["dtype"], f"the dtype of the model.init_from base {run.model.init_from}"
+    if run.model.init_from and os.path.isdir(run.model.init_from):
+        base = hf_generation.base_dtype(run.model.init_from, read_hf_config(run.model.init_from))
+        if base is not None:
+            return base, f"the dtype of the model.init_from base {run.model.init_from}"
+    return run.train.param_dtype, "train.param_dtype"
+
+
+def refuse_non_causal(run: RunConfig, flag: str) -> None:
+    """A masked-diffusion model has no Hugging Face form: transformers' causal LM would run it causally."""
+    if run.objective.name != "ar":
+        raise CheckpointError(f"{flag}: this model was trained with objective={run.objective.name} (bidirectional "
+                              "attention); a Hugging Face causal LM would run it causally: use --format safetensors")
+
+
+def export_hf(out_dir: str, run: RunConfig, model, generation: dict | None = None, dtype: str = "float32",
+              max_shard_size: int | None = None) -> str:
     """A run's model as a transformers directory (models.hf.save_hf), its tokenizer included where it
     can be rebuilt here (AutoTokenizer then encodes as the run did). Refuses a masked-diffusion model:
     transformers' causal LM would run it causally, not as trained. Returns a line saying which
     tokenizer files were (not) written. `generation`: the checkpoint manifest's entry (models/hf_generation.py),
-    None for a checkpoint from before it (the tokenizer's ids then)."""
+    None for a checkpoint from before it (the tokenizer's ids then). `dtype`, `max_shard_size`: models.hf.save_hf's."""
     from models import hf
 
-    if run.objective.name != "ar":
-        raise CheckpointError(f"--format hf: this model was trained with objective={run.objective.name} (bidirectional "
-                              "attention); a Hugging Face causal LM would run it causally: use --format safetensors")
+    refuse_non_causal(run, "--format hf")
     tokenizer, why = run_tokenizer(run)
-    names = hf.save_hf(out_dir, model, tokenizer, generation)
+    names = hf.save_hf(out_dir, model, tokenizer, generation, dtype, max_shard_size)
     if hf.hf_tokenizer_object(tokenizer) is not None:
         return f"tokenizer files: {', '.join(n for n in names if n.startswith(('tokenizer', 'special')))}"
     return f"no tokenizer files: the run's tokenizer cannot be rebuilt here ({why})"
+
+
+def export_peft(out_dir: str, run: RunConfig, model, dtype: str) -> str:
+    """A LoRA run's factors as a PEFT adapter (models.hf_peft.save_peft) for its `model.init_from`
+    base. Refused for a run from a random base: no Hugging Face directory holds it to load onto."""
+    from models import hf_peft
+
+    refuse_non_causal(run, "--format peft")
+    if not run.model.init_from:
+        raise CheckpointError("--format peft: this LoRA run's base is random (no model.init_from), so no Hugging Face "
+                              "model holds it for the adapter: export --merge-lora --format hf instead")
+    hf_peft.save_peft(out_dir, model, run.model.init_from, dtype)
+    return f"a PEFT adapter for the base {run.model.init_from}"
