@@ -180,10 +180,11 @@ def test_the_step_counter_moves_with_a_skipped_step_and_a_fresh_state():
 # --- through the train step ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~4 s each: a train step compiled
 @pytest.mark.parametrize("optimizer,extra", [
     ("adamw", ("optimizer.weight_decay=0", "optimizer.lr_config.lr=2e-2", "optimizer.groups.embed.lr=3e-3",
                "optimizer.groups.scalar.lr=3e-3")),
-    pytest.param("muon", (), marks=pytest.mark.slow),
+    ("muon", ()),
 ])
 def test_gpt_tiny_learns_and_keeps_each_matrix_at_its_initial_norm(tiny_run, optimizer, extra):
     """30 steps on the learnable batch: the loss falls as every optimizer's does without the knob

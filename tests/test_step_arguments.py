@@ -69,7 +69,8 @@ def eigenbasis_amplification(grads, beta: float) -> float:
 EIGENBASIS = {"soap"}
 
 
-@pytest.mark.parametrize("name", per_optimizer(sorted(OPTIMIZERS)) + ["muon+hyperball"])
+@pytest.mark.parametrize("name", per_optimizer(sorted(OPTIMIZERS))
+                         + [pytest.param("muon+hyperball", marks=pytest.mark.slow)])  # ~2.5 s
 def test_every_optimizer_built_from_traced_knobs_updates_as_its_constants_do(tiny_run, name):
     """Two updates of the tiny model's weights: the optimizer built inside jit from the traced
     knobs against the one built from Python floats (each update compared relative to the largest
