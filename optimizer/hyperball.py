@@ -11,9 +11,8 @@ replaced by the constraint (the authors' suggested lr is √(lr·weight_decay) o
 Ours, and where it differs from the reference:
   * The radius R = ‖W_0‖_F of each matrix is taken once, when the optimizer state is built, and kept
     in the state (`HyperballState.radius`), where the reference reads ‖p‖ again each step. The two
-    are equal in exact arithmetic; with R kept, a step's rounding of the norm (float32's ~1e-7,
-    bfloat16 weights' ~1e-4) is undone by the next projection, where re-reading ‖p‖ accumulates
-    it as a random walk.
+    are equal in exact arithmetic; with R kept, a step's rounding of the norm (most with bfloat16
+    weights) is undone by the next projection, where re-reading ‖p‖ accumulates it as a random walk.
     A fresh state at step N (checkpoint.overwrite_optimizer) takes R from the weights it resumes
     with: their norms, which are the radii.
   * "A matrix" is each d_in×d_out matrix of a stacked leaf (the last two axes; every leading axis,
