@@ -34,7 +34,7 @@ from models.sample import sampler
 from optimizer import arguments, diagnostics, eval_view, group_schedules, make_optimizer
 from optimizer.nonfinite import skip_nonfinite
 from optimizer.restart import fresh_state
-from trainer import aux_state, early_stopping, loss_scale, memory, precompile, step_metrics, weight_average
+from trainer import aux_state, early_stopping, loss_scale, memory, precompile, step_metrics, tasks, weight_average
 from trainer import hooks as H
 from trainer.activations import ActivationNorms
 from trainer.flops import peak_flops
@@ -118,6 +118,7 @@ def build_trainer(run: RunConfig, source: Source | None = None, schedule: optax.
     docs = source_documents(run.dataset.source, run.tokenizer.needs_documents, run.config_dict["tokenizer"]["name"])
     tokenizer = init_tokenizer(run, docs[0] if docs else None)
     run = resolve_vocab(run, tokenizer.vocab_size)
+    score_tasks = tasks.scorer(run, tokenizer, mesh)  # eval.tasks read and checked before anything compiles
     check_memory(run, mesh)  # before the data is read and anything compiles
     data = init_data(run, tokenizer, docs, source.data_state if source is not None else None)
     schedule, tx, state, train_step = init_training(run, mesh, source, schedule=schedule)
@@ -126,7 +127,7 @@ def build_trainer(run: RunConfig, source: Source | None = None, schedule: optax.
     view = eval_view(run.optimizer.hparams) or (weight_average.eval_view(run.train)
                                                 if weight_average.NAME in state.metric_states else None)
     return Trainer(run, mesh, tokenizer, data, schedule, tx, state, train_step, make_evaluate(run, data.val, mesh),
-                   view)
+                   view, score_tasks)
 
 
 def check_memory(run: RunConfig, mesh) -> None:
@@ -200,6 +201,9 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
     if not t.skip_validation:
         hooks.append(H.Evaluation(trainer.evaluate, t.val_freq, t.max_steps, t.val_at_start, t.val_at,
                                   raw=t.weight_average != "none"))  # val/loss_raw beside the average's val/loss
+    if trainer.score_tasks:  # eval/<task>/... (eval.tasks)
+        hooks.append(tasks.TaskEvaluation(trainer.score_tasks, run.eval.every, t.val_freq, t.max_steps, t.val_at_start,
+                                          t.val_at))
     saver = (Checkpointer(ck, run.config_dict, dataclasses.asdict(run.model), warn, trainer.eval_view,
                           frozen_base(trainer, source)) if ck.save else None)
     # Opened last, so a hook that fails to build leaves no open file, bar or wandb run behind.
@@ -250,16 +254,18 @@ def run_training(run: RunConfig, run_dir: str, source: Source | None = None) -> 
     run, ck = trainer.run, run.checkpoint
     start = int(trainer.state.step)
     end = min(run.train.max_steps, start + (ck.num_steps or run.train.max_steps))
-    announce(run, trainer.state, trainer.mesh, trainer.data, run_dir, models.count_params(trainer.state.model), source)
+    num_params = models.count_params(trainer.state.model)
+    announce(run, trainer.state, trainer.mesh, trainer.data, run_dir, num_params, source)
     if start >= run.train.max_steps:
         say(f"nothing to train: the run is at step {start} = train.max_steps")
         return dict(source.manifest.get("metrics", {})) if source else {}
     precompile.compile_ahead(trainer, start, end)  # in a background thread, while the start hooks run
     ctx = H.LoopContext(start, end, trainer.state, trainer.data.train, eval_view=trainer.eval_view)
     # Logged once, with the first record: the data stream's fingerprint and what the source counted, the
-    # device the step times were measured on, and the start-up time (below).
+    # device the step times were measured on, the parameter count (a comparison's size ladder reads it), and the
+    # start-up time (below).
     ctx.add({**diagnostics.state_bytes_metric(trainer.state.opt_state), "data/fingerprint": trainer.data.fingerprint,
-             **trainer.data.info, "time/device": jax.devices()[0].device_kind})
+             **trainer.data.info, "time/device": jax.devices()[0].device_kind, "model/params": num_params})
     with StopSignals(catch_interrupt=ck.save_on_interrupt) if ck.save else contextlib.nullcontext() as stop_signals:
         hooks = make_hooks(run, trainer, run_dir, stop_signals, source)
         ctx.add({"time/startup_sec": H.clock() - began})

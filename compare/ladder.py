@@ -293,6 +293,7 @@ def ladder_ttt(w, ladders: dict[str, Ladder], reps: dict[str, np.ndarray], refer
                 sp.append(ratio((theirs["steps"], theirs["flag"]), (mine["steps"], mine["flag"])))
         t["steps_ci"] = interval(np.array([v for v, _ in steps]), [f for _, f in steps]) if steps else None
         t["speedup_ci"] = interval(np.array([v for v, _ in sp]), [f for _, f in sp]) if sp else None
+        t["speedup_draws"] = sp  # per resample (value, flag): compare/sizes.py fits its trend across sizes on them
     return out
 
 
@@ -380,7 +381,7 @@ def deff_table(ladders: dict[str, Ladder], reps: dict[str, np.ndarray], referenc
     (value, flag, interval or None)]}}."""
     ref = ladders[reference]
     reader, sh, law, why = make_reader(ref.frontier_tokens(), ref.mean, ref.se, True)
-    out = {"reader": reader, "shape": sh, "law": law, "why": why, "cells": {}}
+    out = {"reader": reader, "shape": sh, "law": law, "why": why, "cells": {}, "draws": {}}
     if reader is None:
         return out
     used_fit = reader.law is not None
@@ -388,17 +389,19 @@ def deff_table(ladders: dict[str, Ladder], reps: dict[str, np.ndarray], referenc
     readers = [reader_of(ref, reps[reference][k], used_fit) for k in range(draws)]
     for o, lad in ladders.items():
         toks = lad.frontier_tokens()
-        cells = []
+        cells, out["draws"][o] = [], []  # draws: per budget, per resample (value, flag) (compare/sizes.py)
         for j in range(len(lad.budgets)):
             d = toks[j]
             if math.isnan(lad.mean[j]) or not math.isfinite(d):
                 cells.append((math.nan, "?", None))
+                out["draws"][o].append([])
                 continue
             val, flag = _deff_ratio(reader, lad.mean[j], d)
             sample = [(_deff_ratio(r, reps[o][k][j], d) if r is not None else (math.nan, "?"))
                       for k, r in enumerate(readers)]
             iv = interval(np.array([v for v, _ in sample]), [f for _, f in sample]) if sample else None
             cells.append((val, flag, iv))
+            out["draws"][o].append(sample)
         out["cells"][o] = cells
     return out
 

@@ -161,6 +161,32 @@ def same_order(plan_json: dict) -> dict:
     return out
 
 
+EVALUATION = "evaluation"  # compare.json's record of the evaluation phase (seeds.eval), added once it starts
+# Knobs whose change alters runs already made (their schedules, data or length): a comparison cannot grow by them.
+FIXED_KNOBS = ("budgets", "warmup", "cooldown_fraction", "cooldown_shape", "data_seed", "seeds_vary_data", "val_every")
+
+
+def growth_refused(planned: dict, wanted: dict, evaluated: bool) -> str | None:
+    """None when `wanted` (this command's plan, same_order'd) grows `planned` (the directory's): the
+    same run overrides and fixed knobs, and every run planned before planned alike (more seeds,
+    optimizers, lrs, sweep values or workloads add runs beside them); else what differs."""
+    if planned.get("run_overrides") != wanted.get("run_overrides"):
+        return "its run_overrides differ from this command's"
+    old_knobs, new_knobs = planned.get("knobs") or {}, wanted.get("knobs") or {}
+    fixed = next((k for k in FIXED_KNOBS if k in old_knobs and old_knobs[k] != new_knobs.get(k)), None)
+    if fixed:
+        return (f"its {fixed} differ from this command's, which would change the runs already made; a comparison "
+                "grows by seeds, optimizers, lrs, sweep values and workloads only")
+    runs = {r["id"]: r for r in wanted.get("runs", [])}
+    changed = next((r["id"] for r in planned.get("runs", []) if runs.get(r["id"]) != r), None)
+    if changed:
+        return f"its runs differ from this command's: {changed} is not planned alike"
+    if evaluated:
+        return ("its evaluation phase (seeds.eval) has chosen its settings already, so it cannot grow; its runs "
+                "differ from this command's")
+    return None
+
+
 def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) -> None:
     """Write compare.json, or check that the one there is this plan's; then a run.json for every
     run of the plan (and of `runs`, lr.extend's) not there yet."""
@@ -182,18 +208,23 @@ def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) ->
         wanted["knobs"] = {k: v for k, v in wanted.get("knobs", {}).items()
                            if k in recorded or k not in defaults or v != defaults[k]}
         if planned != wanted:
-            what = next((k for k in wanted if planned.get(k) != wanted[k]), "runs")
-            raise ConfigError(f"{path} holds another comparison (its {what} differ from this command's): rerun "
-                              "the command that made it to continue it, or choose a new dir=")
-        if not sessions or _setup(sessions[-1]) != _setup(session):  # a continuation on other code or machine
+            refused = growth_refused(planned, wanted, EVALUATION in have)
+            if refused:
+                raise ConfigError(f"{path} holds another comparison ({refused}): rerun the command that made it to "
+                                  "continue it, or choose a new dir=")
+            # it grows: every run planned before is planned alike; the new plan (with the old runs) replaces it
+            new = len(wanted.get("runs", [])) - len(planned.get("runs", []))
+            print(f"compare: {compare_dir} grows by {new} runs (more seeds, optimizers, lrs, sweep values or "
+                  "workloads); its runs done before are kept")
+            have = {**{k: v for k, v in have.items() if k not in want}, **want}
+            write_json(path, {**have, PROVENANCE: [*sessions, session] if not sessions or
+                              _setup(sessions[-1]) != _setup(session) else sessions})
+        elif not sessions or _setup(sessions[-1]) != _setup(session):  # a continuation on other code or machine
             write_json(path, {**have, PROVENANCE: [*sessions, session]})
     for run in (*plan.runs, *runs):  # the whole plan is on disk before the first run starts
         json_path = os.path.join(run_dir(compare_dir, run.id), RUN_JSON)
         if not os.path.exists(json_path):
             write_json(json_path, _record(run, run_overrides(run, compare_dir), "planned"))
-
-
-EVALUATION = "evaluation"  # compare.json's record of the evaluation phase (seeds.eval), added once it starts
 
 
 def record_evaluation(plan: Plan, compare_dir: str, chosen: dict,

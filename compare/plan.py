@@ -37,6 +37,7 @@ import shlex
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from compare.tune import TUNE, Space, coordinate_path, start_value
 from optimizer import OPTIMIZERS
 from optimizer.schedules import DECAY_SHAPES
 from utils.errors import ConfigError
@@ -48,7 +49,8 @@ WORKLOAD = "default"  # the workload's name when `workloads` is empty
 CONTROLLED = {
     "optimizer": "optimizers=[...]",
     "optimizer/lr_config": "cooldown.shape (the schedules are the comparison's)",
-    "optimizer.lr_config": "lr.points, lr.factor, lr.grid.<optimizer>, warmup and cooldown.*",
+    "optimizer.lr_config": "lr.points, lr.factor, lr.grid.<optimizer>, warmup and cooldown.* (in a workload, "
+                           "lr.<optimizer>=X centres that optimizer's grid there)",
     "optimizer.name": "optimizers=[...]",
     "random_seed": "seeds.tune=K seeds.eval=M (random_seed 0..K+M-1)",
     "data_seed": "the comparison's data_seed (and seeds.vary_data=true)",
@@ -94,8 +96,12 @@ class CompareConfig:
     lr_extend_max: int = 2  # at most this many added lrs per optimizer and workload
     sweep: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # (optimizer knob, its values), crossed with the lrs
     workloads: tuple[tuple[str, tuple[str, ...]], ...] = ((WORKLOAD, ()),)  # (name, its run overrides)
+    workload_lr: tuple[tuple[str, str, float], ...] = ()  # (workload, optimizer, lr): its grid's centre there
     val_every: int | None = None  # train.val_freq of every run; None: the runs' own (conf/train.yaml's)
     baseline: str | None = None  # the optimizer the report is relative to; None: adamw if compared, else the first
+    tune: str = "grid"  # grid: every lr x sweep combination; coordinate: compare/tune.py's coordinate descent
+    coordinate_threshold: float = 1e-3  # tune=coordinate: a move must lower the mean final loss by more than this
+    coordinate_max_trials: int | None = None  # tune=coordinate: at most this many settings per optimizer (None: no cap)
 
     def sweep_of(self, optimizer: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
         """The sweep an optimizer's lrs are crossed with: the shared `sweep.<knob>` values and its own
@@ -105,8 +111,10 @@ class CompareConfig:
         return tuple(sorted(shared + own))
 
     def trials(self, optimizer: str) -> int:
-        """Settings an optimizer is tuned over: its lrs times its sweep's combinations."""
-        return self.lr_points * math.prod(len(v) for _, v in self.sweep_of(optimizer))
+        """Settings an optimizer is tuned over: its lrs times its sweep's combinations (with
+        tune=coordinate, the most it may try: the search usually stops well before)."""
+        every = self.lr_points * math.prod(len(v) for _, v in self.sweep_of(optimizer))
+        return every if self.coordinate_max_trials is None else min(every, self.coordinate_max_trials)
 
     def branch_step(self, budget: int) -> int:
         """round((1 - cooldown.fraction)·S): the trunk's step a budget's branch starts from."""
@@ -136,6 +144,7 @@ class Plan:
     knobs: CompareConfig
     run_overrides: tuple[str, ...]  # the user's overrides, passed to every run
     runs: tuple[PlannedRun, ...]  # in the order they run: each trunk, then its branches
+    spaces: tuple[tuple[tuple[str, str], Space], ...] = ()  # tune=coordinate: ((workload, optimizer), its space)
 
     def to_json(self) -> dict:
         """compare.json's content (without paths: the same command plans the same comparison)."""
@@ -146,7 +155,10 @@ class Plan:
         for key in ("optimizers", "budgets"):
             knobs[key] = list(knobs[key])
         runs = [run_json(r) for r in self.runs]
-        return {"knobs": knobs, "run_overrides": list(self.run_overrides), "runs": runs}
+        out = {"knobs": knobs, "run_overrides": list(self.run_overrides), "runs": runs}
+        if self.spaces:  # where each coordinate search starts and what it varies (the report replays it)
+            out["search"] = [{"workload": w, "optimizer": o, **space.to_json()} for (w, o), space in self.spaces]
+        return out
 
 
 def run_json(run: PlannedRun) -> dict:
@@ -189,7 +201,7 @@ def compare_config(node: dict) -> CompareConfig:
     """conf/compare.yaml's composed knobs -> CompareConfig, or one ConfigError line naming the knob."""
     node = dict(node)
     known = {"optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
-             "val_every", "baseline", *EXECUTION}
+             "val_every", "baseline", "tune", "coordinate", *EXECUTION}
     unknown = sorted(set(node) - known)
     if unknown:
         raise ConfigError(f"unknown comparison knob {unknown[0]!r}: the knobs are {', '.join(sorted(known))}")
@@ -232,7 +244,30 @@ def compare_config(node: dict) -> CompareConfig:
     shape = cooldown.get("shape", "1-sqrt")
     if shape not in DECAY_SHAPES:
         raise ConfigError(f"cooldown.shape={shape!r} must be one of {', '.join(DECAY_SHAPES)}")
+    workloads, centres = _workloads(node.get("workloads") or {}, optimizers)
+    explicit = {opt for opt, _ in grid}
+    both = next(((w, o) for w, o, _ in centres if o in explicit), None)
+    if both:
+        raise ConfigError(f"workloads.{both[0]} sets lr.{both[1]} and lr.grid.{both[1]} gives its lrs: give one (an "
+                          "explicit grid is every workload's)")
+    strategy = node.get("tune", "grid")
+    if strategy not in TUNE:
+        raise ConfigError(f"tune={strategy!r} must be one of {', '.join(TUNE)}: grid tries every lr x sweep setting, "
+                          "coordinate varies one knob at a time around the best so far (docs/compare.md)")
+    if strategy == "coordinate" and extend:
+        raise ConfigError("lr.extend=true and tune=coordinate: the coordinate search keeps to the lr grid; give a "
+                          "wider grid (lr.points, lr.factor or lr.grid.<optimizer>) and set lr.extend=false")
+    coordinate = dict(node.get("coordinate") or {})
+    _known(coordinate, {"threshold", "max_trials"}, "coordinate",
+           "coordinate knobs are coordinate.threshold, coordinate.max_trials")
+    threshold = _float(coordinate.get("threshold", 1e-3), "coordinate.threshold")
+    if threshold < 0:
+        raise ConfigError(f"coordinate.threshold={threshold} must be >= 0: the loss drop a move must exceed")
+    max_trials = coordinate.get("max_trials")
+    if max_trials is not None:
+        max_trials = _int(max_trials, "coordinate.max_trials", 1, "the most settings tried per optimizer, or null")
     knobs = CompareConfig(
+        tune=strategy, coordinate_threshold=threshold, coordinate_max_trials=max_trials,
         optimizers=tuple(optimizers), budgets=tuple(budgets), lr_points=points, lr_factor=factor,
         lr_grid=tuple(sorted(grid)),
         seeds=tune, seeds_eval=evaluate, seeds_vary_data=vary_data,
@@ -240,7 +275,7 @@ def compare_config(node: dict) -> CompareConfig:
         warmup=_int(node.get("warmup", 0), "warmup", 0, "linear warmup steps of every run"),
         cooldown_fraction=fraction, cooldown_shape=shape, lr_extend=extend,
         lr_extend_max=_int(lr.get("extend_max", 2), "lr.extend_max", 1, "lrs lr.extend may add per optimizer"),
-        sweep=_sweep(node.get("sweep") or {}, optimizers), workloads=_workloads(node.get("workloads") or {}),
+        sweep=_sweep(node.get("sweep") or {}, optimizers), workloads=workloads, workload_lr=centres,
         baseline=_baseline(node.get("baseline"), optimizers),
         val_every=None if node.get("val_every") is None else _int(
             node["val_every"], "val_every", 1, "evaluate every N steps besides the branch points and budgets"))
@@ -350,9 +385,11 @@ def _sweep(node: dict, optimizers: list[str]) -> tuple[tuple[str, tuple[Any, ...
 WORKLOAD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*(_[A-Za-z0-9.-]+)*")
 
 
-def _workloads(node: dict) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """workloads.<name>=[overrides] (or one string of space-separated overrides) -> ((name, overrides), ...)."""
-    out = []
+def _workloads(node: dict, optimizers: list[str]) -> tuple[tuple[tuple[str, tuple[str, ...]], ...],
+                                                            tuple[tuple[str, str, float], ...]]:
+    """workloads.<name>=[overrides] (or one string of space-separated overrides) -> ((name, overrides), ...),
+    and the lr centres its `lr.<optimizer>=X` items give ((name, optimizer, X), ...)."""
+    out, centres = [], []
     for name, overrides in sorted(dict(node).items()):
         knob = f"workloads.{name}"
         if not WORKLOAD_NAME.fullmatch(str(name)):
@@ -365,9 +402,27 @@ def _workloads(node: dict) -> tuple[tuple[str, tuple[str, ...]], ...]:
         if not isinstance(overrides, (list, tuple)) or any(not isinstance(o, str) or "=" not in o for o in overrides):
             raise ConfigError(f"{knob}={overrides!r} must be a list of run overrides, e.g. "
                               f"'{knob}=[model.dim=64,dataset.batch_size=16]'")
+        runs = []
+        for item in overrides:
+            key, value = item.split("=", 1)
+            if not key.startswith("lr."):
+                runs.append(item)
+                continue
+            opt = key[3:]
+            if opt not in optimizers:
+                raise ConfigError(f"{knob}: {item}: lr.<optimizer>=X centres an optimizer's lr grid in this workload; "
+                                  f"{opt!r} is not one of optimizers={optimizers}")
+            try:
+                lr = float(value)
+            except ValueError:
+                lr = math.nan
+            if not lr > 0 or math.isinf(lr):
+                raise ConfigError(f"{knob}: {item}: the lr must be a positive number, e.g. lr.{opt}=1e-3")
+            centres.append((str(name), opt, lr))
+        overrides = runs
         check_run_overrides(overrides, knob)
         out.append((str(name), tuple(overrides)))
-    return tuple(out) or ((WORKLOAD, ()),)
+    return tuple(out) or ((WORKLOAD, ()),), tuple(centres)
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -403,8 +458,39 @@ def base_lrs(optimizers: tuple[str, ...], run_overrides: tuple[str, ...] = ()) -
 
 
 def workload_lrs(knobs: CompareConfig, run_overrides: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
-    """base_lrs per workload (a workload's overrides may change an optimizer's yaml lr)."""
-    return {name: base_lrs(knobs.optimizers, (*run_overrides, *extra)) for name, extra in knobs.workloads}
+    """base_lrs per workload (a workload's overrides may change an optimizer's yaml lr), or the
+    workload's own `lr.<optimizer>=X` centre."""
+    out = {name: base_lrs(knobs.optimizers, (*run_overrides, *extra)) for name, extra in knobs.workloads}
+    for name, opt, lr in knobs.workload_lr:
+        out[name][opt] = lr
+    return out
+
+
+def start_values(knobs: CompareConfig, run_overrides: tuple[str, ...] = ()) -> dict[tuple[str, str], dict[str, Any]]:
+    """tune=coordinate: per (workload, optimizer), the optimizer's own value of its lr and of each
+    knob it sweeps, as a run of that workload composes them (where its coordinate search starts)."""
+    from omegaconf import OmegaConf
+
+    from utils.config import compose_overrides
+
+    out = {}
+    for name, extra in knobs.workloads:
+        for opt in knobs.optimizers:
+            cfg = compose_overrides([*run_overrides, *extra, f"optimizer={opt}"], job_name="compare")
+            values = {"lr": dict(((w, o), lr) for w, o, lr in knobs.workload_lr).get(
+                (name, opt), float(cfg.optimizer.lr_config.lr))}
+            for knob, _ in knobs.sweep_of(opt):
+                values[knob] = OmegaConf.select(cfg.optimizer, knob)
+            out[(name, opt)] = values
+    return out
+
+
+def search_space(knobs: CompareConfig, optimizer: str, base_lr: float, own: dict[str, Any] | None = None) -> Space:
+    """tune=coordinate: the lr grid, then each swept knob's values; the search starts at the
+    optimizer's own values (`own`: start_values's) where the axes list them, else at their middle."""
+    axes = (("lr", lr_grid(knobs, optimizer, base_lr)), *knobs.sweep_of(optimizer))
+    own = {"lr": base_lr, **(own or {})}
+    return Space(axes, tuple(start_value(values, own.get(knob)) for knob, values in axes))
 
 
 def lr_grid(knobs: CompareConfig, optimizer: str, base_lr: float) -> tuple[float, ...]:
@@ -501,20 +587,52 @@ def _check_ids(runs: list[PlannedRun]) -> None:
 
 
 def make_plan(knobs: CompareConfig, run_overrides: list[str] | tuple[str, ...],
-              lrs: dict[str, float] | dict[str, dict[str, float]]) -> Plan:
+              lrs: dict[str, float] | dict[str, dict[str, float]],
+              starts: dict[tuple[str, str], dict[str, Any]] | None = None) -> Plan:
     """The comparison's runs, each trunk followed by its branches. `lrs`: each optimizer's yaml lr,
-    or per workload name such a mapping (workload_lrs)."""
+    or per workload name such a mapping (workload_lrs). With tune=coordinate, the runs of each
+    search's first axis (the lr grid at its start; `starts`: start_values's), the rest as the
+    results come (coordinate_runs)."""
     run_overrides = tuple(run_overrides)
     check_run_overrides(run_overrides)
     runs: list[PlannedRun] = []
+    spaces = []
     for workload, _ in knobs.workloads:
         defaults, overrides = _workload_overrides(knobs, run_overrides, workload)
         base = lrs[workload] if isinstance(lrs.get(workload), dict) else lrs
         for opt in knobs.optimizers:
+            if knobs.tune == "coordinate":
+                space = search_space(knobs, opt, base[opt], (starts or {}).get((workload, opt)))
+                spaces.append(((workload, opt), space))
+                runs += _cell_runs(knobs, workload, opt, space, coordinate_path(
+                    space, lambda cell: None, knobs.coordinate_threshold, knobs.coordinate_max_trials).todo,
+                    overrides, defaults)
+                continue
             for lr in lr_grid(knobs, opt, base[opt]):
                 runs += _setting_runs(knobs, workload, opt, lr, overrides, defaults)
     _check_ids(runs)
-    return Plan(knobs, run_overrides, tuple(runs))
+    return Plan(knobs, run_overrides, tuple(runs), tuple(spaces))
+
+
+def _cell_runs(knobs: CompareConfig, workload: str, optimizer: str, space: Space, cells, overrides, defaults
+               ) -> list[PlannedRun]:
+    """The runs of coordinate-search cells: per cell, its trunk and branches on every tuning seed."""
+    return [run for cell in cells for run in _setting_runs(knobs, workload, optimizer, float(cell[0]), overrides,
+                                                           defaults, [space.sweep(cell)])]
+
+
+def coordinate_runs(plan: Plan, loss_of) -> tuple[PlannedRun, ...]:
+    """tune=coordinate: the runs of the cells each search asks for next, replaying it on the
+    results so far (`loss_of(workload, optimizer, space)` -> a cell's mean loss or None, tune.cell_losses);
+    () when every search has ended."""
+    runs: list[PlannedRun] = []
+    for (workload, opt), space in plan.spaces:
+        path = coordinate_path(space, loss_of(workload, opt, space), plan.knobs.coordinate_threshold,
+                               plan.knobs.coordinate_max_trials)
+        defaults, overrides = _workload_overrides(plan.knobs, plan.run_overrides, workload)
+        runs += _cell_runs(plan.knobs, workload, opt, space, path.todo, overrides, defaults)
+    _check_ids(runs)
+    return tuple(runs)
 
 
 def extension_lr(grid: list[float], best: float | None, base_grid: tuple[float, ...], most: int) -> float | None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from compare import ladder, significance, stats
+from compare import ladder, significance, sizes, stats, tune
 from utils.errors import DataError
 from utils.files import atomic_write
 from utils.logging.metrics_file import read_metrics as _read_metrics
@@ -362,6 +362,11 @@ def f_num(x: float, spec: str) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def f_value(v) -> str:
+    """A searched knob's value: an lr or float as %g, anything else as itself."""
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
 def f_lr(lr) -> str:
     return "–" if lr is None else f"{float(lr):.4g}"
 
@@ -541,7 +546,7 @@ def section_summary(w: Workload, h: str, extend: dict | None = None) -> list[str
     out += ["Trials (the settings each optimizer was tuned over: lrs × sweep values, lr.extend's included): "
             + ", ".join(f"{o} {n}" for o, n in trials.items())
             + ("." if len(set(trials.values())) <= 1 else " (**not the same for every optimizer**: "
-               "sweep.<optimizer>.<knob> or lr.extend gave some more).") , ""]
+               "sweep.<optimizer>.<knob>, lr.extend or tune=coordinate's search gave some more).") , ""]
     if notes:
         out += ["Edge of the grid:", "", *notes, ""]
     return out
@@ -562,6 +567,50 @@ def section_sweep(w: Workload, h: str) -> list[str]:
             rows.append([o + (" *" if st == w.best_setting[o] else ""), *(values.get(k, "–") for k in w.knobs),
                          f_lr(lr), f_loss(loss)])
     return out + table(["optimizer", *w.knobs, "best lr", "final val/loss"], rows)
+
+
+def attach_search(w: Workload, recorded: dict) -> None:
+    """tune=coordinate: w.search[optimizer] = the coordinate search's path, replayed from compare.json's
+    "search" (each space) and the results, as compare.py replayed it to choose its runs."""
+    knobs = recorded.get("knobs") or {}
+    spaces = [e for e in recorded.get("search") or [] if e.get("workload") == w.name and e.get("optimizer")]
+    if not spaces or not knobs.get("budgets"):
+        return
+    loss_of = tune.cell_losses({w.name: w}, int(knobs.get("seeds") or 1), max(knobs["budgets"]))
+    w.search = {}
+    for entry in spaces:
+        space = tune.Space.from_json(entry)
+        w.search[entry["optimizer"]] = (space, tune.coordinate_path(
+            space, loss_of(w.name, entry["optimizer"], space), float(knobs.get("coordinate_threshold", 0.0)),
+            knobs.get("coordinate_max_trials")))
+
+
+def section_search(w: Workload, h: str) -> list[str]:
+    """tune=coordinate: each optimizer's search, one row per knob varied: the values tried with their
+    mean final val/loss at the largest budget, and the setting kept."""
+    paths = getattr(w, "search", {})
+    if not paths:
+        return []
+    out = [f"{h} Tuning path (tune=coordinate)", "",
+           f"Coordinate descent (Wen et al. 2025): per round, each knob in turn is varied with the others held at the "
+           f"best setting so far; a value is kept when its mean final val/loss over the tuning seeds at the largest "
+           f"budget ({w.largest}) beats the kept one by more than coordinate.threshold. (*) marks the value kept.", ""]
+    for o in w.optimizers:
+        if o not in paths:
+            continue
+        space, path = paths[o]
+        names = [k for k, _ in space.axes]
+        rows = []
+        for st in path.steps:
+            kept = st.after[names.index(st.axis)]
+            rows.append([o, str(st.round), st.axis, ", ".join(
+                f"{f_value(v)}: {f_num(x, '.4f')}{' (*)' if v == kept else ''}" for v, x in st.tried),
+                "moved" if st.moved else "kept"])
+        out += table(["optimizer", "round", "knob", "value: mean final val/loss", "incumbent"], rows)
+        final = ", ".join(f"{k}={f_value(v)}" for k, v in zip(names, path.incumbent))
+        out += [f"{o}: {path.trials} settings tried; {path.stop or 'still running (rerun the command to continue)'}; "
+                f"setting: {final}.", ""]
+    return out
 
 
 def section_special(runs: dict[str, Run]) -> list[str]:
@@ -984,6 +1033,108 @@ def section_profiles(workloads: list[Workload], compare_dir: str, into: dict | N
     return out
 
 
+def _f_trend(t: dict | None) -> str:
+    if t is None:
+        return "–"
+    iv = t["slope_interval"]
+    return f"{t['slope']:+.3f}" + (f" {f_iv(iv)}" if iv else "") + ladder._unknown(iv)
+
+
+def f_params(n: float) -> str:
+    """A parameter count as 8.94k, 124M, 1.2B (3 significant digits)."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def f_iv(iv) -> str:
+    """An interval as the ladder tables print it ([lo, hi], a bound's flag kept)."""
+    return ladder.f_interval(iv, ".3f") if iv else "–"
+
+
+def section_sizes(lad: dict | None, compare_dir: str) -> list[str]:
+    """The workloads as a model-size ladder (compare/sizes.py): speedup against parameters, its trend, the best lrs."""
+    if lad is None:
+        return []
+    ref, sized = lad["reference"], lad["workloads"]
+    out = ["## Across model sizes", "",
+           f"The workloads as model sizes (their runs' `model/params`). Per optimizer and size, the speedup over {ref} "
+           "the workload's sections print: time to target on the budget ladder, and D_eff/D at the largest budget, "
+           f"each with its {ladder.LEVEL:.0%} bootstrap interval; then the trend: the least-squares line of the "
+           "speedup against log10(parameters), its slope the change per 10× parameters, with an interval from the "
+           "sizes' resamples joined draw by draw (a draw where a size's value is a bound has no slope, and is "
+           "counted).", "",
+           "![speedup against model size](speedup_vs_size.png)", ""]
+    rows = []
+    for o, row in lad["optimizers"].items():
+        for key, label in (("ttt", "time-to-target speedup"), ("deff", "D_eff/D at S_max")):
+            if key in row:
+                cells = [f"{ladder.f_bounded(*v, '.3f')} {f_iv(iv)}" for v, iv, _ in row[key]["per_size"]]
+                rows.append([o, label, *cells, _f_trend(row[key]["trend"])])
+    out += table(["optimizer", "speedup", *(f"{name} ({f_params(n)})" for name, n in sized), "slope per 10× params"],
+                 rows)
+    out += ["Best lr per size (the lowest mean final val/loss at the size's largest budget) and the exponent e of "
+            "the least-squares fit lr ∝ N^e (0: the lr transfers across sizes).", ""]
+    out += table(["optimizer", *(name for name, _ in sized), "e"],
+                 [[o, *(f_lr(row["lr"][name]) for name, _ in sized), f_num(row["lr_exponent"], "+.3f")]
+                  for o, row in lad["optimizers"].items()])
+    plot_sizes(lad, os.path.join(compare_dir, "speedup_vs_size.png"))
+    return out
+
+
+def plot_sizes(lad: dict, path: str) -> None:
+    """Speedup against parameters per optimizer (time to target: filled; D_eff/D: hollow), error bars
+    the intervals, and each trend line."""
+    fig, ax = _figure()
+    params = np.array([n for _, n in lad["workloads"]], float)
+    names = list(lad["optimizers"])
+    colours = _colours(names)
+    xs = np.geomspace(params.min(), params.max(), 50)
+    for o, row in lad["optimizers"].items():
+        for key, marker, label in (("ttt", "o", "time to target"), ("deff", "s", "D_eff/D")):
+            if key not in row:
+                continue
+            per = row[key]["per_size"]
+            ok = [i for i, ((v, f), _, _) in enumerate(per) if f != "?" and math.isfinite(v)]
+            if not ok:
+                continue
+            y = np.array([per[i][0][0] for i in ok])
+            lo = np.array([per[i][1][0] if per[i][1] else np.nan for i in ok])
+            hi = np.array([per[i][1][2] if per[i][1] else np.nan for i in ok])
+            err = np.vstack([np.where(np.isfinite(lo), np.maximum(y - lo, 0), 0),
+                             np.where(np.isfinite(hi), np.maximum(hi - y, 0), 0)])
+            ax.errorbar(params[ok], y, yerr=err, fmt=marker, color=colours[o], capsize=3,
+                        mfc=colours[o] if key == "ttt" else "none", label=f"{o}: {label}")
+            t = row[key]["trend"]
+            if t is not None:
+                ax.plot(xs, t["intercept"] + t["slope"] * np.log10(xs), color=colours[o],
+                        linestyle="-" if key == "ttt" else "--", linewidth=1)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel(f"speedup over {lad['reference']}")
+    ax.set_title("Speedup against model size")
+    _legend_or_note(ax, "no speedup with a value")
+    _save(fig, path)
+
+
+def sizes_json(lad: dict) -> dict:
+    """summary.json's "sizes": the numbers section_sizes prints."""
+    out = {"params": dict(lad["workloads"]), "reference": lad["reference"], "optimizers": {}}
+    for o, row in lad["optimizers"].items():
+        x: dict = {"best_lr": row["lr"], "lr_exponent": row["lr_exponent"]}
+        for key, name in (("ttt", "time_to_target_speedup"), ("deff", "d_eff_over_d")):
+            if key in row:
+                t = row[key]["trend"]
+                x[name] = {"per_size": {wn: {"value": v, "flag": f, "interval": _interval_json(iv)}
+                                        for (wn, _), ((v, f), iv, _) in zip(lad["workloads"], row[key]["per_size"])},
+                           "slope": t["slope"] if t else None, "intercept": t["intercept"] if t else None,
+                           "slope_interval": _interval_json(t["slope_interval"]) if t else None}
+        out["optimizers"][o] = x
+    return out
+
+
 def load_workloads(compare_dir: str, target: float | None = None) -> list[Workload]:
     """The comparison under `compare_dir` read back: a Workload per workload name (sorted), each
     with its results and target. DataError: no runs, or a workload whose runs' data fingerprints differ."""
@@ -1103,6 +1254,8 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
         for r in recorded.get("runs", []):  # the plan's own lrs: lr.extend's are not in it
             base[(r.get("workload"), r.get("optimizer"))].add(float(r.get("lr")))
         extend = {"on": knobs.get("lr_extend"), "max": knobs.get("lr_extend_max", 0), "base": dict(base)}
+        for w in workloads:
+            attach_search(w, recorded)
     names = [w.name for w in workloads]
     fingerprint = ", ".join(f"{n}: {fingerprints[n] or 'not logged'}" for n in names) if len(names) > 1 else (
         fingerprints[names[0]] or "not logged")
@@ -1139,6 +1292,7 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
         plot_curves(w, "seconds", os.path.join(compare_dir, sec))
         lines += section_summary(w, h, extend)
         lines += section_sweep(w, h)
+        lines += section_search(w, h)
         lines += section_sensitivity(w, h, sens)
         lines += [f"{h} Curves at the best lr", "", "val/loss of every seed at each optimizer's best lr and the "
                   "largest budget: the trunk, then the cooldown branch.", "", f"![vs tokens]({tok})", "",
@@ -1149,7 +1303,10 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
         lines += section_cost(w, h)
     profiles: dict = {}
     lines += section_profiles(workloads, compare_dir, profiles)
-    write_summary(compare_dir, summary_of(runs, workloads, tests, planned, profiles))
+    size_ladder = sizes.ladder_of(workloads)
+    lines += section_sizes(size_ladder, compare_dir)
+    write_summary(compare_dir, {**summary_of(runs, workloads, tests, planned, profiles),
+                                **({"sizes": sizes_json(size_ladder)} if size_ladder else {})})
     path = os.path.join(compare_dir, "report.md")
     with atomic_write(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -1219,6 +1376,11 @@ def workload_summary(w: Workload, tests: dict[tuple[str, str], Test]) -> dict:
             if best is not None else {}
         x["sensitivity"] = [{"lr": lr, **_mean_json(w.losses[(o, lr, w.largest)], w.planned.get((o, lr, w.largest), 0))}
                             for lr in w.grid[o]]
+        space, path = getattr(w, "search", {}).get(o, (None, None))
+        if path is not None:
+            x["search"] = {"trials": path.trials, "stop": path.stop or "running", "incumbent": list(path.incumbent),
+                           "steps": [{"round": st.round, "knob": st.axis, "tried": [[v, loss] for v, loss in st.tried],
+                                      "before": list(st.before), "after": list(st.after)} for st in path.steps]}
         if w.knobs:
             x["sweep"] = [{"setting": dict(st), "best_lr": w.setting_best(o, st)[1], "loss": w.setting_best(o, st)[0]}
                           for st in w.settings[o]]

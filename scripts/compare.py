@@ -4,12 +4,13 @@
     python scripts/compare.py optimizers=[adamw,muon] budgets=[100,200,400] seeds.tune=2 seeds.eval=5
     python scripts/compare.py optimizers=[adamw,sgdm] budgets=[20,40] lr.points=2 warmup=4 \\
         model.dim=32 dataset.batch_size=8          # any other override goes to every run
+    python scripts/compare.py optimizers=[adamw,muon] budgets=[200,400] tune=coordinate sweep.weight_decay=[0,0.1]
     python scripts/compare.py ... dir=comparisons/2026-12-01_10-00-00   # continue an interrupted comparison
     python scripts/compare.py --report comparisons/2026-12-01_10-00-00  # rebuild the report from the runs
 
 The comparison's knobs are the top-level keys of conf/compare.yaml (optimizers, budgets, lr.points,
 lr.factor, lr.grid.<optimizer>, seeds.tune, seeds.eval, seeds.vary_data, data_seed, warmup,
-cooldown.fraction, cooldown.shape, dir),
+cooldown.fraction, cooldown.shape, tune, coordinate.threshold, coordinate.max_trials, dir, ...),
 documented there; every other argument is a Hydra override passed to every run, as to
 `train_jax.py`. Per (optimizer, lr, seed) a trunk trains warmup + constant lr and saves at
 0.8·S for each budget S; each budget's branch resumes from that save and decays over the last 0.2·S
@@ -41,7 +42,7 @@ from utils.script_errors import script_error
 
 # conf/compare.yaml's top-level keys: an argument whose key starts with one is a comparison knob.
 COMPARE_KEYS = ("optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
-                "val_every", "baseline", "dir", "save_every", "parallel", "keep_checkpoints")
+                "val_every", "baseline", "tune", "coordinate", "dir", "save_every", "parallel", "keep_checkpoints")
 # Keys of mappings that are empty in conf/compare.yaml: a new key there needs Hydra's `++`.
 OPEN_MAPPINGS = ("lr.grid.", "sweep.", "workloads.")
 
@@ -124,13 +125,14 @@ def build_report(compare_dir: str) -> None:
 
 
 def compare(argv: list[str]) -> int:
-    from compare.plan import compare_config, make_plan, workload_lrs
+    from compare.plan import compare_config, make_plan, start_values, workload_lrs
     from utils.files import user_path
 
     ours, theirs, launcher = split_argv(argv)
     node = compose_knobs(ours)
     knobs = compare_config(node)
-    plan = make_plan(knobs, theirs, workload_lrs(knobs, tuple(theirs)))
+    starts = start_values(knobs, tuple(theirs)) if knobs.tune == "coordinate" else None
+    plan = make_plan(knobs, theirs, workload_lrs(knobs, tuple(theirs)), starts)
     compare_dir = user_path(node.get("dir") or os.path.join(
         "comparisons", datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")))
     save_every = _positive(node.get("save_every"), "save_every")
@@ -145,10 +147,22 @@ def compare(argv: list[str]) -> int:
     print(f"compare: {len(plan.runs)} runs ({sum(r.kind == 'trunk' for r in plan.runs)} trunks) in {compare_dir}; "
           f"to continue it later: the same command with dir={compare_dir}")
     trials = {o: knobs.trials(o) for o in knobs.optimizers}
-    if len(set(trials.values())) > 1:  # sweep.<optimizer>.<knob> gives one optimizer more settings
+    if knobs.tune == "coordinate":
+        print("compare: tune=coordinate: one knob at a time around the best setting so far, at most "
+              + ", ".join(f"{o} {n}" for o, n in trials.items()) + " settings; the report shows each search's path")
+    elif len(set(trials.values())) > 1:  # sweep.<optimizer>.<knob> gives one optimizer more settings
         print("compare: the optimizers are tuned over different numbers of settings (lrs x sweep values): "
               + ", ".join(f"{o} {n}" for o, n in trials.items()) + "; the report states each")
     summaries = [execute(plan, None)]
+    asked: tuple = ()
+    while knobs.tune == "coordinate" and not summaries[-1].interrupted and (extra := coordinate(plan, compare_dir)):
+        if extra == asked:  # their runs ended, yet their results are not there: the report says why
+            print("compare: tune=coordinate: the runs it asked for again have no results (see the report's "
+                  "completeness section); the search stops here")
+            break
+        asked = extra
+        print(f"compare: tune=coordinate: {len(extra)} more runs (the next knob's settings)")
+        summaries.append(execute(plan, extra))
     while knobs.lr_extend and (extra := extension(plan, compare_dir)):
         print(f"compare: lr.extend: {len(extra)} more runs beyond the edge of a grid")
         summaries.append(execute(plan, extra))
@@ -207,6 +221,16 @@ def extension(plan, compare_dir: str):
             if lr is not None:
                 new[(w.name, opt)] = lr
     return extension_runs(plan, new)
+
+
+def coordinate(plan, compare_dir: str):
+    """tune=coordinate: the runs of the settings each search asks for next; () when all have ended."""
+    from compare.plan import coordinate_runs
+    from compare.report import load_workloads
+    from compare.tune import cell_losses
+
+    workloads = {w.name: w for w in load_workloads(compare_dir)}
+    return coordinate_runs(plan, cell_losses(workloads, plan.knobs.seeds, max(plan.knobs.budgets)))
 
 
 def evaluation(plan, compare_dir: str):

@@ -31,7 +31,7 @@ PAGE = os.path.join(ROOT, "docs", "knobs.md")
 # Config groups (a folder of conf/: one option per yaml) and sections (one yaml), in the order
 # the page lists them.
 GROUPS = ("model", "dataset", "tokenizer", "optimizer", "optimizer/lr_config", "objective")
-SECTIONS = ("train", "logging", "parallel", "checkpoint", "model_common")
+SECTIONS = ("train", "logging", "parallel", "checkpoint", "eval", "model_common")
 # A section file whose knobs sit under another key: model_common.yaml adds the knobs every model
 # family shares (model.init_from, model.lora.*, model.moe.*) to whichever model yaml is chosen.
 SECTION_KEY = {"model_common": "model"}
@@ -154,6 +154,7 @@ def _classes(where: str) -> list[type]:
     from optimizer import OPTIMIZERS
     from optimizer.schedules import SCHEDULES
     from trainer.aux_state import AuxConfig
+    from trainer.tasks import EvalConfig
     from utils.checkpoint.storage import CheckpointConfig
     from utils.config import TrainConfig
     from utils.logging.sinks import SINKS, LoggingConfig
@@ -161,7 +162,7 @@ def _classes(where: str) -> list[type]:
 
     group, _, option = where.rpartition("/")
     fixed = {"train": [TrainConfig], "logging": [LoggingConfig, AuxConfig, *SINKS.values()],
-             "parallel": [ParallelConfig], "checkpoint": [CheckpointConfig],
+             "parallel": [ParallelConfig], "checkpoint": [CheckpointConfig], "eval": [EvalConfig],
              "model_common": [m.Config for m in MODELS.values()]}
     if not group:
         from utils.config import RunConfig

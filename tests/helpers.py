@@ -277,14 +277,15 @@ class ShardedCheck(BackgroundProcess):
 
 
 def logits_atol(cfg, logits, margin: float = 4) -> float:
-    """atol of a GPT's float32 logits computed in two programs (other shapes, fusions, summation
-    orders, or rows elsewhere in a batch): the longest sums feeding a logit are the MLP's
-    (mlp_ratio·dim terms), once per block and once more in the head; counted as one sum of
-    n = mlp_ratio·dim·(num_blocks + 1) terms at the logits' scale, each side errs by at most
-    (n + 1)·u·max|logits| (sum_atol's worst case, u = EPS32/2). Margin 4: the two sides, times 2."""
+    """atol of a GPT's (or Llama's) float32 logits computed in two programs (other shapes, fusions,
+    summation orders, or rows elsewhere in a batch): the longest sums feeding a logit are the MLP's
+    (mlp_ratio·dim terms; a Llama's SwiGLU width, `mlp_width`), once per block and once more in the
+    head; counted as one sum of n = width·(num_blocks + 1) terms at the logits' scale, each side errs
+    by at most (n + 1)·u·max|logits| (sum_atol's worst case, u = EPS32/2). Margin 4: the two sides, times 2."""
     import numpy as np
 
-    n = cfg.mlp_ratio * cfg.dim * (cfg.num_blocks + 1)
+    width = cfg.mlp_width if hasattr(cfg, "mlp_width") else cfg.mlp_ratio * cfg.dim
+    n = width * (cfg.num_blocks + 1)
     return sum_atol(n, float(np.abs(logits).max()), margin)
 
 

@@ -23,7 +23,7 @@ from helpers import REPO, TINY_OVERRIDES, BackgroundProcess, evaluated_steps, lo
 
 import train_jax as T
 from compare import launch
-from compare.plan import base_lrs, compare_config, make_plan
+from compare.plan import base_lrs, compare_config, make_plan, workload_lrs
 from utils.config import compose_overrides
 from utils.errors import ConfigError
 
@@ -315,6 +315,21 @@ def test_workloads_and_sweeps_cross_every_lr_and_seed():
     assert json.loads(json.dumps(p.to_json()))["runs"][0]["sweep"] == {"weight_decay": 0.0}
 
 
+def test_a_workload_may_centre_an_optimizers_lr_grid():
+    """`lr.<optimizer>=X` in a workload's overrides centres that optimizer's grid there (not passed to
+    the runs); the other workload and optimizer keep their yaml lrs."""
+    k = compare_config({**KNOBS, "optimizers": ["adamw", "sgdm"], "lr": {"points": 2},
+                        "workloads": {"small": "model.dim=16 lr.sgdm=0.1", "big": "model.dim=32"}})
+    assert k.workloads == (("big", ("model.dim=32",)), ("small", ("model.dim=16",)))
+    lrs = workload_lrs(k, RUN)
+    yaml = base_lrs(("adamw", "sgdm"), RUN)
+    assert lrs == {"big": yaml, "small": {"adamw": yaml["adamw"], "sgdm": 0.1}}
+    p = make_plan(k, RUN, lrs)
+    grid = lambda w, o: sorted({r.lr for r in p.runs if r.workload == w and r.optimizer == o})
+    assert grid("small", "sgdm") == [0.05, 0.1] and grid("big", "sgdm") == [yaml["sgdm"] / 2, yaml["sgdm"]]
+    assert not any(o.startswith("lr.") for r in p.runs for o in r.overrides)
+
+
 def test_an_optimizers_own_search_space_is_crossed_with_its_lrs_only():
     """sweep.muon.adam_lr (Muon's AdamW-group lr, a knob AdamW lacks) beside the shared
     sweep.weight_decay: Muon's runs cross both with its lrs, AdamW's only the shared one; each
@@ -373,6 +388,12 @@ def test_an_optimizers_own_sweep_from_the_command_line_runs_and_its_trials_are_s
     ({"workloads": {"a__b": "model.dim=8"}}, "workloads.a__b: a workload's name is letters"),
     ({"workloads": {"a": ["model.dim"]}}, "workloads.a=.* must be a list of run overrides"),
     ({"workloads": {"a": "train.max_steps=5"}}, r"train.max_steps=5 \(in workloads.a\): the comparison sets"),
+    ({"workloads": {"a": "lr.lion=1e-3"}}, r"workloads.a: lr.lion=1e-3: lr.<optimizer>=X centres .* 'lion' is not"),
+    ({"workloads": {"a": "lr.adamw=-1"}}, "workloads.a: lr.adamw=-1: the lr must be a positive number"),
+    ({"workloads": {"a": "lr.adamw=fast"}}, "workloads.a: lr.adamw=fast: the lr must be a positive number"),
+    ({"workloads": {"a": "lr.adamw=1e-3"}, "lr": {"points": 1, "grid": {"adamw": [1e-3]}}},
+     "workloads.a sets lr.adamw and lr.grid.adamw gives its lrs: give one"),
+    ({"workloads": {"a": "optimizer.lr_config.lr=1e-3"}}, r"in a workload, lr.<optimizer>=X centres"),
     ({"lr": {"extend": "yes"}}, "lr.extend='yes' must be true or false"),
     ({"lr": {"extend_max": 0}}, "lr.extend_max=0 must be an integer >= 1"),
 ])
@@ -423,6 +444,33 @@ def fake_train(cfg, run_dir):
             loss = 3 + (math.log10(lr) + 2.5) ** 2 + 0.1 * wd + 1 / step
             f.write(json.dumps({"step": step, "val/loss": loss, "data/tokens": step * 64, "data/fingerprint": "fp",
                                 "time/elapsed_sec": step * 0.01}) + "\n")
+
+
+def test_a_comparison_grows_by_seeds_and_optimizers_and_trains_only_the_new_runs(tmp_path, monkeypatch, capsys):
+    """The same dir= with a second seed and a second optimizer: 6 new runs beside the 2 done, which are
+    kept untouched; a change of budgets would change the runs made, so it is refused in one line."""
+    script = load_script("compare")
+    trained = []
+    monkeypatch.setattr(T, "train", lambda cfg, d: (trained.append(os.path.basename(d)), fake_train(cfg, d)))
+    monkeypatch.setattr(script, "build_report", lambda d: None)
+    common = ["lr.points=1", "warmup=2", *RUN, f"dir={tmp_path}"]
+    assert script.main(["optimizers=[adamw]", "budgets=[10]", "seeds=1", *common]) == 0
+    first = {d: (tmp_path / "runs" / d / "metrics.jsonl").read_text() for d in trained}
+    assert len(first) == 2
+    trained.clear()
+    capsys.readouterr()
+    assert script.main(["optimizers=[adamw,sgdm]", "budgets=[10]", "seeds=2", *common]) == 0
+    out = capsys.readouterr().out
+    assert f"compare: {tmp_path} grows by 6 runs" in out and "2 skipped" in out
+    assert len(trained) == 6 and not set(trained) & set(first)
+    assert {d: (tmp_path / "runs" / d / "metrics.jsonl").read_text() for d in first} == first
+    plan = json.loads((tmp_path / "compare.json").read_text())
+    assert len(plan["runs"]) == 8 and plan["knobs"]["optimizers"] == ["adamw", "sgdm"] and plan["knobs"]["seeds"] == 2
+    assert script.main(["optimizers=[adamw,sgdm]", "budgets=[10,20]", "seeds=2", *common]) == 2
+    err = capsys.readouterr().err
+    assert "its budgets differ from this command's" in err and len(err.strip().splitlines()) == 1
+    assert script.main(["optimizers=[sgdm]", "budgets=[10]", "seeds=2", *common]) == 2  # dropping runs is not growing
+    assert "is not planned alike" in capsys.readouterr().err
 
 
 def test_lr_extend_runs_lrs_past_the_edge_until_the_best_is_inside(tmp_path, monkeypatch, capsys):

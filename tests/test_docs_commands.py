@@ -532,8 +532,39 @@ def _run_diagnostics_snippet(code: str) -> None:
     assert float(metrics["optim/hidden/mu_norm"]) > 0 and "optim/scalar/mu_norm" in metrics
 
 
+def _run_task_conversions(code: str) -> None:
+    """docs/metrics.md's conversions of the Hugging Face task datasets, on one fake row each (the
+    datasets' columns), each written with its write_jsonl and read back as an eval.tasks file."""
+    import tempfile
+
+    from loaders.tasks import read_task
+
+    namespace: dict = {}
+    exec(compile(code, "docs/metrics.md", "exec"), namespace)
+    rows = {
+        "hellaswag": {"activity_label": "Cooking", "ctx_a": "A man cuts an onion.", "ctx_b": "he",
+                      "endings": ["puts it in a pan [title] then.", " eats  it."], "label": "1"},
+        "arc": {"question": "2+2?", "choices": {"text": ["3", "4"], "label": ["A", "B"]}, "answerKey": "B"},
+        "piqa": {"goal": "Dry a shirt", "sol1": "hang it", "sol2": "wet it", "label": 0},
+        "lambada": {"text": "she opened the door"},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        tasks = {}
+        for name, row in rows.items():
+            namespace["write_jsonl"]([row], namespace[name], f"{tmp}/{name}.jsonl")
+            tasks[name] = read_task(f"{tmp}/{name}.jsonl")
+    h = tasks["hellaswag"]  # lm-eval's preprocess: " [title]" -> ". ", [..] dropped, double spaces single
+    assert (h.contexts, h.choices, h.golds) == (("Cooking: A man cuts an onion. He ",),
+                                                (("puts it in a pan. then.", "eats it."),), (1,))
+    assert tasks["arc"].contexts == ("Question: 2+2?\nAnswer: ",) and tasks["arc"].golds == (1,)
+    assert tasks["piqa"].choices == (("hang it", "wet it"),) and tasks["piqa"].golds == (0,)
+    assert (tasks["lambada"].kind, tasks["lambada"].contexts, tasks["lambada"].choices) == (
+        "cloze", ("she opened the",), ((" door",),))
+
+
 PYTHON_SNIPPETS = {  # the first line of a block -> how it runs
     "    def diagnostics(self, group: str, group_state, params) -> dict[str, jax.Array]:": _run_diagnostics_snippet,
+    "# lm-eval's prompts: a Hugging Face dataset's row -> one line of an eval.tasks file": _run_task_conversions,
 }
 
 

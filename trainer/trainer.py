@@ -30,3 +30,4 @@ class Trainer:
     evaluate: Callable  # model -> {val/loss, val/perplexity, val/accuracy}
     # state -> the model to evaluate (optimizer.eval_view, weight_average.eval_view); None: state.model
     eval_view: Callable | None = None
+    score_tasks: Callable | None = None  # model -> eval/<task>/... (trainer/tasks.py); None without eval.tasks

@@ -32,6 +32,7 @@ from optimizer.groups import GROUPS, group_hparams, group_knobs
 from optimizer.schedules import SCHEDULES, warmup_warning
 from trainer.early_stopping import EarlyStoppingConfig
 from trainer.loss_scale import LossScaleConfig
+from trainer.tasks import EvalConfig
 from utils.checkpoint.storage import CheckpointConfig
 from utils.errors import ConfigError
 from utils.files import user_path
@@ -134,6 +135,7 @@ class RunConfig:
     data_seed: int  # data order; the yaml's null resolves to random_seed
     cache_dir: str  # trained tokenizers, tokenized corpora, the measured CPU peak
     checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()  # downstream tasks scored during training (trainer/tasks.py)
     objective: Any = AR()  # models.objectives: ar | mdlm (the loss, attention's causality, evaluation, sampling)
     warnings: tuple[str, ...] = ()  # legal but probably unintended settings, printed at start
     notes: tuple[str, ...] = ()  # choices made for this machine (model.attention=auto's), printed in the header
@@ -181,6 +183,12 @@ def _group_overrides(node: dict, hparams) -> dict[str, dict[str, float]]:
     return out
 
 
+def _eval_config(node: dict) -> EvalConfig:
+    """The eval section, its task files resolved as the user typed them (read when the run starts)."""
+    e = build_section(EvalConfig, node, "eval")
+    return dataclasses.replace(e, tasks=tuple(user_path(p) for p in e.tasks))
+
+
 def to_dict(cfg: DictConfig | dict) -> dict:
     """The composed config as plain, resolved Python containers (hydra's own node dropped)."""
     if isinstance(cfg, dict):
@@ -221,7 +229,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
 
     expected = {"model", "tokenizer", "dataset", "optimizer", "train", "logging", "parallel", "random_seed",
                 "data_seed", "cache_dir"}
-    optional = {"checkpoint", "objective", "compile_cache"}  # configs saved before a key have none: its default
+    optional = {"checkpoint", "objective", "compile_cache", "eval"}  # configs saved before a key have none: its default
     unknown = sorted(set(raw) - expected - optional)
     if unknown:
         raise ConfigError(f"unknown top-level config key {unknown[0]!r}: known keys are "
@@ -294,6 +302,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         cache_dir=user_path(str(raw["cache_dir"])),
         compile_cache=_coerce(raw.get("compile_cache", True), bool, "compile_cache"),
         checkpoint=build_section(CheckpointConfig, raw.get("checkpoint") or {}, "checkpoint").resolved(),
+        eval=_eval_config(raw.get("eval") or {}),
         objective=build_registered(OBJECTIVES, raw.get("objective") or {"name": "ar"}, "objective")[1],
         warnings=(warning,) if warning else (),
         config_dict=raw,
@@ -313,6 +322,9 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
                       f"model's limit: set dataset.context_length to train on more)",)
         run = dataclasses.replace(run, model=model, tokenizer=tokenizer, dataset=dataset, warnings=run.warnings + notes,
                                   notes=run.notes + window, config_dict=raw)
+    if run.eval.tasks and not run.objective.causal:
+        raise ConfigError(f"eval.tasks scores continuations left to right, but objective={run.objective.name} "
+                          "attends both ways: set eval.tasks=[] or objective=ar")
     ck = run.checkpoint
     if ck.keep_best and run.train.skip_validation:
         raise ConfigError("checkpoint.keep_best=true ranks checkpoints by val/loss: set train.skip_validation=false "
