@@ -59,11 +59,13 @@ OPTIMIZERS = {
 
 def make_optimizer(hparams, schedule: optax.Schedule, labels, clip: float | None, base_lr: float | None = None,
                    overrides: dict[str, dict[str, float]] | None = None,
-                   cautious: bool = False) -> optax.GradientTransformation:
+                   cautious: bool = False, hyperball: bool = False) -> optax.GradientTransformation:
     """Global-norm clipping, then the per-group optimizer, whose last stage applies the lr;
-    `cautious` (optimizer.cautious) masks each group's direction (optimizer/cautious.py)."""
+    `cautious` (optimizer.cautious) masks each group's direction (optimizer/cautious.py);
+    `hyperball` (optimizer.hyperball) keeps the hidden and head matrices at their initial norms
+    (optimizer/hyperball.py)."""
     clip_tx = optax.clip_by_global_norm(clip) if clipping(clip) else optax.identity()
-    return optax.chain(clip_tx, per_group(hparams, schedule, labels, base_lr, overrides, cautious))
+    return optax.chain(clip_tx, per_group(hparams, schedule, labels, base_lr, overrides, cautious, hyperball))
 
 
 def for_run(hparams, schedule_name: str, schedule, total_steps: int):

@@ -15,7 +15,8 @@ where a caller has only the state. It returns scalar arrays keyed by a short sta
 `optim/<group>/<stat>`. It must be pure and jittable (it runs in the logging variant of the
 jitted train step), read only the state, and return {} for a group with no leaves (a tied head).
 An optimizer without the method logs only `optim/state_bytes` (and, under optimizer.cautious,
-`optim/cautious_kept_fraction`, which every optimizer gets).
+`optim/cautious_kept_fraction`, under optimizer.hyperball `optim/<group>/hyperball_*`, which every
+optimizer gets).
 
 Find a transform's state by type with `find_states` (e.g. `optax.ScaleByAdamState`), never by
 its position in a chain: chains, masks and wrappers change, types do not.
@@ -35,6 +36,7 @@ import optax
 from optimizer.arguments import clipping
 from optimizer.cautious import CautiousState
 from optimizer.groups import group_hparams
+from optimizer.hyperball import HyperballState, frobenius
 
 PREFIX = "optim"
 
@@ -146,8 +148,9 @@ def adam_sqrt_v(group_state: Any, b2: float) -> dict[str, jax.Array]:
 def optimizer_metrics(hparams: Any, opt_state: Any, params: Any,
                       overrides: dict[str, dict[str, float]] | None = None, grads: Any = None,
                       clip: float | None = None) -> dict[str, jax.Array]:
-    """`optim/<group>/<stat>` from each group's `diagnostics`, and `optim/cautious_kept_fraction`
-    under optimizer.cautious; pure and jittable.
+    """`optim/<group>/<stat>` from each group's `diagnostics`, `optim/cautious_kept_fraction`
+    under optimizer.cautious and `optim/<group>/hyperball_*` under optimizer.hyperball; pure and
+    jittable.
 
     hparams: the run's optimizer dataclass (run.optimizer.hparams); overrides: its per-group
     overrides (run.optimizer.group_overrides), so a group's stats use its own b2/epsilon;
@@ -155,7 +158,7 @@ def optimizer_metrics(hparams: Any, opt_state: Any, params: Any,
     (their shapes; Schedule-Free reads their values, its y); grads: the step's gradient before
     clipping (or None), handed, clipped at `clip` as make_optimizer does, to a `diagnostics` that
     takes `grads`."""
-    out: dict[str, jax.Array] = cautious_kept_fraction(opt_state, params)
+    out: dict[str, jax.Array] = {**cautious_kept_fraction(opt_state, params), **hyperball_stats(opt_state, params)}
     if getattr(hparams, "diagnostics", None) is None:
         return out
     if grads is not None and clipping(clip):
@@ -180,6 +183,32 @@ def cautious_kept_fraction(opt_state: Any, params: Any) -> dict[str, jax.Array]:
     if not size:
         return {}
     return {f"{PREFIX}/cautious_kept_fraction": sum(k.astype(jnp.float32) for k, _ in pairs) / size}
+
+
+def hyperball_stats(opt_state: Any, params: Any) -> dict[str, jax.Array]:
+    """Per group kept on the sphere (optimizer/hyperball.py; {} with optimizer.hyperball off), over
+    its matrices: `hyperball_step_ratio_mean` / `_max`, ‖W_new − W‖_F / R of the last update (lr_t
+    at most: lower where the direction had a radial part, which the projection removes), and
+    `hyperball_norm_error_max`, max |‖W‖_F − R| / R of `params` (the weights after that update):
+    float32 rounding, ~1e-7, when the projection holds."""
+    out: dict[str, jax.Array] = {}
+    for group, state in group_states(opt_state).items():
+        found = find_states(state, HyperballState)
+        if not found:
+            continue
+        radii, treedef = jax.tree.flatten(found[0].radius, is_leaf=is_masked)  # other groups' leaves: MaskedNode
+        triples = [(r, s, p) for r, s, p in zip(radii, treedef.flatten_up_to(found[0].step_ratio),
+                                                treedef.flatten_up_to(params)) if _is_array(r)]
+        ratios = [s.reshape(-1) for _, s, _ in triples]
+        errors = [(jnp.abs(frobenius(p.astype(jnp.float32)) - r) / jnp.where(r > 0, r, 1.0)).reshape(-1)
+                  for r, _, p in triples]
+        if not ratios:  # a group with no leaves (a tied head)
+            continue
+        ratio, error = jnp.concatenate(ratios), jnp.concatenate(errors)
+        out.update({f"{PREFIX}/{group}/hyperball_step_ratio_mean": jnp.mean(ratio),
+                    f"{PREFIX}/{group}/hyperball_step_ratio_max": jnp.max(ratio),
+                    f"{PREFIX}/{group}/hyperball_norm_error_max": jnp.max(error)})
+    return out
 
 
 def state_bytes(opt_state: Any) -> int:

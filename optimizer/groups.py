@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import optax
 
+from optimizer import hyperball as hyperball_lib
 from optimizer.cautious import cautious_transform
 from utils.errors import ConfigError
 
@@ -61,24 +62,29 @@ def group_hparams(hparams: Any, group: str, overrides: dict[str, dict[str, float
     return dataclasses.replace(hparams, **own)
 
 
-def group_lr(hparams: Any, group: str, base_lr: float, overrides: dict[str, dict[str, float]]) -> float:
+def group_lr(hparams: Any, group: str, base_lr: float, overrides: dict[str, dict[str, float]],
+             hyperball: bool = False) -> float:
     """Peak lr of a group: its override, else the optimizer's default for that group (Muon
-    gives non-hidden groups their AdamW lr), else `optimizer.lr_config.lr`."""
+    gives non-hidden groups their AdamW lr), else `optimizer.lr_config.lr`. Under
+    `hyperball` a group on the sphere defaults to `optimizer.lr_config.lr`, its relative step
+    (optimizer/hyperball.py)."""
     if "lr" in overrides.get(group, {}):
         return overrides[group]["lr"]
+    if hyperball and group in hyperball_lib.HYPERBALL_GROUPS:
+        return base_lr
     default = getattr(hparams, "default_group_lr", None)
     return default(group, base_lr) if default else base_lr
 
 
 def group_schedules(hparams: Any, schedule: optax.Schedule, base_lr: float | None,
-                    overrides: dict[str, dict[str, float]]) -> dict[str, optax.Schedule]:
+                    overrides: dict[str, dict[str, float]], hyperball: bool = False) -> dict[str, optax.Schedule]:
     """Each group's lr schedule: the run's, rescaled to the group's peak lr. `base_lr=None`
     (a bare schedule with no known peak) gives every group the schedule unchanged, as does a
     group whose peak is `base_lr` itself (the object: it may be a traced step argument, which
     cannot be compared in Python)."""
     if base_lr is None:
         return {g: schedule for g in GROUPS}
-    lrs = {g: group_lr(hparams, g, base_lr, overrides) for g in GROUPS}
+    lrs = {g: group_lr(hparams, g, base_lr, overrides, hyperball) for g in GROUPS}
     return {g: scaled_schedule(schedule, None if lr is base_lr else lr / base_lr) for g, lr in lrs.items()}
 
 
@@ -91,13 +97,24 @@ def built_groups(labels) -> tuple[str, ...]:
 
 def per_group(hparams: Any, schedule: optax.Schedule, labels, base_lr: float | None = None,
               overrides: dict[str, dict[str, float]] | None = None,
-              cautious: bool = False) -> optax.GradientTransformation:
+              cautious: bool = False, hyperball: bool = False) -> optax.GradientTransformation:
     """optax.multi_transform over the groups, each built by `hparams.transform`, or with
-    `cautious` by `optimizer.cautious.cautious_transform` (the same, its direction masked)."""
+    `cautious` by `optimizer.cautious.cautious_transform` (the same, its direction masked); with
+    `hyperball` the hidden and head groups' updates are then kept on their sphere
+    (optimizer/hyperball.py)."""
     overrides = overrides or {}
-    schedules = group_schedules(hparams, schedule, base_lr, overrides)
+    schedules = group_schedules(hparams, schedule, base_lr, overrides, hyperball)
     build = cautious_transform if cautious else lambda hp, g, s: hp.transform(g, s)
-    transforms = {g: build(group_hparams(hparams, g, overrides), g, schedules[g]) for g in built_groups(labels)}
+    if hyperball:
+        from optimizer import OPTIMIZERS  # the registry imports this module: at call time
+
+        hyperball_lib.check(hparams, next((n for n, cls in OPTIMIZERS.items() if type(hparams) is cls),
+                                          type(hparams).__name__), overrides)
+    transforms = {}
+    for g in built_groups(labels):
+        transforms[g] = build(group_hparams(hparams, g, overrides), g, schedules[g])
+        if hyperball and g in hyperball_lib.HYPERBALL_GROUPS:
+            transforms[g] = hyperball_lib.hyperball_transform(transforms[g], schedules[g])
     if FROZEN in set(jax.tree.leaves(labels)):
         transforms[FROZEN] = optax.set_to_zero()
     # A callable, because a labels tree that is itself callable (an Equinox model) would be called.

@@ -95,6 +95,8 @@ class Prodigy:
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "beta3", "eps", "d0", "d_coef")
     CAUTIOUS_UNSUPPORTED = ("Prodigy's weight decay is times its learned step d·lr, not the lr, so the mask cannot "
                             "split it off the direction")
+    # optimizer.hyperball normalises each update to lr·‖W‖: the step size d·lr Prodigy learns would be discarded.
+    HYPERBALL_UNSUPPORTED = "the hyperball fixes each step at lr·‖W‖, discarding the step size d·lr Prodigy learns"
 
     def check(self, prefix: str) -> None:
         check_unit_interval(prefix, self, "b1", "b2", "beta3")

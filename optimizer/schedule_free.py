@@ -83,6 +83,9 @@ class ScheduleFreeAdamW:
     # optimizer.cautious masks -lr·direction and adds -lr·wd·p on the weights it updates; this
     # optimizer decays z, not the y it hands back, so the mask's decay split would be wrong.
     CAUTIOUS_UNSUPPORTED = "its weight decay acts on z, not on the weights it updates"
+    # optimizer.hyperball projects the weights the step moves, y, an interpolation of z and the average
+    # x: y on the sphere leaves z and x off it, and x is what is evaluated.
+    HYPERBALL_UNSUPPORTED = "it moves y, an interpolation of its z and average x, which the sphere would not hold"
 
     def check(self, prefix: str) -> None:
         check_unit_interval(prefix, self, "b1", "b2")

@@ -348,10 +348,13 @@ def hf_logits(model, tokens_BxT):
         return model(torch.as_tensor(tokens_BxT, dtype=torch.long)).logits.float().numpy()
 
 
-def learnable_losses(run, steps: int = 30) -> tuple[list[float], dict]:
+def learnable_losses(run, steps: int = 30, weights: list | None = None) -> tuple[list[float], dict]:
     """(train/loss per step, the last step's metrics) of `run` (a validated RunConfig) trained
     `steps` steps on one fixed batch with a learnable pattern (the next token is the current one
-    plus one, vocab 64, 8 rows of 17), on one device: the every-optimizer "it learns" check."""
+    plus one, vocab 64, 8 rows of 17), on one device: the every-optimizer "it learns" check.
+    `weights`: a list to which the model's arrays before the first step and after the last are
+    appended (as NumPy: the step donates its input)."""
+    import equinox as eqx
     import jax
     import numpy as np
 
@@ -364,7 +367,12 @@ def learnable_losses(run, steps: int = 30) -> tuple[list[float], dict]:
     batch[..., 1:] = (batch[..., :1] + np.arange(1, 17)) % 64
     placed = meshlib.put_batch(batch, meshlib.batch_sharding(mesh, 1))
     losses = []
+    snapshot = lambda: jax.tree.map(np.array, eqx.filter(state.model, eqx.is_array))  # copies: the step donates
+    if weights is not None:
+        weights.append(snapshot())
     for _ in range(steps):
         state, metrics = step(state, placed)
         losses.append(float(metrics["train/loss"]))
+    if weights is not None:
+        weights.append(snapshot())
     return losses, metrics

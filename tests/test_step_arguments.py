@@ -22,6 +22,7 @@ import train_jax as T
 from compare import launch
 from compare.plan import base_lrs, compare_config, make_plan
 from optimizer import OPTIMIZERS, arguments, make_optimizer
+from optimizer.hyperball import HYPERBALL_GROUPS
 from optimizer.schedules import SCHEDULES
 from trainer import precompile
 from utils.parallel import mesh as meshlib
@@ -68,12 +69,15 @@ def eigenbasis_amplification(grads, beta: float) -> float:
 EIGENBASIS = {"soap"}
 
 
-@pytest.mark.parametrize("name", per_optimizer(sorted(OPTIMIZERS)))
+@pytest.mark.parametrize("name", per_optimizer(sorted(OPTIMIZERS))
+                         + [pytest.param("muon+hyperball", marks=pytest.mark.slow)])  # ~2.5 s
 def test_every_optimizer_built_from_traced_knobs_updates_as_its_constants_do(tiny_run, name):
     """Two updates of the tiny model's weights: the optimizer built inside jit from the traced
     knobs against the one built from Python floats (each update compared relative to the largest
-    element of its leaf: an update's elements share their computation's scale)."""
-    run = tiny_run(f"optimizer={name}", "train.gradient_clip_val=1.0")
+    element of its leaf: an update's elements share their computation's scale). `+knob`: with
+    optimizer.<knob>=true (the hyperball's step reads the traced lr from its own schedule)."""
+    name, *wrappers = name.split("+")
+    run = tiny_run(f"optimizer={name}", "train.gradient_clip_val=1.0", *(f"optimizer.{w}=true" for w in wrappers))
     model = models.build(run.model, jax.random.PRNGKey(0))
     params = eqx.filter(model, eqx.is_array)
     labels = models.param_labels(model)
@@ -88,7 +92,7 @@ def test_every_optimizer_built_from_traced_knobs_updates_as_its_constants_do(tin
 
     def two_updates(o, clip, params, grads):
         tx = make_optimizer(o.hparams, o.schedule.build(o.schedule_steps), labels, clip, o.schedule.lr,
-                            o.group_overrides, o.cautious)
+                            o.group_overrides, o.cautious, o.hyperball)
         state, out = tx.init(params), []
         for g in grads:
             u, state = tx.update(g, state, params)
@@ -99,9 +103,12 @@ def test_every_optimizer_built_from_traced_knobs_updates_as_its_constants_do(tin
     values = arguments.lift(run.optimizer, run.train.gradient_clip_val)
     assert values["schedule"]["lr"] == run.optimizer.schedule.lr  # the lr is one of the arguments
     rtol = knob_rtol(values, 32) * amplification  # an update: a few dozen float32 operations deep
-    for a, b in zip(jax.tree.leaves(constants), jax.tree.leaves(from_arguments), strict=True):
+    # The hyperball's update is new − p, two numbers of the weights' size: its rounding is the weights'.
+    scales = [np.abs(np.asarray(p)).max() if "hyperball" in wrappers and label in HYPERBALL_GROUPS else 0.0
+              for p, label in zip(jax.tree.leaves(params), jax.tree.leaves(labels), strict=True)]
+    for a, b, scale in zip(jax.tree.leaves(constants), jax.tree.leaves(from_arguments), scales * 2, strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        np.testing.assert_allclose(b, a, rtol=0, atol=rtol * max(np.abs(a).max(), 1e-30), err_msg=name)
+        np.testing.assert_allclose(b, a, rtol=0, atol=rtol * max(np.abs(a).max(), scale, 1e-30), err_msg=name)
 
 
 SCHEDULE_KNOBS = {

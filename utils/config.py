@@ -27,6 +27,7 @@ from models.hf import resolve_init_from
 from models.objectives import AR, OBJECTIVES, check_vocab
 from optimizer import OPTIMIZERS, for_run
 from optimizer import cautious as cautious_mask
+from optimizer import hyperball as hyperball_lib
 from optimizer.groups import GROUPS, group_hparams, group_knobs
 from optimizer.schedules import SCHEDULES, warmup_warning
 from trainer.early_stopping import EarlyStoppingConfig
@@ -118,6 +119,7 @@ class OptimizerConfig:
     schedule_steps: int  # lr_config.max_steps, or train.max_steps when null
     group_overrides: dict  # {"hidden": {"lr": 0.02}, ...}: only the knobs set (non-null)
     cautious: bool = False  # optimizer.cautious, beside `name`: every optimizer takes it (optimizer/cautious.py)
+    hyperball: bool = False  # optimizer.hyperball, beside `name`: every optimizer takes it (optimizer/hyperball.py)
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
     lr_node = dict(opt_node.pop("lr_config", None) or {})
     groups_node = opt_node.pop("groups", None) or {}
     cautious = _coerce(opt_node.pop("cautious", False), bool, "optimizer.cautious")  # absent in old checkpoints
+    hyperball = _coerce(opt_node.pop("hyperball", False), bool, "optimizer.hyperball")  # absent in old checkpoints
     schedule_name, schedule = build_registered(SCHEDULES, lr_node, "optimizer.lr_config")
     schedule_steps = getattr(schedule, "max_steps", None) or train.max_steps
     if hasattr(schedule, "check_steps"):
@@ -266,14 +269,18 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         raise ConfigError(f"train.weight_average={train.weight_average} cannot be combined with optimizer={opt_name}, "
                           "which evaluates its own average of the weights: set train.weight_average=none or choose "
                           "another optimizer")
+    group_overrides = _group_overrides(groups_node, hparams)
+    if hyperball:
+        hyperball_lib.check(hparams, opt_name, group_overrides)
     optimizer = OptimizerConfig(
         name=opt_name,
         hparams=hparams,
-        group_overrides=_group_overrides(groups_node, hparams),
+        group_overrides=group_overrides,
         schedule_name=schedule_name,
         schedule=schedule,
         schedule_steps=schedule_steps,
         cautious=cautious,
+        hyperball=hyperball,
     )
     seed = raw["random_seed"]
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -327,6 +334,9 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         run = dataclasses.replace(run, warnings=run.warnings + (
             f"checkpoint.save_steps {beyond} lie beyond train.max_steps={train.max_steps} and will not be saved",))
     m = run.model
+    if hyperball and models.lora_config(m).on:
+        raise ConfigError(f"optimizer.hyperball=true with model.lora.rank={models.lora_config(m).rank}: only the LoRA "
+                          "factors train (B starts at norm 0, no sphere to keep); set optimizer.hyperball=false")
     if m.tie_embeddings and "head" in run.optimizer.group_overrides:
         knob = next(iter(run.optimizer.group_overrides["head"]))
         raise ConfigError(f"optimizer.groups.head.{knob} is set but model.tie_embeddings=true: there is no separate "
