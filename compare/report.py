@@ -576,9 +576,9 @@ def attach_search(w: Workload, recorded: dict) -> None:
     "search" (each space) and the results, as compare.py replayed it to choose its runs."""
     knobs = recorded.get("knobs") or {}
     spaces = [e for e in recorded.get("search") or [] if e.get("workload") == w.name and e.get("optimizer")]
-    if not spaces or not knobs.get("budgets"):
+    if not spaces or not w.budgets:
         return
-    loss_of = tune.cell_losses({w.name: w}, int(knobs.get("seeds") or 1), max(knobs["budgets"]))
+    loss_of = tune.cell_losses({w.name: w}, int(knobs.get("seeds") or 1), lambda name: max(w.budgets))
     w.search = {}
     for entry in spaces:
         space = tune.Space.from_json(entry)

@@ -245,6 +245,23 @@ def test_the_same_overrides_in_another_order_continue_the_same_comparison(tmp_pa
                         str(tmp_path))
 
 
+def test_a_directory_made_before_newer_knobs_continues_when_they_keep_their_defaults(tmp_path):
+    """compare.json written before tune, coordinate.*, target.*, budget_unit, workload_lr and
+    workload_budgets existed (none of them recorded): the same command, those knobs at their defaults,
+    continues it; a changed one that would change the runs made is refused."""
+    p = make_plan(compare_config(KNOBS), RUN, {"adamw": 3e-3})
+    old = p.to_json()
+    newer = ("tune", "coordinate_threshold", "coordinate_max_trials", "target_loss", "target_runs", "budget_unit",
+             "workload_lr", "workload_budgets")
+    assert set(newer) <= set(old["knobs"])
+    old["knobs"] = {k: v for k, v in old["knobs"].items() if k not in newer}
+    (tmp_path / "compare.json").write_text(json.dumps(old))
+    launch.open_dir(p, str(tmp_path))  # no refusal
+    with pytest.raises(ConfigError, match="holds another comparison .its budget_unit differ"):
+        launch.open_dir(make_plan(compare_config({**KNOBS, "budget_unit": "tokens"}), RUN, {"adamw": 3e-3}),
+                        str(tmp_path))
+
+
 def test_the_cli_refuses_another_comparisons_dir_before_saying_how_to_continue(tmp_path, capsys):
     """The refusal is the one line it prints: no 'to continue it later: ... dir=' first, which would
     tell the user to rerun into a directory that is refused."""
