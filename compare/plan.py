@@ -99,6 +99,7 @@ class CompareConfig:
     sweep: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # (optimizer knob, its values), crossed with the lrs
     workloads: tuple[tuple[str, tuple[str, ...]], ...] = ((WORKLOAD, ()),)  # (name, its run overrides)
     workload_lr: tuple[tuple[str, str, float], ...] = ()  # (workload, optimizer, lr): its grid's centre there
+    workload_lr_grid: tuple[tuple[str, str, tuple[float, ...]], ...] = ()  # (workload, optimizer, lrs): its grid there
     val_every: int | None = None  # train.val_freq of every run; None: the runs' own (conf/train.yaml's)
     baseline: str | None = None  # the optimizer the report is relative to; None: adamw if compared, else the first
     tune: str = "grid"  # grid: every lr x sweep combination; coordinate: compare/tune.py's coordinate descent
@@ -268,8 +269,16 @@ def compare_config(node: dict) -> CompareConfig:
     explicit = {opt for opt, _ in grid}
     both = next(((w, o) for w, o, _ in centres if o in explicit), None)
     if both:
-        raise ConfigError(f"workloads.{both[0]} sets lr.{both[1]} and lr.grid.{both[1]} gives its lrs: give one (an "
-                          "explicit grid is every workload's)")
+        raise ConfigError(f"workloads.{both[0]} sets lr.{both[1]} or lr.grid.{both[1]}, and the comparison's "
+                          f"lr.grid.{both[1]} gives its lrs everywhere: give one")
+    for w, o, lrs in centres:
+        if isinstance(lrs, tuple) and len(lrs) != points:
+            raise ConfigError(f"workloads.{w}: lr.grid.{o} has {len(lrs)} lrs but lr.points={points}: every optimizer "
+                              f"gets the same number of trials; give {points} lrs")
+    twice = next(((w, o) for i, (w, o, _) in enumerate(centres) if any((w, o) == c[:2] for c in centres[:i])), None)
+    if twice:
+        raise ConfigError(f"workloads.{twice[0]} sets {twice[1]}'s lrs twice (lr.{twice[1]} and lr.grid.{twice[1]}, or "
+                          "one of them repeated): give one")
     strategy = node.get("tune", "grid")
     if strategy not in TUNE:
         raise ConfigError(f"tune={strategy!r} must be one of {', '.join(TUNE)}: grid tries every lr x sweep setting, "
@@ -308,7 +317,9 @@ def compare_config(node: dict) -> CompareConfig:
         warmup=_int(node.get("warmup", 0), "warmup", 0, "linear warmup steps of every run"),
         cooldown_fraction=fraction, cooldown_shape=shape, lr_extend=extend,
         lr_extend_max=_int(lr.get("extend_max", 2), "lr.extend_max", 1, "lrs lr.extend may add per optimizer"),
-        sweep=_sweep(node.get("sweep") or {}, optimizers), workloads=workloads, workload_lr=centres,
+        sweep=_sweep(node.get("sweep") or {}, optimizers), workloads=workloads,
+        workload_lr=tuple(c for c in centres if isinstance(c[2], float)),
+        workload_lr_grid=tuple(c for c in centres if isinstance(c[2], tuple)),
         baseline=_baseline(node.get("baseline"), optimizers),
         val_every=None if node.get("val_every") is None else _int(
             node["val_every"], "val_every", 1, "evaluate every N steps besides the branch points and budgets"))
@@ -471,17 +482,20 @@ def _workloads(node: dict, optimizers: list[str]) -> tuple[tuple[tuple[str, tupl
             if not key.startswith("lr."):
                 runs.append(item)
                 continue
-            opt = key[3:]
+            is_grid = key.startswith("lr.grid.")
+            opt = key[len("lr.grid."):] if is_grid else key[3:]
             if opt not in optimizers:
-                raise ConfigError(f"{knob}: {item}: lr.<optimizer>=X centres an optimizer's lr grid in this workload; "
-                                  f"{opt!r} is not one of optimizers={optimizers}")
+                raise ConfigError(f"{knob}: {item}: lr.<optimizer>=X centres an optimizer's lr grid in this workload, "
+                                  f"lr.grid.<optimizer>=[...] gives it; {opt!r} is not one of optimizers={optimizers}")
+            values = value.strip("[]").split(",") if is_grid else [value]
             try:
-                lr = float(value)
+                lrs = tuple(float(v) for v in values)
             except ValueError:
-                lr = math.nan
-            if not lr > 0 or math.isinf(lr):
-                raise ConfigError(f"{knob}: {item}: the lr must be a positive number, e.g. lr.{opt}=1e-3")
-            centres.append((str(name), opt, lr))
+                lrs = (math.nan,)
+            if any(not lr > 0 or math.isinf(lr) for lr in lrs) or len({f"{lr:g}" for lr in lrs}) != len(lrs):
+                raise ConfigError(f"{knob}: {item}: the lrs must be distinct positive numbers, e.g. lr.{opt}=1e-3 or "
+                                  f"lr.grid.{opt}=[1e-3,3e-3]")
+            centres.append((str(name), opt, lrs if is_grid else lrs[0]))
         overrides = runs
         check_run_overrides(overrides, knob)
         out.append((str(name), tuple(overrides)))
@@ -548,17 +562,20 @@ def start_values(knobs: CompareConfig, run_overrides: tuple[str, ...] = ()) -> d
     return out
 
 
-def search_space(knobs: CompareConfig, optimizer: str, base_lr: float, own: dict[str, Any] | None = None) -> Space:
+def search_space(knobs: CompareConfig, optimizer: str, base_lr: float, own: dict[str, Any] | None = None,
+                 workload: str = WORKLOAD) -> Space:
     """tune=coordinate: the lr grid, then each swept knob's values; the search starts at the
     optimizer's own values (`own`: start_values's) where the axes list them, else at their middle."""
-    axes = (("lr", lr_grid(knobs, optimizer, base_lr)), *knobs.sweep_of(optimizer))
+    axes = (("lr", lr_grid(knobs, optimizer, base_lr, workload)), *knobs.sweep_of(optimizer))
     own = {"lr": base_lr, **(own or {})}
     return Space(axes, tuple(start_value(values, own.get(knob)) for knob, values in axes))
 
 
-def lr_grid(knobs: CompareConfig, optimizer: str, base_lr: float) -> tuple[float, ...]:
-    """lr.grid.<optimizer>, else base·factor^k for k = -(points//2) .. points - points//2 - 1."""
-    explicit = dict(knobs.lr_grid).get(optimizer)
+def lr_grid(knobs: CompareConfig, optimizer: str, base_lr: float, workload: str = WORKLOAD) -> tuple[float, ...]:
+    """lr.grid.<optimizer> (the comparison's, or the workload's own), else base·factor^k for
+    k = -(points//2) .. points - points//2 - 1."""
+    explicit = dict(knobs.lr_grid).get(optimizer) or {(w, o): lrs for w, o, lrs in knobs.workload_lr_grid}.get(
+        (workload, optimizer))
     if explicit:
         return explicit
     low = -(knobs.lr_points // 2)
@@ -666,13 +683,13 @@ def make_plan(knobs: CompareConfig, run_overrides: list[str] | tuple[str, ...],
         base = lrs[workload] if isinstance(lrs.get(workload), dict) else lrs
         for opt in knobs.optimizers:
             if knobs.tune == "coordinate":
-                space = search_space(knobs, opt, base[opt], (starts or {}).get((workload, opt)))
+                space = search_space(knobs, opt, base[opt], (starts or {}).get((workload, opt)), workload)
                 spaces.append(((workload, opt), space))
                 runs += _cell_runs(knobs, workload, opt, space, coordinate_path(
                     space, lambda cell: None, knobs.coordinate_threshold, knobs.coordinate_max_trials).todo,
                     overrides, defaults)
                 continue
-            for lr in lr_grid(knobs, opt, base[opt]):
+            for lr in lr_grid(knobs, opt, base[opt], workload):
                 runs += _setting_runs(knobs, workload, opt, lr, overrides, defaults)
     _check_ids(runs)
     return Plan(knobs, run_overrides, tuple(runs), tuple(spaces))
