@@ -615,11 +615,11 @@ def _setting_runs(knobs: CompareConfig, workload: str, optimizer: str, lr: float
     given = {override_key(o) for o in overrides}
     # An optimizer whose state depends on the run's length (a knob that defaults to it) gets the
     # largest budget for every run, trunk and branches alike, so a branch stays exact.
-    horizon = getattr(OPTIMIZERS[optimizer], "RUN_LENGTH_KNOB", None)
+    horizon = OPTIMIZERS[optimizer].RUN_LENGTH_KNOB
     horizon = [f"optimizer.{horizon}={max(knobs.budgets_of(workload))}"] \
         if horizon and f"optimizer.{horizon}" not in given else []
     # One that needs no cooldown (its own averaging) has branches that keep the trunk's constant lr.
-    cooldown = getattr(OPTIMIZERS[optimizer], "COOLDOWN", True)
+    cooldown = OPTIMIZERS[optimizer].COOLDOWN
     combos = itertools.product(*[[(knob, v) for v in values] for knob, values in knobs.sweep_of(optimizer)])
     for sweep in (tuple(c) for c in combos) if sweeps is None else sweeps:
         swept = [f"optimizer.{knob}={_value(v)}" for knob, v in sweep]
