@@ -61,6 +61,7 @@ def test_speedup_against_size_its_trend_and_the_best_lrs_exponent(tmp_path, monk
     # (the slope and intercept combine the two speedups' errors, RTOL·C each: within 4·RTOL relative of 2 and 16)
     assert muon["slope"] == pytest.approx(-2.0, rel=4 * RTOL) and muon["intercept"] == pytest.approx(16.0, rel=4 * RTOL)
     iv = muon["slope_interval"]
+    # every resample's slope is the point's, each end within the point's 4·RTOL (above)
     assert iv["low"] == pytest.approx(-2.0, rel=4 * RTOL) and iv["high"] == pytest.approx(-2.0, rel=4 * RTOL)
     # D_eff/D at 400: C·400 is past AdamW's largest budget (a lower bound, no fit from 3 budgets): no trend
     deff = summary["optimizers"]["muon"]["d_eff_over_d"]

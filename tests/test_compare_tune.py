@@ -170,6 +170,7 @@ def test_a_coordinate_comparison_runs_the_search_reports_its_path_and_continues(
         (1, "lr", [3e-3, 0.1]), (1, "weight_decay", [3e-3, 0.0]), (2, "lr", [3e-3, 0.0]),
         (2, "weight_decay", [3e-3, 0.0])]
     expect = lambda lr, wd: 3 + (math.log10(lr) + 2.5) ** 2 + 0.1 * wd + 1 / 10
+    # the stand-in's float64 formula, one seed (the mean is the value), read back from JSON: 1e-12 is far above it
     assert search["steps"][1]["tried"] == [[0.0, pytest.approx(expect(3e-3, 0.0), rel=1e-12)],
                                            [0.1, pytest.approx(expect(3e-3, 0.1), rel=1e-12)],
                                            [0.2, pytest.approx(expect(3e-3, 0.2), rel=1e-12)]]

@@ -72,7 +72,7 @@ def test_an_optimizer_that_declares_only_its_transform_gets_every_default():
         # clip (the global norm √(8·0.25) = √2 > 1 scales by 1/√2), momentum's first step, then decay on the
         # hidden matrix only (a scalar group does not decay by default), times -lr: exact in float32 to ~1 ulp
         g = 0.5 / np.sqrt(2.0)
-        np.testing.assert_allclose(updates["w"], -0.1 * (g + 0.1) * np.ones((3, 2)), rtol=4e-7)
+        np.testing.assert_allclose(updates["w"], -0.1 * (g + 0.1) * np.ones((3, 2)), rtol=4e-7)  # ~3 f32 ulps
         np.testing.assert_allclose(updates["b"], -0.1 * g * np.ones(2), rtol=4e-7)  # (4e-7: ~3 f32 ulps)
     with pytest.raises(NotImplementedError, match="Bare.transform"):
         type("Bare", (Optimizer,), {})().transform("hidden", optax.constant_schedule(0.1))
