@@ -21,6 +21,7 @@ import equinox as eqx
 import optax
 
 from optimizer.adafactor import Adafactor
+from optimizer.adam_mini import AdamMini
 from optimizer.adamw import AdamW
 from optimizer.ademamix import AdEMAMix
 from optimizer.adopt import ADOPT
@@ -54,6 +55,7 @@ OPTIMIZERS = {
     "adopt": ADOPT,
     "prodigy": Prodigy,
     "normuon": NorMuon,
+    "adam_mini": AdamMini,
 }
 
 
