@@ -3,8 +3,8 @@ arXiv:2406.16793): Adam with ONE second-moment scalar per block of parameters in
 coordinate, the block being where the authors find the Hessian's dense diagonal sub-blocks. The
 first moment is Adam's, per coordinate; v keeps, per block, an EMA of the block's mean squared
 gradient; the update is m̂ / (√v̂ + eps) with Adam's bias corrections, then AdamW's decoupled weight
-decay times the lr. v shrinks from one float per weight to one per block: the state is about half
-of Adam's.
+decay times the lr. v shrinks from one float per weight to one per block (stored per column for
+the query/key heads, see `Blocks`): the state is about half of Adam's.
 
 The blocks, as the authors' reference code (PyPI `adam-mini` 1.1.1, `Adam_mini.step`) draws them
 from parameter names, mapped onto our leaves (all weights stored d_in×d_out, PyTorch's out×in;
@@ -49,14 +49,18 @@ TOKEN_EMBEDDINGS = ("wte", "embed")  # substrings of a token embedding's name, a
 
 @dataclass(frozen=True)
 class Blocks:
-    """How one leaf's coordinates share a second moment: viewed as `view`, g² averaged over `axes`
-    (negative, of the view) gives v (the view without those axes). `kind` names the rule (and
-    "qkv": GPT's fused projection, per head for its q and k thirds and per column for v). Static:
-    derived from the leaf's path and shape."""
+    """How one leaf's coordinates share a second moment (static: from the leaf's path and shape).
+    v is stored without `axes` (it broadcasts back over them): "adam" keeps every coordinate,
+    "token" and "tensor" (a norm gain: per vector) average the last axis, "tensor" of a whole leaf
+    (wpe) every axis, "neuron" the d_in axis (one v per column). "head" and "qkv" are stored as
+    "neuron" is, per column, each head's v repeated over its head_dim columns: a query/key head's
+    columns hold one number, and the state keeps the parameter's columns, so it is laid out as
+    the parameter (utils/parallel/layout.py: heads split over the tensor axis whole) at the cost
+    of head_dim copies of a few floats per head."""
 
-    kind: str  # "adam" | "neuron" | "token" | "tensor" | "head" | "qkv"
-    view: tuple[int, ...]
+    kind: str  # "adam" | "token" | "tensor" | "neuron" | "head" | "qkv"
     axes: tuple[int, ...] = ()
+    head_dim: int = 0  # "head", "qkv": columns per head
 
 
 def _names(path) -> list[str]:
@@ -67,59 +71,65 @@ def leaf_blocks(group: str, path, shape: tuple[int, ...], head_dim: int | None) 
     """The Adam-mini blocks of one leaf of `group` (see the module docstring)."""
     names = _names(path)
     leaf, module = (names[-1] if names else ""), (names[-2] if len(names) > 1 else "")
-    shape, ndim = tuple(shape), len(shape)
-    whole = Blocks("tensor", shape, tuple(range(-ndim, 0)))
+    ndim = len(shape)
+    whole = Blocks("tensor", tuple(range(-ndim, 0)))
     if ndim == 0:
-        return Blocks("adam", shape)
+        return Blocks("adam")
     if group == "scalar":
-        return Blocks("adam", shape) if "bias" in leaf.lower() else Blocks("tensor", shape, (-1,))
+        return Blocks("adam") if "bias" in leaf.lower() else Blocks("tensor", (-1,))
     if group == "embed":
-        return Blocks("token", shape, (-1,)) if any(n in leaf.lower() for n in TOKEN_EMBEDDINGS) else whole
+        return Blocks("token", (-1,)) if any(n in leaf.lower() for n in TOKEN_EMBEDDINGS) else whole
     if ndim < 2:
         return whole
     if group == "hidden" and leaf == "weight_IxO" and module in (*QK_PROJECTIONS, FUSED_QKV):
+        where = f"optimizer=adam_mini: {'.'.join(names)}"
         if head_dim is None:
-            raise ConfigError(f"optimizer=adam_mini: {'.'.join(names)} is a query/key projection but the model has "
-                              "no cfg.head_dim to split its columns into heads: use a model of models/ (gpt, llama)")
-        n = shape[-1]
-        if module == FUSED_QKV:
-            if n % (3 * head_dim):
-                raise ConfigError(f"optimizer=adam_mini: {'.'.join(names)} has {n} columns, not 3 x heads x "
-                                  f"head_dim {head_dim}")
-            return Blocks("qkv", (*shape[:-1], n // (3 * head_dim), 3, head_dim))
-        if n % head_dim:
-            raise ConfigError(f"optimizer=adam_mini: {'.'.join(names)} has {n} columns, not heads x head_dim "
-                              f"{head_dim}")
-        return Blocks("head", (*shape[:-1], n // head_dim, head_dim), (-3, -1))
-    return Blocks("neuron", shape, (-2,))  # hidden, head (D x V: a token per column), lora
+            raise ConfigError(f"{where} is a query/key projection but the model has no cfg.head_dim to split its "
+                              "columns into heads: use a model of models/ (gpt, llama)")
+        per_head = 3 * head_dim if module == FUSED_QKV else head_dim
+        if shape[-1] % per_head:
+            raise ConfigError(f"{where} has {shape[-1]} columns, not a multiple of {per_head} (head_dim {head_dim})")
+        return Blocks("qkv" if module == FUSED_QKV else "head", (-2,), head_dim)
+    return Blocks("neuron", (-2,))  # hidden, head (D x V: a token per column), lora
 
 
-def mean_square(blocks: Blocks, g: jax.Array):
-    """Each block's mean of g² in float32: an array (the view less `axes`), or for "qkv" a pair
-    (q and k per head (..., H, 2); v per column (..., H, K))."""
-    sq = jnp.square(g.astype(jnp.float32)).reshape(blocks.view)
-    if blocks.kind == "qkv":  # view (..., D, H, 3, K)
-        return jnp.mean(sq[..., :2, :], axis=(-4, -1)), jnp.mean(sq[..., 2, :], axis=-3)
+def mean_square(blocks: Blocks, g: jax.Array) -> jax.Array:
+    """Each block's mean of g² in float32, shaped as v is stored (`Blocks`)."""
+    sq = jnp.square(g.astype(jnp.float32))
+    K = blocks.head_dim
+    if blocks.kind == "head":  # (..., D, H·K), columns (head, K)
+        per_head = jnp.mean(sq.reshape(*sq.shape[:-1], -1, K), axis=(-3, -1))  # (..., H)
+        return jnp.repeat(per_head, K, axis=-1)
+    if blocks.kind == "qkv":  # (..., D, H·3·K), columns (head, q|k|v, K)
+        by_head = sq.reshape(*sq.shape[:-1], -1, 3, K)
+        qk = jnp.mean(by_head[..., :2, :], axis=(-4, -1))  # (..., H, 2): q and k per head
+        v = jnp.mean(by_head[..., 2, :], axis=-3)  # (..., H, K): v per column
+        both = jnp.concatenate([jnp.broadcast_to(qk[..., None], (*qk.shape, K)), v[..., None, :]], axis=-2)
+        return both.reshape(*v.shape[:-2], -1)
     return jnp.mean(sq, axis=blocks.axes) if blocks.axes else sq
 
 
-def normalise(blocks: Blocks, m_hat: jax.Array, v_hat, eps) -> jax.Array:
-    """m̂ / (√v̂ + eps), each coordinate divided by its block's √v̂, shaped as m̂."""
-    m = m_hat.astype(jnp.float32).reshape(blocks.view)
+def distinct(blocks: Blocks, v: jax.Array) -> jax.Array:
+    """v with each block once (a query/key head's repeated columns taken once), flat."""
+    K = blocks.head_dim
+    if blocks.kind == "head":
+        return v.reshape(*v.shape[:-1], -1, K)[..., 0].reshape(-1)
     if blocks.kind == "qkv":
-        qk, v = v_hat  # (..., H, 2), (..., H, K)
-        den = jnp.concatenate([jnp.broadcast_to(qk[..., None], (*qk.shape, blocks.view[-1])), v[..., None, :]],
-                              axis=-2)  # (..., H, 3, K)
-        out = m / (jnp.sqrt(den)[..., None, :, :, :] + eps)
-    else:
-        out = m / (jnp.sqrt(jnp.expand_dims(v_hat, blocks.axes)) + eps)
-    return out.reshape(m_hat.shape).astype(m_hat.dtype)
+        by_head = v.reshape(*v.shape[:-1], -1, 3, K)
+        return jnp.concatenate([by_head[..., :2, 0].reshape(-1), by_head[..., 2, :].reshape(-1)])
+    return v.reshape(-1)
+
+
+def normalise(blocks: Blocks, m_hat: jax.Array, v_hat: jax.Array, eps) -> jax.Array:
+    """m̂ / (√v̂ + eps), each coordinate divided by its block's √v̂."""
+    den = jnp.sqrt(jnp.expand_dims(v_hat, blocks.axes)) + eps
+    return (m_hat.astype(jnp.float32) / den).astype(m_hat.dtype)
 
 
 class ScaleByAdamMiniState(NamedTuple):
     count: jax.Array  # updates taken (int32)
     mu: Any  # Adam's first moment, shaped as the parameters
-    nu: Any  # per leaf, one float32 per block (a pair for GPT's fused qkv): Blocks / mean_square
+    nu: Any  # per leaf, float32: each block's v, stored as `Blocks` says (per column for the head rule)
 
 
 def _head_dim(tree) -> int | None:
@@ -140,7 +150,7 @@ def scale_by_adam_mini(group: str, b1: float = 0.9, b2: float = 0.95,
 
     def init_fn(params):
         leaves, treedef, plans = _plans(group, params)
-        nu = [jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda x, b=b: mean_square(b, x), x))
+        nu = [jnp.zeros(jax.eval_shape(lambda x, b=b: mean_square(b, x), x).shape, jnp.float32)
               for x, b in zip(leaves, plans)]
         return ScaleByAdamMiniState(count=jnp.zeros((), jnp.int32), mu=jax.tree.map(jnp.zeros_like, params),
                                     nu=treedef.unflatten(nu))
@@ -154,9 +164,8 @@ def scale_by_adam_mini(group: str, b1: float = 0.9, b2: float = 0.95,
         out, mus, nus = [], [], []
         for g, m, v, blocks in zip(leaves, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu), plans):
             m = (b1 * m + (1 - b1) * g).astype(m.dtype)
-            v = jax.tree.map(lambda v, s: b2 * v + (1 - b2) * s, v, mean_square(blocks, g))
-            v_hat = jax.tree.map(lambda x: x / correction2, v)
-            out.append(normalise(blocks, (m / correction1).astype(m.dtype), v_hat, eps).astype(g.dtype))
+            v = b2 * v + (1 - b2) * mean_square(blocks, g)
+            out.append(normalise(blocks, (m / correction1).astype(m.dtype), v / correction2, eps).astype(g.dtype))
             mus.append(m)
             nus.append(v)
         return treedef.unflatten(out), ScaleByAdamMiniState(count, treedef.unflatten(mus), treedef.unflatten(nus))
@@ -192,5 +201,8 @@ class AdamMini:
         states = find_states(group_state, ScaleByAdamMiniState)
         if not states:
             return {}
-        nus = [x for x in jax.tree.leaves(states[0].nu) if hasattr(x, "shape")]
+        shapes = {path: x.shape for path, x in jax.tree_util.tree_leaves_with_path(params)}
+        head_dim = _head_dim(params)
+        nus = [distinct(leaf_blocks(group, path, shapes[path], head_dim), v)
+               for path, v in jax.tree_util.tree_leaves_with_path(states[0].nu)]
         return sqrt_v_stats(nus, states[0].count, self.b2)
