@@ -164,7 +164,8 @@ def same_order(plan_json: dict) -> dict:
 EVALUATION = "evaluation"  # compare.json's record of the evaluation phase (seeds.eval), added once it starts
 PHASE_RECORD = {"eval": EVALUATION, "target": "target"}  # compare.json's record of each phase after tuning
 # Knobs whose change alters runs already made (their schedules, data or length): a comparison cannot grow by them.
-FIXED_KNOBS = ("budgets", "warmup", "cooldown_fraction", "cooldown_shape", "data_seed", "seeds_vary_data", "val_every")
+FIXED_KNOBS = ("budgets", "budget_unit", "warmup", "cooldown_fraction", "cooldown_shape", "data_seed",
+               "seeds_vary_data", "val_every")
 
 
 def growth_refused(planned: dict, wanted: dict, evaluated: bool) -> str | None:
@@ -174,7 +175,9 @@ def growth_refused(planned: dict, wanted: dict, evaluated: bool) -> str | None:
     if planned.get("run_overrides") != wanted.get("run_overrides"):
         return "its run_overrides differ from this command's"
     old_knobs, new_knobs = planned.get("knobs") or {}, wanted.get("knobs") or {}
-    fixed = next((k for k in FIXED_KNOBS if k in old_knobs and old_knobs[k] != new_knobs.get(k)), None)
+    # a knob the directory does not record (older than the knob) had its default
+    default = {f.name: f.default for f in fields(CompareConfig) if f.default is not MISSING}
+    fixed = next((k for k in FIXED_KNOBS if old_knobs.get(k, default.get(k)) != new_knobs.get(k, default.get(k))), None)
     if fixed:
         return (f"its {fixed} differ from this command's, which would change the runs already made; a comparison "
                 "grows by seeds, optimizers, lrs, sweep values and workloads only")
@@ -206,8 +209,10 @@ def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) ->
         # a knob added to the harness after the directory was made, left at its default, changes nothing
         defaults = {f.name: f.default for f in fields(CompareConfig) if f.default is not MISSING}
         recorded = planned.get("knobs") or {}
+        # (an empty default, a tuple, is an empty list or mapping in compare.json)
+        unset = lambda k, v: v == defaults[k] or (v in ([], {}) and defaults[k] in ((), None))
         wanted["knobs"] = {k: v for k, v in wanted.get("knobs", {}).items()
-                           if k in recorded or k not in defaults or v != defaults[k]}
+                           if k in recorded or k not in defaults or not unset(k, v)}
         if planned != wanted:
             refused = growth_refused(planned, wanted, any(k in have for k in PHASE_RECORD.values()))
             if refused:
@@ -216,7 +221,8 @@ def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) ->
             # it grows: every run planned before is planned alike; the new plan (with the old runs) replaces it
             new = len(wanted.get("runs", [])) - len(planned.get("runs", []))
             print(f"compare: {compare_dir} grows by {new} runs (more seeds, optimizers, lrs, sweep values or "
-                  "workloads); its runs done before are kept")
+                  "workloads); its runs done before are kept" if new else
+                  f"compare: {compare_dir}: its knobs change to this command's, which plans the same runs")
             have = {**{k: v for k, v in have.items() if k not in want}, **want}
             write_json(path, {**have, PROVENANCE: [*sessions, session] if not sessions or
                               _setup(sessions[-1]) != _setup(session) else sessions})

@@ -29,6 +29,7 @@ same random_seed and data_seed (`seeds.vary_data=true`: data_seed + random_seed)
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -37,6 +38,7 @@ import shlex
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from compare.budgets import UNITS, to_steps, workload_scale
 from compare.tune import TUNE, Space, coordinate_path, start_value
 from optimizer import OPTIMIZERS
 from optimizer.schedules import DECAY_SHAPES
@@ -81,7 +83,7 @@ class CompareConfig:
     """conf/compare.yaml, checked."""
 
     optimizers: tuple[str, ...]
-    budgets: tuple[int, ...]
+    budgets: tuple[float, ...]  # in budget_unit (steps: ints)
     lr_points: int = 4
     lr_factor: float = 2.0
     lr_grid: tuple[tuple[str, tuple[float, ...]], ...] = ()  # (optimizer, its lrs), explicit grids
@@ -97,6 +99,7 @@ class CompareConfig:
     sweep: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # (optimizer knob, its values), crossed with the lrs
     workloads: tuple[tuple[str, tuple[str, ...]], ...] = ((WORKLOAD, ()),)  # (name, its run overrides)
     workload_lr: tuple[tuple[str, str, float], ...] = ()  # (workload, optimizer, lr): its grid's centre there
+    workload_lr_grid: tuple[tuple[str, str, tuple[float, ...]], ...] = ()  # (workload, optimizer, lrs): its grid there
     val_every: int | None = None  # train.val_freq of every run; None: the runs' own (conf/train.yaml's)
     baseline: str | None = None  # the optimizer the report is relative to; None: adamw if compared, else the first
     tune: str = "grid"  # grid: every lr x sweep combination; coordinate: compare/tune.py's coordinate descent
@@ -104,6 +107,8 @@ class CompareConfig:
     coordinate_max_trials: int | None = None  # tune=coordinate: at most this many settings per optimizer (None: no cap)
     target_loss: float | None = None  # target.loss: the target track's val/loss (modded-nanogpt's protocol)
     target_runs: int = 0  # target.runs: fresh seeds the chosen setting at the largest budget runs on for it
+    budget_unit: str = "steps"  # steps | tokens | chinchilla (multiples of 20 tokens per parameter)
+    workload_budgets: tuple[tuple[str, tuple[int, ...]], ...] = ()  # tokens|chinchilla: each workload's steps
 
     def sweep_of(self, optimizer: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
         """The sweep an optimizer's lrs are crossed with: the shared `sweep.<knob>` values and its own
@@ -117,6 +122,10 @@ class CompareConfig:
         tune=coordinate, the most it may try: the search usually stops well before)."""
         every = self.lr_points * math.prod(len(v) for _, v in self.sweep_of(optimizer))
         return every if self.coordinate_max_trials is None else min(every, self.coordinate_max_trials)
+
+    def budgets_of(self, workload: str) -> tuple[int, ...]:
+        """A workload's budgets in optimizer steps (budget_unit=tokens|chinchilla: with_steps's conversion)."""
+        return dict(self.workload_budgets).get(workload) or tuple(int(b) for b in self.budgets)
 
     def branch_step(self, budget: int) -> int:
         """round((1 - cooldown.fraction)·S): the trunk's step a budget's branch starts from."""
@@ -157,6 +166,7 @@ class Plan:
         knobs["workloads"] = {name: list(overrides) for name, overrides in self.knobs.workloads}
         for key in ("optimizers", "budgets"):
             knobs[key] = list(knobs[key])
+        knobs["workload_budgets"] = {name: list(steps) for name, steps in self.knobs.workload_budgets}
         runs = [run_json(r) for r in self.runs]
         out = {"knobs": knobs, "run_overrides": list(self.run_overrides), "runs": runs}
         if self.spaces:  # where each coordinate search starts and what it varies (the report replays it)
@@ -204,15 +214,23 @@ def compare_config(node: dict) -> CompareConfig:
     """conf/compare.yaml's composed knobs -> CompareConfig, or one ConfigError line naming the knob."""
     node = dict(node)
     known = {"optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
-             "val_every", "baseline", "tune", "coordinate", "target", *EXECUTION}
+             "val_every", "baseline", "tune", "coordinate", "target", "budget_unit", *EXECUTION}
     unknown = sorted(set(node) - known)
     if unknown:
         raise ConfigError(f"unknown comparison knob {unknown[0]!r}: the knobs are {', '.join(sorted(known))}")
     optimizers = [_optimizer(o, "optimizers") for o in _list(node.get("optimizers"), "optimizers", "[adamw,muon]")]
     if len(set(optimizers)) != len(optimizers):
         raise ConfigError(f"optimizers={optimizers} lists an optimizer twice: name each once")
-    budgets = [_int(b, "budgets", 1, "budgets are train steps") for b in _list(node.get("budgets"), "budgets",
-                                                                                "[200,400,800]")]
+    unit = node.get("budget_unit", "steps")
+    if unit not in UNITS:
+        raise ConfigError(f"budget_unit={unit!r} must be one of {', '.join(UNITS)}: what the numbers of budgets count")
+    given = _list(node.get("budgets"), "budgets", "[200,400,800]")
+    if unit == "steps":
+        budgets = [_int(b, "budgets", 1, "budgets are train steps (budget_unit=steps)") for b in given]
+    else:
+        budgets = [_float(b, "budgets") for b in given]
+        if any(not (b > 0 and math.isfinite(b)) for b in budgets):
+            raise ConfigError(f"budgets={budgets} must be positive {unit} (budget_unit={unit})")
     if any(b <= a for a, b in zip(budgets, budgets[1:])):
         raise ConfigError(f"budgets={budgets} must be strictly increasing (no repeats), e.g. {sorted(set(budgets))}")
     tune, evaluate, vary_data = _seeds(node.get("seeds", 1))
@@ -251,8 +269,16 @@ def compare_config(node: dict) -> CompareConfig:
     explicit = {opt for opt, _ in grid}
     both = next(((w, o) for w, o, _ in centres if o in explicit), None)
     if both:
-        raise ConfigError(f"workloads.{both[0]} sets lr.{both[1]} and lr.grid.{both[1]} gives its lrs: give one (an "
-                          "explicit grid is every workload's)")
+        raise ConfigError(f"workloads.{both[0]} sets lr.{both[1]} or lr.grid.{both[1]}, and the comparison's "
+                          f"lr.grid.{both[1]} gives its lrs everywhere: give one")
+    for w, o, lrs in centres:
+        if isinstance(lrs, tuple) and len(lrs) != points:
+            raise ConfigError(f"workloads.{w}: lr.grid.{o} has {len(lrs)} lrs but lr.points={points}: every optimizer "
+                              f"gets the same number of trials; give {points} lrs")
+    twice = next(((w, o) for i, (w, o, _) in enumerate(centres) if any((w, o) == c[:2] for c in centres[:i])), None)
+    if twice:
+        raise ConfigError(f"workloads.{twice[0]} sets {twice[1]}'s lrs twice (lr.{twice[1]} and lr.grid.{twice[1]}, or "
+                          "one of them repeated): give one")
     strategy = node.get("tune", "grid")
     if strategy not in TUNE:
         raise ConfigError(f"tune={strategy!r} must be one of {', '.join(TUNE)}: grid tries every lr x sweep setting, "
@@ -281,6 +307,7 @@ def compare_config(node: dict) -> CompareConfig:
     if target_loss is not None and not (target_loss > 0 and math.isfinite(target_loss)):
         raise ConfigError(f"target.loss={target_loss} must be a positive val/loss")
     knobs = CompareConfig(
+        budget_unit=unit,
         target_loss=target_loss, target_runs=target_runs,
         tune=strategy, coordinate_threshold=threshold, coordinate_max_trials=max_trials,
         optimizers=tuple(optimizers), budgets=tuple(budgets), lr_points=points, lr_factor=factor,
@@ -290,21 +317,53 @@ def compare_config(node: dict) -> CompareConfig:
         warmup=_int(node.get("warmup", 0), "warmup", 0, "linear warmup steps of every run"),
         cooldown_fraction=fraction, cooldown_shape=shape, lr_extend=extend,
         lr_extend_max=_int(lr.get("extend_max", 2), "lr.extend_max", 1, "lrs lr.extend may add per optimizer"),
-        sweep=_sweep(node.get("sweep") or {}, optimizers), workloads=workloads, workload_lr=centres,
+        sweep=_sweep(node.get("sweep") or {}, optimizers), workloads=workloads,
+        workload_lr=tuple(c for c in centres if isinstance(c[2], float)),
+        workload_lr_grid=tuple(c for c in centres if isinstance(c[2], tuple)),
         baseline=_baseline(node.get("baseline"), optimizers),
         val_every=None if node.get("val_every") is None else _int(
             node["val_every"], "val_every", 1, "evaluate every N steps besides the branch points and budgets"))
-    for budget in budgets:
+    if unit == "steps":
+        check_steps(knobs, knobs.budgets_of(WORKLOAD))
+    return knobs
+
+
+def check_steps(knobs: CompareConfig, steps: tuple[int, ...], where: str = "") -> None:
+    """Every budget (in steps) has a cooldown and branches after the warmup; one ConfigError line otherwise."""
+    fraction = knobs.cooldown_fraction
+    if any(b <= a for a, b in zip(steps, steps[1:])):
+        raise ConfigError(f"budgets{where} round to {list(steps)} steps, not strictly increasing: space them further "
+                          "apart")
+    for budget in steps:
         b = knobs.branch_step(budget)
         if budget - b < 1:
-            raise ConfigError(f"budgets: {budget} leaves no cooldown step at cooldown.fraction={fraction}; "
+            raise ConfigError(f"budgets{where}: {budget} leaves no cooldown step at cooldown.fraction={fraction}; "
                               f"use budgets of at least {math.ceil(1 / fraction)} steps")
         if b < max(knobs.warmup, 1):
             need = math.floor(max(knobs.warmup, 1) / (1 - fraction)) + 1
-            raise ConfigError(f"budgets: {budget} branches at step {b}, before warmup={knobs.warmup} ends; every "
-                              f"budget must exceed warmup/(1-cooldown.fraction): use budgets >= {need} or a "
+            raise ConfigError(f"budgets{where}: {budget} branches at step {b}, before warmup={knobs.warmup} ends; "
+                              f"every budget must exceed warmup/(1-cooldown.fraction): use budgets >= {need} or a "
                               "shorter warmup")
-    return knobs
+
+
+def with_steps(knobs: CompareConfig, run_overrides: tuple[str, ...] = ()) -> tuple[CompareConfig, list[str]]:
+    """budget_unit=tokens|chinchilla: the knobs with each workload's budgets in steps (workload_budgets),
+    and a line per workload saying how they were counted; budget_unit=steps: the knobs as they are."""
+    if knobs.budget_unit == "steps":
+        return knobs, []
+    out, lines = [], []
+    for name, extra in knobs.workloads:
+        tokens, params = workload_scale((*run_overrides, *extra), knobs.budget_unit == "chinchilla")
+        steps = to_steps(knobs.budgets, knobs.budget_unit, tokens, params)
+        where = f" ({knobs.budget_unit}) of workload {name}" if len(knobs.workloads) > 1 else f" ({knobs.budget_unit})"
+        check_steps(knobs, steps, where)
+        out.append((name, steps))
+        size = f"{params:,} params, " if params is not None else ""
+        given = ", ".join(f"{b:g}" for b in knobs.budgets)
+        unit = "x Chinchilla" if knobs.budget_unit == "chinchilla" else "tokens"
+        lines.append(f"workload {name}: {size}{tokens:,} tokens/step: budgets {given} {unit} = "
+                     f"{', '.join(map(str, steps))} steps")
+    return dataclasses.replace(knobs, workload_budgets=tuple(out)), lines
 
 
 def _baseline(value: Any, optimizers: list[str]) -> str | None:
@@ -423,17 +482,20 @@ def _workloads(node: dict, optimizers: list[str]) -> tuple[tuple[tuple[str, tupl
             if not key.startswith("lr."):
                 runs.append(item)
                 continue
-            opt = key[3:]
+            is_grid = key.startswith("lr.grid.")
+            opt = key[len("lr.grid."):] if is_grid else key[3:]
             if opt not in optimizers:
-                raise ConfigError(f"{knob}: {item}: lr.<optimizer>=X centres an optimizer's lr grid in this workload; "
-                                  f"{opt!r} is not one of optimizers={optimizers}")
+                raise ConfigError(f"{knob}: {item}: lr.<optimizer>=X centres an optimizer's lr grid in this workload, "
+                                  f"lr.grid.<optimizer>=[...] gives it; {opt!r} is not one of optimizers={optimizers}")
+            values = value.strip("[]").split(",") if is_grid else [value]
             try:
-                lr = float(value)
+                lrs = tuple(float(v) for v in values)
             except ValueError:
-                lr = math.nan
-            if not lr > 0 or math.isinf(lr):
-                raise ConfigError(f"{knob}: {item}: the lr must be a positive number, e.g. lr.{opt}=1e-3")
-            centres.append((str(name), opt, lr))
+                lrs = (math.nan,)
+            if any(not lr > 0 or math.isinf(lr) for lr in lrs) or len({f"{lr:g}" for lr in lrs}) != len(lrs):
+                raise ConfigError(f"{knob}: {item}: the lrs must be distinct positive numbers, e.g. lr.{opt}=1e-3 or "
+                                  f"lr.grid.{opt}=[1e-3,3e-3]")
+            centres.append((str(name), opt, lrs if is_grid else lrs[0]))
         overrides = runs
         check_run_overrides(overrides, knob)
         out.append((str(name), tuple(overrides)))
@@ -500,17 +562,20 @@ def start_values(knobs: CompareConfig, run_overrides: tuple[str, ...] = ()) -> d
     return out
 
 
-def search_space(knobs: CompareConfig, optimizer: str, base_lr: float, own: dict[str, Any] | None = None) -> Space:
+def search_space(knobs: CompareConfig, optimizer: str, base_lr: float, own: dict[str, Any] | None = None,
+                 workload: str = WORKLOAD) -> Space:
     """tune=coordinate: the lr grid, then each swept knob's values; the search starts at the
     optimizer's own values (`own`: start_values's) where the axes list them, else at their middle."""
-    axes = (("lr", lr_grid(knobs, optimizer, base_lr)), *knobs.sweep_of(optimizer))
+    axes = (("lr", lr_grid(knobs, optimizer, base_lr, workload)), *knobs.sweep_of(optimizer))
     own = {"lr": base_lr, **(own or {})}
     return Space(axes, tuple(start_value(values, own.get(knob)) for knob, values in axes))
 
 
-def lr_grid(knobs: CompareConfig, optimizer: str, base_lr: float) -> tuple[float, ...]:
-    """lr.grid.<optimizer>, else base·factor^k for k = -(points//2) .. points - points//2 - 1."""
-    explicit = dict(knobs.lr_grid).get(optimizer)
+def lr_grid(knobs: CompareConfig, optimizer: str, base_lr: float, workload: str = WORKLOAD) -> tuple[float, ...]:
+    """lr.grid.<optimizer> (the comparison's, or the workload's own), else base·factor^k for
+    k = -(points//2) .. points - points//2 - 1."""
+    explicit = dict(knobs.lr_grid).get(optimizer) or {(w, o): lrs for w, o, lrs in knobs.workload_lr_grid}.get(
+        (workload, optimizer))
     if explicit:
         return explicit
     low = -(knobs.lr_points // 2)
@@ -543,17 +608,18 @@ def _setting_runs(knobs: CompareConfig, workload: str, optimizer: str, lr: float
     """The runs of one (workload, optimizer, lr): per sweep combination (`sweeps`, default: every one)
     and seed (default: the tuning seeds), a trunk to the branch point of the largest of `budgets`
     (default: every budget), then a branch per budget."""
-    budgets = knobs.budgets if budgets is None else tuple(sorted(budgets))
+    budgets = knobs.budgets_of(workload) if budgets is None else tuple(sorted(budgets))
     seeds = range(knobs.seeds) if seeds is None else seeds
     steps = sorted({knobs.branch_step(b) for b in budgets})
     runs: list[PlannedRun] = []
     given = {override_key(o) for o in overrides}
     # An optimizer whose state depends on the run's length (a knob that defaults to it) gets the
     # largest budget for every run, trunk and branches alike, so a branch stays exact.
-    horizon = getattr(OPTIMIZERS[optimizer], "RUN_LENGTH_KNOB", None)
-    horizon = [f"optimizer.{horizon}={max(knobs.budgets)}"] if horizon and f"optimizer.{horizon}" not in given else []
+    horizon = OPTIMIZERS[optimizer].RUN_LENGTH_KNOB
+    horizon = [f"optimizer.{horizon}={max(knobs.budgets_of(workload))}"] \
+        if horizon and f"optimizer.{horizon}" not in given else []
     # One that needs no cooldown (its own averaging) has branches that keep the trunk's constant lr.
-    cooldown = getattr(OPTIMIZERS[optimizer], "COOLDOWN", True)
+    cooldown = OPTIMIZERS[optimizer].COOLDOWN
     combos = itertools.product(*[[(knob, v) for v in values] for knob, values in knobs.sweep_of(optimizer)])
     for sweep in (tuple(c) for c in combos) if sweeps is None else sweeps:
         swept = [f"optimizer.{knob}={_value(v)}" for knob, v in sweep]
@@ -617,13 +683,13 @@ def make_plan(knobs: CompareConfig, run_overrides: list[str] | tuple[str, ...],
         base = lrs[workload] if isinstance(lrs.get(workload), dict) else lrs
         for opt in knobs.optimizers:
             if knobs.tune == "coordinate":
-                space = search_space(knobs, opt, base[opt], (starts or {}).get((workload, opt)))
+                space = search_space(knobs, opt, base[opt], (starts or {}).get((workload, opt)), workload)
                 spaces.append(((workload, opt), space))
                 runs += _cell_runs(knobs, workload, opt, space, coordinate_path(
                     space, lambda cell: None, knobs.coordinate_threshold, knobs.coordinate_max_trials).todo,
                     overrides, defaults)
                 continue
-            for lr in lr_grid(knobs, opt, base[opt]):
+            for lr in lr_grid(knobs, opt, base[opt], workload):
                 runs += _setting_runs(knobs, workload, opt, lr, overrides, defaults)
     _check_ids(runs)
     return Plan(knobs, run_overrides, tuple(runs), tuple(spaces))

@@ -576,9 +576,9 @@ def attach_search(w: Workload, recorded: dict) -> None:
     "search" (each space) and the results, as compare.py replayed it to choose its runs."""
     knobs = recorded.get("knobs") or {}
     spaces = [e for e in recorded.get("search") or [] if e.get("workload") == w.name and e.get("optimizer")]
-    if not spaces or not knobs.get("budgets"):
+    if not spaces or not w.budgets:
         return
-    loss_of = tune.cell_losses({w.name: w}, int(knobs.get("seeds") or 1), max(knobs["budgets"]))
+    loss_of = tune.cell_losses({w.name: w}, int(knobs.get("seeds") or 1), lambda name: max(w.budgets))
     w.search = {}
     for entry in spaces:
         space = tune.Space.from_json(entry)
@@ -694,10 +694,10 @@ def section_special(runs: dict[str, Run]) -> list[str]:
     notes = []
     for name in _order(r.optimizer for r in runs.values()):
         cls = OPTIMIZERS.get(name)
-        if cls is not None and not getattr(cls, "COOLDOWN", True):
+        if cls is not None and not cls.COOLDOWN:
             notes.append(f"- {name} needs no cooldown (its averaging replaces the lr decay): its branches keep the "
                          "trunk's constant lr to each budget.")
-        knob = getattr(cls, "RUN_LENGTH_KNOB", None) if cls is not None else None
+        knob = cls.RUN_LENGTH_KNOB if cls is not None else None
         if knob:
             values = sorted({o.split("=", 1)[1] for r in runs.values() if r.optimizer == name
                              for o in (r.info.get("overrides") or []) if o.startswith(f"optimizer.{knob}=")})

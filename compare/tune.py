@@ -121,12 +121,13 @@ def coordinate_path(space: Space, loss_of: Callable[[Cell], float | None], thres
     raise AssertionError("coordinate search did not end")  # pragma: no cover - a move always lowers the loss
 
 
-def cell_losses(workloads: dict[str, Any], seeds: int, budget: int):
+def cell_losses(workloads: dict[str, Any], seeds: int, budget_of: Callable[[str], int]):
     """`loss_of(workload, optimizer, space)` for coordinate_path from the report's Workloads (by name):
-    a cell's mean final val/loss over its `seeds` tuning seeds at `budget`; inf when one failed or
-    diverged; None while fewer than `seeds` results are in (pending, missing or not run)."""
+    a cell's mean final val/loss over its `seeds` tuning seeds at the workload's largest budget
+    (`budget_of(workload)`, in steps); inf when one failed or diverged; None while fewer than `seeds`
+    results are in (pending, missing or not run)."""
     def for_search(workload: str, optimizer: str, space: Space) -> Callable[[Cell], float | None]:
-        w = workloads.get(workload)
+        w, budget = workloads.get(workload), budget_of(workload)
         table: dict[tuple, list[float]] = {}
         for res in (w.results if w is not None else ()):  # the Workload keeps the evaluation seeds apart
             run = res.run

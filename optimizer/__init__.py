@@ -1,15 +1,8 @@
 """Optimizer registry: `optimizer.name` in a yaml -> the frozen dataclass that builds its update.
 
-Adding an optimizer: one file here with a frozen dataclass (its hyperparameters as fields,
-`GROUP_KNOBS` naming those a parameter group may override, or `group_knobs(group)` where groups
-differ, `check(prefix)` raising ConfigError, `transform(group, schedule)` returning the optax
-update of one group, its `weight_decay` decoupled and times the lr), one yaml in
-`conf/optimizer/`, one line below. See docs/extending.md, "An optimizer".
-
-Two optional methods let an optimizer reach past one group's update: `for_run(schedule_name,
-schedule, total_steps)` completes and checks its knobs against the run at validation (`for_run`
-below), and `eval_params(params, opt_state)` names the point to evaluate when it is not the one
-the step trains (`eval_params` below).
+Adding an optimizer: one file here with a frozen dataclass subclassing
+`optimizer.contract.Optimizer` (the whole contract, its optional parts and their defaults, is
+that class), one yaml in `conf/optimizer/`, one line below. See docs/extending.md, "An optimizer".
 """
 
 from __future__ import annotations
@@ -76,23 +69,21 @@ def for_run(hparams, schedule_name: str, schedule, total_steps: int):
     returning its dataclass (AdEMAMix sets its α/β3 warmup to the run's length; Schedule-Free
     refuses a decaying lr schedule with a ConfigError); the others come back as they are.
     `schedule` is the lr_config dataclass (optimizer.schedules), `total_steps` train.max_steps."""
-    method = getattr(hparams, "for_run", None)
-    return hparams if method is None else method(schedule_name, schedule, total_steps)
+    return hparams.for_run(schedule_name, schedule, total_steps)
 
 
 def eval_params(hparams, params, opt_state):
     """The params to evaluate, sample from and export: `hparams.eval_params(params, opt_state)`
     where the optimizer trains one point and evaluates another (Schedule-Free: the average x, not
     the gradient point y the step holds), else `params` themselves."""
-    method = getattr(hparams, "eval_params", None)
-    return params if method is None else method(params, opt_state)
+    return params if hparams.eval_params is None else hparams.eval_params(params, opt_state)
 
 
 def eval_view(hparams) -> Callable[[Any], Any] | None:
     """state -> the model to evaluate (`eval_params` of its arrays, jitted; the state's own
     `model` and `opt_state`, e.g. a TrainState), or None when that is the state's model itself:
     callers then use it as it is, at no cost."""
-    if getattr(hparams, "eval_params", None) is None:
+    if hparams.eval_params is None:
         return None
 
     @eqx.filter_jit

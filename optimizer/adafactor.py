@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optimizer.contract import Optimizer
 from optimizer.diagnostics import find_states, is_masked, sqrt_v_stats
 from optimizer.groups import check_non_negative, check_unit_interval
 from utils.errors import ConfigError
@@ -39,13 +40,12 @@ def implied_v(v_row: jax.Array, v_col: jax.Array, v: jax.Array, shape: tuple[int
 
 
 @dataclass(frozen=True)
-class Adafactor:
+class Adafactor(Optimizer):
     decay_rate: float = 0.8  # second-moment decay exponent: beta2_t = 1 - t^(-decay_rate)
     momentum: float | None = None  # null = no first moment (the memory-saving original)
     clipping_threshold: float | None = 1.0  # update-RMS clipping; null = off
     multiply_by_parameter_scale: bool = False  # relative step sizes (off: lr means what it says)
     weight_decay: float = 0.0
-    decay_embeddings: bool = False
 
     GROUP_KNOBS = ("lr", "weight_decay")
 

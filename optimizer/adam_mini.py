@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optimizer.contract import Optimizer
 from optimizer.diagnostics import find_states, sqrt_v_stats
 from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 from utils.errors import ConfigError
@@ -174,12 +175,11 @@ def scale_by_adam_mini(group: str, b1: float = 0.9, b2: float = 0.95,
 
 
 @dataclass(frozen=True)
-class AdamMini:
+class AdamMini(Optimizer):
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    decay_embeddings: bool = False
 
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "eps")  # settable per group
 

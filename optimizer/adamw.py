@@ -6,18 +6,18 @@ from dataclasses import dataclass
 
 import optax
 
+from optimizer.contract import Optimizer
 from optimizer.diagnostics import adam_sqrt_v
 from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 
 
 @dataclass(frozen=True)
-class AdamW:
+class AdamW(Optimizer):
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
     nesterov: bool = False
-    decay_embeddings: bool = False
 
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "eps")  # settable per group
 

@@ -26,6 +26,7 @@ import optax
 from optax.contrib import ScaleByAdemamixState, ademamix
 
 from optimizer.arguments import known_zero
+from optimizer.contract import Optimizer
 from optimizer.diagnostics import array_leaves, find_states, sqrt_v_stats
 from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 from utils.errors import ConfigError
@@ -65,7 +66,7 @@ def _norm(leaves: list) -> jnp.ndarray:
 
 
 @dataclass(frozen=True)
-class AdEMAMix:
+class AdEMAMix(Optimizer):
     b1: float = 0.9
     b2: float = 0.999
     b3: float = 0.9999
@@ -73,7 +74,6 @@ class AdEMAMix:
     alpha_b3_warmup: int | None = None  # None: the run's train.max_steps (set by for_run); 0: no warmup
     eps: float = 1e-8
     weight_decay: float = 0.1
-    decay_embeddings: bool = False
 
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "b3", "alpha", "eps")
     # The knob whose null means "the run's length": a comparison's trunk and branches have

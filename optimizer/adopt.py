@@ -24,18 +24,18 @@ from dataclasses import dataclass
 import optax
 from optax.contrib import scale_by_adopt
 
+from optimizer.contract import Optimizer
 from optimizer.diagnostics import array_leaves, find_states, sqrt_v_stats
 from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 
 
 @dataclass(frozen=True)
-class ADOPT:
+class ADOPT(Optimizer):
     b1: float = 0.9
     b2: float = 0.9999
     eps: float = 1e-6
     clip: bool = True
     weight_decay: float = 0.0
-    decay_embeddings: bool = False
 
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "eps")
 

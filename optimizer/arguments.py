@@ -56,8 +56,7 @@ def _float_annotated(field: dataclasses.Field) -> bool:
 def optimizer_knobs(hparams) -> tuple[str, ...]:
     """The knobs of an optimizer dataclass that enter the step as arguments: its float fields and the
     one that follows the run's length (`RUN_LENGTH_KNOB`, an int: AdEMAMix's warmup), less CONSTANT_KNOBS."""
-    constant = set(getattr(hparams, "CONSTANT_KNOBS", ()))
-    run_length = getattr(hparams, "RUN_LENGTH_KNOB", None)
+    constant, run_length = set(hparams.CONSTANT_KNOBS), hparams.RUN_LENGTH_KNOB
     return tuple(f.name for f in dataclasses.fields(hparams)
                  if (_float_annotated(f) or f.name == run_length) and f.name not in constant
                  and _liftable(getattr(hparams, f.name)))
@@ -70,7 +69,7 @@ def schedule_knobs(schedule) -> tuple[str, ...]:
 
 def lift(o, clip: float | None) -> Values:
     """The numeric knobs of `o` (an OptimizerConfig) and the clip, as Python floats."""
-    constant = set(getattr(o.hparams, "CONSTANT_KNOBS", ()))
+    constant = set(o.hparams.CONSTANT_KNOBS)
     values = {
         "schedule": {k: float(getattr(o.schedule, k)) for k in schedule_knobs(o.schedule)},
         "schedule_steps": float(o.schedule_steps),

@@ -107,7 +107,7 @@ def cautious_transform(hparams: Any, group: str, schedule: optax.Schedule) -> op
 
 def check(hparams: Any, name: str) -> None:
     """optimizer.cautious=true is refused for an optimizer that declares it unsupported."""
-    reason = getattr(hparams, "CAUTIOUS_UNSUPPORTED", None)
+    reason = hparams.CAUTIOUS_UNSUPPORTED
     if reason:
         raise ConfigError(f"optimizer.cautious=true is not available for optimizer.name={name}: {reason}; "
                           "set optimizer.cautious=false")

@@ -159,7 +159,7 @@ def optimizer_metrics(hparams: Any, opt_state: Any, params: Any,
     clipping (or None), handed, clipped at `clip` as make_optimizer does, to a `diagnostics` that
     takes `grads`."""
     out: dict[str, jax.Array] = {**cautious_kept_fraction(opt_state, params), **hyperball_stats(opt_state, params)}
-    if getattr(hparams, "diagnostics", None) is None:
+    if hparams.diagnostics is None:
         return out
     if grads is not None and clipping(clip):
         grads = optax.clip_by_global_norm(clip).update(grads, optax.EmptyState())[0]

@@ -38,10 +38,7 @@ def group_knobs(hparams: Any, group: str) -> tuple[str, ...]:
     algorithms (Muon: Newton–Schulz on `hidden`, AdamW elsewhere) declares them per group with
     `group_knobs(group)`, so a knob the group would silently ignore is refused; the others list
     one `GROUP_KNOBS` for every group."""
-    per_group_knobs = getattr(hparams, "group_knobs", None)
-    if per_group_knobs is not None:
-        return tuple(per_group_knobs(group))
-    return tuple(getattr(hparams, "GROUP_KNOBS", ("lr",)))
+    return tuple(hparams.group_knobs(group))
 
 
 def scaled_schedule(schedule: optax.Schedule, factor) -> optax.Schedule:
@@ -57,7 +54,7 @@ def group_hparams(hparams: Any, group: str, overrides: dict[str, dict[str, float
     zeroed for groups that do not decay by default unless the override sets it."""
     own = {k: v for k, v in overrides.get(group, {}).items() if k != "lr"}
     if hasattr(hparams, "weight_decay") and "weight_decay" not in own:
-        if group not in decayed_groups(getattr(hparams, "decay_embeddings", False)):
+        if group not in decayed_groups(hparams.decay_embeddings):
             own["weight_decay"] = 0.0
     return dataclasses.replace(hparams, **own)
 
@@ -72,8 +69,7 @@ def group_lr(hparams: Any, group: str, base_lr: float, overrides: dict[str, dict
         return overrides[group]["lr"]
     if hyperball and group in hyperball_lib.HYPERBALL_GROUPS:
         return base_lr
-    default = getattr(hparams, "default_group_lr", None)
-    return default(group, base_lr) if default else base_lr
+    return hparams.default_group_lr(group, base_lr)
 
 
 def group_schedules(hparams: Any, schedule: optax.Schedule, base_lr: float | None,

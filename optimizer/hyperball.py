@@ -112,7 +112,7 @@ def check(hparams: Any, name: str, overrides: dict[str, dict[str, float]] | None
     weight decay on a group it puts on the sphere (the norm is fixed: decay could do nothing)."""
     from optimizer.groups import group_hparams  # groups imports this module: at call time
 
-    reason = getattr(hparams, "HYPERBALL_UNSUPPORTED", None)
+    reason = hparams.HYPERBALL_UNSUPPORTED
     if reason:
         raise ConfigError(f"optimizer.hyperball=true is not available for optimizer.name={name}: {reason}; "
                           "set optimizer.hyperball=false")

@@ -39,6 +39,7 @@ import numpy as np
 import optax
 
 from optimizer.blocking import HIGHEST, is_array, is_function
+from optimizer.contract import Optimizer
 from optimizer.diagnostics import find_states, is_masked, summary
 from optimizer.groups import GROUPS, check_non_negative, check_unit_interval
 from optimizer.trees import map_unzipped
@@ -330,12 +331,11 @@ def preconditioner_norms(plan: _Plan, q_left, q_right) -> jax.Array:
 
 
 @dataclass(frozen=True)
-class Kron:
+class Kron(Optimizer):
     """Kron direction -> decoupled weight decay -> learning rate, on every group."""
 
     b1: float = 0.9
     weight_decay: float = 0.0
-    decay_embeddings: bool = False
     preconditioner_lr: float = 0.1
     preconditioner_init_scale: float = 1.0
     max_size_triangular: int = 8192

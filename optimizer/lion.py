@@ -7,15 +7,15 @@ from dataclasses import dataclass
 
 import optax
 
+from optimizer.contract import Optimizer
 from optimizer.groups import check_non_negative, check_unit_interval
 
 
 @dataclass(frozen=True)
-class Lion:
+class Lion(Optimizer):
     b1: float = 0.9
     b2: float = 0.99
     weight_decay: float = 0.1
-    decay_embeddings: bool = False
 
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2")
 

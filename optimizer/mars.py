@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optimizer.contract import Optimizer
 from optimizer.diagnostics import adam_sqrt_v, array_leaves, find_states
 from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 from optimizer.trees import map_unzipped
@@ -85,7 +86,7 @@ def scale_by_mars(b1: float = 0.95, b2: float = 0.99, gamma: float = 0.025, eps:
 
 
 @dataclass(frozen=True)
-class MARS:
+class MARS(Optimizer):
     """MARS-AdamW on the matrices (hidden, embed, head) -> decoupled weight decay -> lr; AdamW on `scalar`."""
 
     b1: float = 0.95
@@ -93,7 +94,6 @@ class MARS:
     gamma: float = 0.025
     eps: float = 1e-8
     weight_decay: float = 0.0
-    decay_embeddings: bool = False
     adam_lr: float = 3e-3  # peak lr of the scalar group (the reference's lr_1d)
     adam_b1: float = 0.9
     adam_b2: float = 0.95

@@ -37,6 +37,7 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 
+from optimizer.contract import Optimizer
 from optimizer.diagnostics import adam_sqrt_v, array_leaves, find_states, is_masked
 from optimizer.groups import check_non_negative, check_unit_interval
 from utils.errors import ConfigError
@@ -138,14 +139,13 @@ def orthogonality_error(o_BxMxN: jax.Array) -> jax.Array:
 
 
 @dataclass(frozen=True)
-class Muon:
+class Muon(Optimizer):
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int = 5
     ns_coefficients: str = "quintic"  # quintic | polar_express: see the module docstring
     shape_scale: str = "reference"  # reference | adam_rms: see the module docstring
     weight_decay: float = 0.0
-    decay_embeddings: bool = False
     adam_lr: float = 3e-3  # peak lr of the AdamW groups (embed, head, scalar); lr_config.lr is Muon's
     adam_b1: float = 0.9
     adam_b2: float = 0.95

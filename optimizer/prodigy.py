@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import ProdigyState
 
+from optimizer.contract import Optimizer
 from optimizer.diagnostics import array_leaves, find_states
 from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 
@@ -81,7 +82,7 @@ def prodigy(schedule: optax.Schedule, b1: float, b2: float, beta3: float | None,
 
 
 @dataclass(frozen=True)
-class Prodigy:
+class Prodigy(Optimizer):
     b1: float = 0.9
     b2: float = 0.999
     beta3: float | None = None  # None: √b2
@@ -90,7 +91,6 @@ class Prodigy:
     d_coef: float = 1.0
     safeguard_warmup: bool = False
     weight_decay: float = 0.0
-    decay_embeddings: bool = False
 
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "beta3", "eps", "d0", "d_coef")
     CAUTIOUS_UNSUPPORTED = ("Prodigy's weight decay is times its learned step d·lr, not the lr, so the mask cannot "

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import ScheduleFreeState, schedule_free_adamw, schedule_free_eval_params
 
+from optimizer.contract import Optimizer
 from optimizer.diagnostics import array_leaves, find_states, is_masked, sqrt_v_stats
 from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 from utils.errors import ConfigError
@@ -68,13 +69,12 @@ def decaying_schedule(schedule_name: str, schedule) -> bool:
 
 
 @dataclass(frozen=True)
-class ScheduleFreeAdamW:
+class ScheduleFreeAdamW(Optimizer):
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
     weight_lr_power: float = 2.0
-    decay_embeddings: bool = False
 
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "eps")
     # The averaging stands in for an lr decay: a comparison's branches keep the constant lr

@@ -10,15 +10,15 @@ from dataclasses import dataclass
 
 import optax
 
+from optimizer.contract import Optimizer
 from optimizer.groups import check_non_negative, check_unit_interval
 
 
 @dataclass(frozen=True)
-class SGDM:
+class SGDM(Optimizer):
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 0.0
-    decay_embeddings: bool = False
 
     GROUP_KNOBS = ("lr", "weight_decay", "momentum")
 

@@ -66,6 +66,7 @@ from optimizer.blocking import (
     update_statistics,
     valid_mask,
 )
+from optimizer.contract import Optimizer
 from optimizer.diagnostics import find_states, is_masked, median_nonneg
 from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 from utils.errors import ConfigError
@@ -270,13 +271,12 @@ def scale_by_shampoo(
 
 
 @dataclass(frozen=True)
-class Shampoo:
+class Shampoo(Optimizer):
     """Shampoo direction -> momentum -> decoupled weight decay -> learning rate."""
 
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 0.0
-    decay_embeddings: bool = False
     block_size: int = 256
     beta2: float = 0.999
     epsilon: float = 1e-6  # relative to λmax, as Google's distributed Shampoo; see _inverse_root

@@ -68,6 +68,7 @@ from optimizer.blocking import (
     update_statistics,
     valid_mask,
 )
+from optimizer.contract import Optimizer
 from optimizer.diagnostics import adam_sqrt_v, find_states, is_masked, median_nonneg
 from optimizer.groups import check_non_negative, check_positive, check_unit_interval
 from utils.errors import ConfigError
@@ -301,7 +302,7 @@ def preconditioner_condition(nu: jax.Array, plan: Plan, eps: float) -> jax.Array
 
 
 @dataclass(frozen=True)
-class SOAP:
+class SOAP(Optimizer):
     """SOAP direction -> decoupled weight decay -> learning rate; Adam on the groups it does not rotate."""
 
     b1: float = 0.95
@@ -309,7 +310,6 @@ class SOAP:
     shampoo_beta: float | None = None  # the statistics' EMA rate; None: b2
     eps: float = 1e-8
     weight_decay: float = 0.01
-    decay_embeddings: bool = False
     precondition_frequency: int = 10
     max_precondition_dim: int = 10000
     block_size: int | None = None

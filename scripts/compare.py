@@ -42,7 +42,7 @@ from utils.script_errors import script_error
 
 # conf/compare.yaml's top-level keys: an argument whose key starts with one is a comparison knob.
 COMPARE_KEYS = ("optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
-                "val_every", "baseline", "tune", "coordinate", "target", "dir", "save_every", "parallel",
+                "val_every", "baseline", "tune", "coordinate", "target", "budget_unit", "dir", "save_every", "parallel",
                 "keep_checkpoints")
 # Keys of mappings that are empty in conf/compare.yaml: a new key there needs Hydra's `++`.
 OPEN_MAPPINGS = ("lr.grid.", "sweep.", "workloads.")
@@ -126,12 +126,14 @@ def build_report(compare_dir: str) -> None:
 
 
 def compare(argv: list[str]) -> int:
-    from compare.plan import compare_config, make_plan, start_values, workload_lrs
+    from compare.plan import compare_config, make_plan, start_values, with_steps, workload_lrs
     from utils.files import user_path
 
     ours, theirs, launcher = split_argv(argv)
     node = compose_knobs(ours)
-    knobs = compare_config(node)
+    knobs, counted = with_steps(compare_config(node), tuple(theirs))
+    for line in counted:
+        print(f"compare: budget_unit={knobs.budget_unit}: {line}")
     starts = start_values(knobs, tuple(theirs)) if knobs.tune == "coordinate" else None
     plan = make_plan(knobs, theirs, workload_lrs(knobs, tuple(theirs)), starts)
     compare_dir = user_path(node.get("dir") or os.path.join(
@@ -243,7 +245,8 @@ def coordinate(plan, compare_dir: str):
     from compare.tune import cell_losses
 
     workloads = {w.name: w for w in load_workloads(compare_dir)}
-    return coordinate_runs(plan, cell_losses(workloads, plan.knobs.seeds, max(plan.knobs.budgets)))
+    largest = lambda workload: max(plan.knobs.budgets_of(workload))
+    return coordinate_runs(plan, cell_losses(workloads, plan.knobs.seeds, largest))
 
 
 def evaluation(plan, compare_dir: str, phase: str = "eval"):

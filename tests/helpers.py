@@ -376,3 +376,32 @@ def learnable_losses(run, steps: int = 30, weights: list | None = None) -> tuple
     if weights is not None:
         weights.append(snapshot())
     return losses, metrics
+
+
+def perturbed(model, scale: float = 0.2, seed: int = 1):
+    """`model` with every float array moved by scale·N(0, 1) (float32): no gain or bias keeps a value
+    (1, 0) that a lower precision holds exactly, and a zero-initialised factor becomes nonzero."""
+    import equinox as eqx
+    import jax
+    import numpy as np
+
+    arrays, rest = eqx.partition(model, eqx.is_inexact_array)
+    leaves, treedef = jax.tree.flatten(arrays)
+    rng = np.random.default_rng(seed)
+    moved = [np.asarray(x) + np.float32(scale) * rng.standard_normal(x.shape, np.float32) for x in leaves]
+    return eqx.combine(jax.tree.unflatten(treedef, moved), rest)
+
+
+def check_bool_knob(tiny_run, knob: str, optimizer: str) -> None:
+    """A boolean optimizer knob (optimizer.<knob>): off by default, on when set, a non-bool refused in one
+    line naming it, and a checkpoint's config saved before it existed reading it as off."""
+    from utils.config import to_dict, validate
+    from utils.errors import ConfigError
+
+    assert getattr(tiny_run().optimizer, knob) is False
+    assert getattr(tiny_run(f"optimizer={optimizer}", f"optimizer.{knob}=true").optimizer, knob) is True
+    with pytest.raises(ConfigError, match=rf"optimizer\.{knob}='often' must be .*bool"):
+        tiny_run(f"optimizer.{knob}=often")
+    raw = to_dict(compose_config())
+    del raw["optimizer"][knob]  # a checkpoint's config saved before the knob existed
+    assert getattr(validate(raw).optimizer, knob) is False

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import EPS32, compose_config, per_optimizer
+from helpers import EPS32, check_bool_knob, per_optimizer
 
 import train_jax as T
 from models import losses
@@ -25,7 +25,6 @@ from optimizer.diagnostics import cautious_kept_fraction, find_states, optimizer
 from optimizer.groups import BASE_GROUPS, group_hparams, group_schedules
 from optimizer.nonfinite import skip_nonfinite
 from optimizer.restart import schedules_at
-from utils.config import to_dict, validate
 from utils.errors import ConfigError
 from utils.parallel import mesh as meshlib
 
@@ -202,13 +201,7 @@ def test_the_decay_counter_moves_with_the_optimizers_own_schedule():
 
 
 def test_the_knob_validates_and_defaults_to_off(tiny_run):
-    assert tiny_run().optimizer.cautious is False
-    assert tiny_run("optimizer=lion", "optimizer.cautious=true").optimizer.cautious is True
-    with pytest.raises(ConfigError, match=r"optimizer\.cautious='often' must be .*bool"):
-        tiny_run("optimizer.cautious=often")
-    raw = to_dict(compose_config())
-    del raw["optimizer"]["cautious"]  # a checkpoint's config saved before the knob existed
-    assert validate(raw).optimizer.cautious is False
+    check_bool_knob(tiny_run, "cautious", "lion")
 
 
 @dataclasses.dataclass(frozen=True)

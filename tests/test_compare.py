@@ -245,6 +245,23 @@ def test_the_same_overrides_in_another_order_continue_the_same_comparison(tmp_pa
                         str(tmp_path))
 
 
+def test_a_directory_made_before_newer_knobs_continues_when_they_keep_their_defaults(tmp_path):
+    """compare.json written before tune, coordinate.*, target.*, budget_unit, workload_lr and
+    workload_budgets existed (none of them recorded): the same command, those knobs at their defaults,
+    continues it; a changed one that would change the runs made is refused."""
+    p = make_plan(compare_config(KNOBS), RUN, {"adamw": 3e-3})
+    old = p.to_json()
+    newer = ("tune", "coordinate_threshold", "coordinate_max_trials", "target_loss", "target_runs", "budget_unit",
+             "workload_lr", "workload_budgets")
+    assert set(newer) <= set(old["knobs"])
+    old["knobs"] = {k: v for k, v in old["knobs"].items() if k not in newer}
+    (tmp_path / "compare.json").write_text(json.dumps(old))
+    launch.open_dir(p, str(tmp_path))  # no refusal
+    with pytest.raises(ConfigError, match="holds another comparison .its budget_unit differ"):
+        launch.open_dir(make_plan(compare_config({**KNOBS, "budget_unit": "tokens"}), RUN, {"adamw": 3e-3}),
+                        str(tmp_path))
+
+
 def test_the_cli_refuses_another_comparisons_dir_before_saying_how_to_continue(tmp_path, capsys):
     """The refusal is the one line it prints: no 'to continue it later: ... dir=' first, which would
     tell the user to rerun into a directory that is refused."""
@@ -328,6 +345,10 @@ def test_a_workload_may_centre_an_optimizers_lr_grid():
     grid = lambda w, o: sorted({r.lr for r in p.runs if r.workload == w and r.optimizer == o})
     assert grid("small", "sgdm") == [0.05, 0.1] and grid("big", "sgdm") == [yaml["sgdm"] / 2, yaml["sgdm"]]
     assert not any(o.startswith("lr.") for r in p.runs for o in r.overrides)
+    k = compare_config({**KNOBS, "optimizers": ["adamw", "sgdm"], "lr": {"points": 2},
+                        "workloads": {"small": "model.dim=16 lr.grid.sgdm=[0.2,0.7]", "big": "model.dim=32"}})
+    p = make_plan(k, RUN, workload_lrs(k, RUN))  # the workload's own grid, as given
+    assert grid("small", "sgdm") == [0.2, 0.7] and grid("big", "sgdm") == [yaml["sgdm"] / 2, yaml["sgdm"]]
 
 
 def test_an_optimizers_own_search_space_is_crossed_with_its_lrs_only():
@@ -389,10 +410,14 @@ def test_an_optimizers_own_sweep_from_the_command_line_runs_and_its_trials_are_s
     ({"workloads": {"a": ["model.dim"]}}, "workloads.a=.* must be a list of run overrides"),
     ({"workloads": {"a": "train.max_steps=5"}}, r"train.max_steps=5 \(in workloads.a\): the comparison sets"),
     ({"workloads": {"a": "lr.lion=1e-3"}}, r"workloads.a: lr.lion=1e-3: lr.<optimizer>=X centres .* 'lion' is not"),
-    ({"workloads": {"a": "lr.adamw=-1"}}, "workloads.a: lr.adamw=-1: the lr must be a positive number"),
-    ({"workloads": {"a": "lr.adamw=fast"}}, "workloads.a: lr.adamw=fast: the lr must be a positive number"),
+    ({"workloads": {"a": "lr.adamw=-1"}}, "workloads.a: lr.adamw=-1: the lrs must be distinct positive numbers"),
+    ({"workloads": {"a": "lr.adamw=fast"}}, "workloads.a: lr.adamw=fast: the lrs must be distinct positive"),
+    ({"workloads": {"a": "lr.grid.adamw=[1e-3,1e-3]"}}, r"lr.grid.adamw=\[1e-3,1e-3\]: the lrs must be distinct"),
+    ({"workloads": {"a": "lr.grid.adamw=[1e-3,2e-3]"}}, "workloads.a: lr.grid.adamw has 2 lrs but lr.points=1"),
+    ({"workloads": {"a": "lr.adamw=1e-3 lr.grid.adamw=[1e-3]"}, "lr": {"points": 1}},
+     "workloads.a sets adamw's lrs twice"),
     ({"workloads": {"a": "lr.adamw=1e-3"}, "lr": {"points": 1, "grid": {"adamw": [1e-3]}}},
-     "workloads.a sets lr.adamw and lr.grid.adamw gives its lrs: give one"),
+     r"workloads.a sets lr.adamw or lr.grid.adamw, and the comparison's lr.grid.adamw gives its lrs everywhere"),
     ({"workloads": {"a": "optimizer.lr_config.lr=1e-3"}}, r"in a workload, lr.<optimizer>=X centres"),
     ({"lr": {"extend": "yes"}}, "lr.extend='yes' must be true or false"),
     ({"lr": {"extend_max": 0}}, "lr.extend_max=0 must be an integer >= 1"),

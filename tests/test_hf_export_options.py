@@ -19,7 +19,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
-from helpers import hf_logits, logits_atol
+from helpers import hf_logits, logits_atol, perturbed
 
 import models
 from models import hf, hf_generation, hf_shards
@@ -41,12 +41,7 @@ BF16_ROUNDING = 2.0**-9
 def model():
     """A random GPT with every array moved by 0.2·N(0, 1): no gain or bias keeps a value (1, 0) that
     bfloat16 holds exactly, so every weight's rounding counts."""
-    m = eqx.filter_jit(models.build)(CFG, jax.random.PRNGKey(0))
-    arrays, rest = eqx.partition(m, eqx.is_inexact_array)
-    leaves, treedef = jax.tree.flatten(arrays)
-    rng = np.random.default_rng(1)
-    moved = [np.asarray(x) + np.float32(0.2) * rng.standard_normal(x.shape, np.float32) for x in leaves]
-    return eqx.combine(jax.tree.unflatten(treedef, moved), rest)
+    return perturbed(eqx.filter_jit(models.build)(CFG, jax.random.PRNGKey(0)))
 
 
 def load(path):

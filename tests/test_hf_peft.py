@@ -14,7 +14,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
-from helpers import compose_config, docs_command, hf_logits, load_script, sum_atol
+from helpers import compose_config, docs_command, hf_logits, load_script, perturbed, sum_atol
 
 import models
 from models import hf, hf_peft, lora
@@ -38,12 +38,7 @@ def lora_model(case: str):
     fields, targets = CASES[case]
     cfg = models.config_from_dict({**fields, "num_blocks": 2, "context_length": 8, "vocab_size": 64,
                                    "lora": {"rank": RANK, "alpha": ALPHA, "targets": targets}})
-    m = eqx.filter_jit(models.build)(cfg, jax.random.PRNGKey(0))
-    arrays, rest = eqx.partition(m, eqx.is_inexact_array)
-    leaves, treedef = jax.tree.flatten(arrays)
-    rng = np.random.default_rng(1)
-    moved = [np.asarray(x) + np.float32(0.2) * rng.standard_normal(x.shape, np.float32) for x in leaves]
-    return eqx.combine(jax.tree.unflatten(treedef, moved), rest)
+    return perturbed(eqx.filter_jit(models.build)(cfg, jax.random.PRNGKey(0)))
 
 
 def base_of(model):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import compose_config, learnable_losses, per_optimizer, rounding_rtol, sum_atol
+from helpers import check_bool_knob, learnable_losses, per_optimizer, rounding_rtol, sum_atol
 
 from models.gpt import param_labels
 from optimizer import OPTIMIZERS, make_optimizer
@@ -25,7 +25,6 @@ from optimizer.groups import group_lr
 from optimizer.muon import Muon
 from optimizer.nonfinite import skip_nonfinite
 from optimizer.restart import schedules_at
-from utils.config import to_dict, validate
 from utils.errors import ConfigError
 
 SHAPES = {"w": ((2, 8, 12), "hidden"), "h": ((12, 10), "head"), "e": ((10, 8), "embed"), "b": ((8,), "scalar")}
@@ -216,13 +215,7 @@ def test_gpt_tiny_learns_and_keeps_each_matrix_at_its_initial_norm(tiny_run, opt
 
 
 def test_the_knob_validates_and_defaults_to_off(tiny_run):
-    assert tiny_run().optimizer.hyperball is False
-    assert tiny_run("optimizer=muon", "optimizer.hyperball=true").optimizer.hyperball is True
-    with pytest.raises(ConfigError, match=r"optimizer\.hyperball='often' must be .*bool"):
-        tiny_run("optimizer.hyperball=often")
-    raw = to_dict(compose_config())
-    del raw["optimizer"]["hyperball"]  # a checkpoint's config saved before the knob existed
-    assert validate(raw).optimizer.hyperball is False
+    check_bool_knob(tiny_run, "hyperball", "muon")
 
 
 @pytest.mark.parametrize("overrides,message", [

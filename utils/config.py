@@ -171,8 +171,7 @@ def _group_overrides(node: dict, hparams) -> dict[str, dict[str, float]]:
             if value is None:
                 continue
             if knob not in knobs:
-                hint = getattr(hparams, "group_knob_hint", None)
-                fix = (hint(group, knob) if hint else None) or (
+                fix = hparams.group_knob_hint(group, knob) or (
                     f"the {group} group does not use it; it takes {', '.join(knobs)}")
                 raise ConfigError(f"{prefix}.{knob}: {fix}")
             value = _coerce(value, fields.get(knob, float), f"{prefix}.{knob}")
