@@ -203,9 +203,8 @@ def test_adam_mini_blocks_and_sqrt_v_match_a_numpy_rederivation():
     draw = lambda: jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), model)
     params, grads = draw(), [draw() for _ in range(steps)]
     tx = make_optimizer(hp, optax.constant_schedule(1e-2), labels, None, 1e-2, {})
-    state, update = tx.init(params), jax.jit(lambda g, s, p: tx.update(g, s, p)[1])
-    for g in grads:
-        state = update(g, state, params)
+    state = jax.jit(lambda p, grads: functools.reduce(lambda s, g: tx.update(g, s, p)[1], grads, tx.init(p)))(
+        params, grads)  # one program: init and the 3 updates
     metrics = _metrics(hp, state, params)
     dotted = lambda path: ".".join(k.name for k in path if hasattr(k, "name"))  # GPT's field names only
     named = lambda tree: {dotted(path): x for path, x in jax.tree_util.tree_leaves_with_path(tree)}
@@ -229,6 +228,40 @@ def test_adam_mini_blocks_and_sqrt_v_match_a_numpy_rederivation():
         _assert_close(metrics, f"optim/{group}/sqrt_v_min", sqrt_v.min(), rtol=rtol)
         _assert_close(metrics, f"optim/{group}/sqrt_v_median", np.median(sqrt_v), rtol=rtol)
         _assert_close(metrics, f"optim/{group}/sqrt_v_max", sqrt_v.max(), rtol=rtol)
+
+
+def test_adam_mini_finds_the_query_and_key_heads_of_both_model_families():
+    """The head rule reads field names (models/gpt.py's attn_qkv, models/llama.py's q_proj/k_proj):
+    renaming one would silently give its heads per-neuron blocks, so each family's leaves are
+    classified here against the partition written out by name (Llama with GQA and qk-norm)."""
+    from models.llama import Llama, LlamaConfig
+    from models.llama import param_labels as llama_labels
+    from optimizer.adam_mini import leaf_blocks
+
+    llama = LlamaConfig(dim=32, num_heads=4, num_kv_heads=2, num_blocks=2, context_length=16, vocab_size=64,
+                        mlp_hidden=48, qk_norm=True, tie_embeddings=False)
+    expected = {
+        "gpt": {"wte_VxD": "token", "wpe_TxD": "tensor", "head_DxV": "neuron", "blocks.attn_qkv.weight_IxO": "qkv",
+                "blocks.attn_out.weight_IxO": "neuron", "blocks.mlp_in.weight_IxO": "neuron",
+                "blocks.mlp_out.weight_IxO": "neuron", "ln_f.gain_D": "tensor", "blocks.ln1.gain_D": "tensor",
+                "blocks.ln1.bias_D": "adam", "blocks.attn_qkv.bias_O": "adam"},
+        "llama": {"embed_VxD": "token", "head_DxV": "neuron", "blocks.q_proj.weight_IxO": "head",
+                  "blocks.k_proj.weight_IxO": "head", "blocks.v_proj.weight_IxO": "neuron",
+                  "blocks.o_proj.weight_IxO": "neuron", "blocks.gate_proj.weight_IxO": "neuron",
+                  "blocks.down_proj.weight_IxO": "neuron", "blocks.q_norm.gain_D": "tensor",
+                  "final_norm.gain_D": "tensor"},
+    }
+    for family, (build, cfg, label_fn) in {"gpt": (GPT, SMALL, param_labels),
+                                           "llama": (Llama, llama, llama_labels)}.items():
+        model = eqx.filter_eval_shape(build, cfg, jax.random.PRNGKey(0))
+        labels = {".".join(k.name for k in path): label
+                  for path, label in jax.tree_util.tree_leaves_with_path(label_fn(model))}
+        kinds = {".".join(k.name for k in path): leaf_blocks(labels[".".join(k.name for k in path)], path, x.shape,
+                                                             cfg.head_dim)
+                 for path, x in jax.tree_util.tree_leaves_with_path(model)}
+        for name, kind in expected[family].items():
+            assert kinds[name].kind == kind, (family, name, kinds[name])
+        assert all(b.head_dim == cfg.head_dim for b in kinds.values() if b.kind in ("head", "qkv"))
 
 
 def test_prodigy_d_is_each_groups_own_estimate_and_an_empty_group_logs_nothing():
