@@ -14,6 +14,7 @@ import equinox as eqx
 import optax
 
 from optimizer.adafactor import Adafactor
+from optimizer.adam_mini import AdamMini
 from optimizer.adamw import AdamW
 from optimizer.ademamix import AdEMAMix
 from optimizer.adopt import ADOPT
@@ -47,6 +48,7 @@ OPTIMIZERS = {
     "adopt": ADOPT,
     "prodigy": Prodigy,
     "normuon": NorMuon,
+    "adam_mini": AdamMini,
 }
 
 

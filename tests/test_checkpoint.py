@@ -142,14 +142,15 @@ def as_legacy_aux_checkpoint(step_dir: Path) -> None:
                                           (("optimizer=soap", "optimizer.precondition_frequency=3"), False),
                                           (("optimizer=mars",), False), (("optimizer=kron",), False),
                                           (("optimizer=adopt",), False), (("optimizer=prodigy",), False),
-                                          (("optimizer=normuon",), False),
+                                          (("optimizer=normuon",), False), (("optimizer=adam_mini",), False),
                                           (("optimizer=muon", "optimizer.ns_coefficients=polar_express"), False),
                                           (("optimizer=muon", "optimizer.hyperball=true", "model.tie_embeddings=false"),
                                            False),
                                           (("train.compute_dtype=float16", "train.loss_scale.growth_interval=2"),
                                            False)],
                          ids=["plain", "accumulation-legacy-aux-item", "shampoo", "nadamw", "schedule_free_adamw",
-                              "ademamix", "soap", "mars", "kron", "adopt", "prodigy", "normuon", "muon-polar-express",
+                              "ademamix", "soap", "mars", "kron", "adopt", "prodigy", "normuon", "adam_mini",
+                              "muon-polar-express",
                               "muon-hyperball", "float16-loss-scale"])
 def test_resume_is_bit_identical(tmp_path, extra, legacy):
     """Stop at step 5 and resume: losses at every step and the final weights and optimizer state
@@ -164,7 +165,8 @@ def test_resume_is_bit_identical(tmp_path, extra, legacy):
     SOAP refreshes its eigenbases on updates 4, 7 and 10 (frequency 3), across the resume; Kron draws
     its random probes from a key folded with the update count, so the resumed run draws the same.
     Prodigy's d, its initial weights x_0 and its lr counter come back with its state; NorMuon's
-    neuron second moments too; ADOPT's first update (v only) is before the resume. Muon with Polar
+    neuron second moments too, and Adam-mini's per-block ones (its partition is not saved: it is
+    read from the tree's field names each trace); ADOPT's first update (v only) is before the resume. Muon with Polar
     Express carries its (ns_steps, 3) coefficient table in the state, where the quintic has (3,).
     Hyperball keeps each hidden and head matrix's initial norm R in the state (and its own lr
     counter): the resumed run projects onto the radii of step 0, not onto norms re-read at step 5."""

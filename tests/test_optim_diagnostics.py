@@ -163,6 +163,107 @@ def test_adopt_sqrt_v_is_the_uncorrected_second_moment():
         _assert_close(metrics, f"optim/{group}/sqrt_v_max", sqrt_v.max(), rtol=rtol)
 
 
+def _adam_mini_blocks_numpy(name: str, g: np.ndarray, cfg: GPTConfig) -> tuple[list[np.ndarray], np.ndarray]:
+    """Adam-mini's blocks for one GPT leaf, re-derived in float64 from the rules of the authors' code:
+    q/k per head, other matrices and the head per output neuron (column), the token embedding per
+    token (row), wpe and each norm gain one block, biases Adam. Returns (each block's mean of g²,
+    once; the mean each coordinate's block has, shaped as g)."""
+    sq = np.asarray(g, np.float64) ** 2
+    H, K = cfg.num_heads, cfg.head_dim
+    if name == "blocks.attn_qkv.weight_IxO":  # (L, D, 3D), columns (head, q|k|v, K)
+        by_head = sq.reshape(*sq.shape[:2], H, 3, K)
+        qk, v = by_head[..., :2, :].mean(axis=(1, 4)), by_head[..., 2, :].mean(axis=1)  # (L, H, 2), (L, H, K)
+        coords = np.empty_like(by_head)
+        coords[..., :2, :] = qk[:, None, :, :, None]
+        coords[..., 2, :] = v[:, None]
+        return [qk, v], coords.reshape(sq.shape)
+    if "bias" in name:
+        return [sq], sq
+    if name == "wte_VxD" or "gain" in name:
+        mean = sq.mean(axis=-1)
+        return [mean], np.broadcast_to(mean[..., None], sq.shape)
+    if name == "wpe_TxD":
+        return [sq.mean()], np.full(sq.shape, sq.mean())
+    mean = sq.mean(axis=-2)  # blocks' matrices and head_DxV: one per column
+    return [mean], np.broadcast_to(mean[..., None, :], sq.shape)
+
+
+def test_adam_mini_blocks_and_sqrt_v_match_a_numpy_rederivation():
+    """After 3 updates of known gradients (no clipping), the second moment each coordinate is divided
+    by (the leaf's stored v broadcast back over the axes its `Blocks` says, as the update does) is
+    the EMA at b2 of its block's mean g², re-derived in float64 per the authors' partition (so a wrong block, a block
+    averaged over the wrong axis or a missing head split fails), and optim/<group>/sqrt_v_* are the
+    min / median / max of √v̂ over the group's blocks, each block counted once."""
+    from optimizer.adam_mini import AdamMini, ScaleByAdamMiniState, leaf_blocks
+
+    hp, b2, steps = AdamMini(), AdamMini().b2, 3
+    model = eqx.filter_eval_shape(GPT, SMALL, jax.random.PRNGKey(0))
+    labels = param_labels(model)
+    rng = np.random.default_rng(11)
+    draw = lambda: jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), model)
+    params, grads = draw(), [draw() for _ in range(steps)]
+    tx = make_optimizer(hp, optax.constant_schedule(1e-2), labels, None, 1e-2, {})
+    state = jax.jit(lambda p, grads: functools.reduce(lambda s, g: tx.update(g, s, p)[1], grads, tx.init(p)))(
+        params, grads)  # one program: init and the 3 updates
+    metrics = _metrics(hp, state, params)
+    dotted = lambda path: ".".join(k.name for k in path if hasattr(k, "name"))  # GPT's field names only
+    named = lambda tree: {dotted(path): x for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+    ema = lambda per_step: sum((1 - b2) * b2 ** (steps - 1 - s) * x for s, x in enumerate(per_step))
+    expected: dict[str, list] = {}
+    for name, label in named(labels).items():
+        numpy = [_adam_mini_blocks_numpy(name, named(g)[name], SMALL) for g in grads]
+        expected.setdefault(label, []).extend(ema(blocks) for blocks in zip(*(b for b, _ in numpy)))
+        nu = find_states(_group_state(state, label), ScaleByAdamMiniState)[0]
+        [(path, v)] = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(nu.nu) if dotted(p) == name]
+        shape = named(params)[name].shape
+        blocks = leaf_blocks(label, path, shape, SMALL.head_dim)
+        ours = np.broadcast_to(np.expand_dims(np.asarray(v, np.float64), blocks.axes), shape)
+        # a float32 mean of <= D·K = 512 squares (sum_atol, relative to the mean), 3 EMA steps (2 roundings each)
+        rtol = sum_atol(512, 1.0) + rounding_rtol(2 * steps)
+        np.testing.assert_allclose(ours, ema([c for _, c in numpy]), rtol=rtol, err_msg=name)
+    for group, blocks in expected.items():
+        sqrt_v = np.sqrt(np.concatenate([np.ravel(b) for b in blocks]) / (1 - b2**steps))
+        # the EMA's own error (above), halved by the square root, plus the bias correction's
+        rtol = sum_atol(512, 1.0) + rounding_rtol(2 * steps) + adam_sqrt_v_rtol(b2, steps)
+        _assert_close(metrics, f"optim/{group}/sqrt_v_min", sqrt_v.min(), rtol=rtol)
+        _assert_close(metrics, f"optim/{group}/sqrt_v_median", np.median(sqrt_v), rtol=rtol)
+        _assert_close(metrics, f"optim/{group}/sqrt_v_max", sqrt_v.max(), rtol=rtol)
+
+
+def test_adam_mini_finds_the_query_and_key_heads_of_both_model_families():
+    """The head rule reads field names (models/gpt.py's attn_qkv, models/llama.py's q_proj/k_proj):
+    renaming one would silently give its heads per-neuron blocks, so each family's leaves are
+    classified here against the partition written out by name (Llama with GQA and qk-norm)."""
+    from models.llama import Llama, LlamaConfig
+    from models.llama import param_labels as llama_labels
+    from optimizer.adam_mini import leaf_blocks
+
+    llama = LlamaConfig(dim=32, num_heads=4, num_kv_heads=2, num_blocks=2, context_length=16, vocab_size=64,
+                        mlp_hidden=48, qk_norm=True, tie_embeddings=False)
+    expected = {
+        "gpt": {"wte_VxD": "token", "wpe_TxD": "tensor", "head_DxV": "neuron", "blocks.attn_qkv.weight_IxO": "qkv",
+                "blocks.attn_out.weight_IxO": "neuron", "blocks.mlp_in.weight_IxO": "neuron",
+                "blocks.mlp_out.weight_IxO": "neuron", "ln_f.gain_D": "tensor", "blocks.ln1.gain_D": "tensor",
+                "blocks.ln1.bias_D": "adam", "blocks.attn_qkv.bias_O": "adam"},
+        "llama": {"embed_VxD": "token", "head_DxV": "neuron", "blocks.q_proj.weight_IxO": "head",
+                  "blocks.k_proj.weight_IxO": "head", "blocks.v_proj.weight_IxO": "neuron",
+                  "blocks.o_proj.weight_IxO": "neuron", "blocks.gate_proj.weight_IxO": "neuron",
+                  "blocks.down_proj.weight_IxO": "neuron", "blocks.q_norm.gain_D": "tensor",
+                  "final_norm.gain_D": "tensor"},
+    }
+    for family, (build, cfg, label_fn) in {"gpt": (GPT, SMALL, param_labels),
+                                           "llama": (Llama, llama, llama_labels)}.items():
+        model = eqx.filter_eval_shape(build, cfg, jax.random.PRNGKey(0))
+        labels = {".".join(k.name for k in path): label
+                  for path, label in jax.tree_util.tree_leaves_with_path(label_fn(model))}
+        kinds = {".".join(k.name for k in path): leaf_blocks(labels[".".join(k.name for k in path)], path, x.shape,
+                                                             cfg.head_dim)
+                 for path, x in jax.tree_util.tree_leaves_with_path(model)}
+        for name, kind in expected[family].items():
+            assert kinds[name].kind == kind, (family, name, kinds[name])
+        assert all(b.head_dim == cfg.head_dim for b in kinds.values() if b.kind in ("head", "qkv"))
+
+
 def test_prodigy_d_is_each_groups_own_estimate_and_an_empty_group_logs_nothing():
     """optim/<group>/d is the group's d in its state (ProdigyState.estim_lr), one per group (how it
     grows is checked against pytorch_optimizer's, tests/test_parity_adopt_prodigy_normuon.py); a
@@ -479,6 +580,7 @@ NAMES = {  # every optim/<group>/<stat> of the untied GPT, per optimizer: stable
     "mars": {"hidden": MARS, "embed": MARS, "head": MARS, "scalar": ADAM},
     "kron": {g: ("precond_norm_min", "precond_norm_median", "precond_norm_max") for g in GROUPS},
     "adopt": {g: ADAM for g in GROUPS},
+    "adam_mini": {g: ADAM for g in GROUPS},
     "prodigy": {g: ("d",) for g in GROUPS},
     "normuon": {"hidden": ("ortho_err_mean", "ortho_err_max", "neuron_spread_mean", "neuron_spread_max"),
                 "embed": ADAM, "head": ADAM, "scalar": ADAM},
