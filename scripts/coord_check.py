@@ -7,7 +7,8 @@ activations by the same amount at every width?
 For each optimizer, width and parametrisation (SP: model.mup=false; muP: model.mup=true with
 model.mup_base_dim=--base-dim) it builds the run's model and optimizer from conf/ exactly as
 train_jax.py does (every other argument is a Hydra override, e.g. optimizer.lr_config.lr=1e-2),
-trains --steps steps on one fixed batch of random tokens (float32, no dropout), and before each
+trains --steps steps at the peak lr (optimizer.lr_config.warmup=0 unless the overrides set it) on
+one fixed batch of random tokens (float32, no dropout), and before each
 step and after the last records the activation RMS the model reports for logging.activation_norms
 (`collect=True`: per block the attention output, the MLP output, the residual stream;
 trainer/activations.py logs the same values) and the RMS of the output logits and of their change
@@ -44,7 +45,9 @@ def build_run(optimizer: str, width: int, mup: bool, base_dim: int, overrides: l
     """The validated RunConfig of one point, as train_jax.py would build it."""
     from utils.config import compose_overrides, validate
 
-    knobs = [f"optimizer={optimizer}", *overrides, f"model.dim={width}", f"model.mup={str(mup).lower()}",
+    # no warmup: the steps measured run at the peak lr the hyperparameters name (warmup=N in the overrides wins)
+    knobs = [f"optimizer={optimizer}", "optimizer.lr_config.warmup=0", *overrides, f"model.dim={width}",
+             f"model.mup={str(mup).lower()}",
              f"model.mup_base_dim={base_dim}", "model.dropout=0.0", "logging.log_callback_data=false"]
     return validate(compose_overrides(knobs, "coord_check"))
 
@@ -127,6 +130,7 @@ def plot(results: dict, widths: list[int], steps: int, out_dir: str) -> list[str
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     paths = []
     for opt, by_p in results.items():
@@ -144,13 +148,15 @@ def plot(results: dict, widths: list[int], steps: int, out_dir: str) -> list[str
                 ax.set_title(f"{p.upper()} t={t}" + (f" (slope {by_p[p]['slope']:.2f})" if t == steps else ""),
                              fontsize=9)
                 ax.set_xlabel("width")
+                ax.set_xticks(widths, [str(w) for w in widths])
+                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         axes[0][0].set_ylabel("RMS")
         axes[1][0].set_ylabel("RMS")
         axes[0][-1].legend(fontsize=5, loc="best")
         fig.suptitle(f"coord check: {opt} (black: RMS of the logits' change since t=0)")
         fig.tight_layout()
         path = os.path.join(out_dir, f"coord_check_{opt}.png")
-        fig.savefig(path, dpi=90)
+        fig.savefig(path, dpi=60)
         plt.close(fig)
         paths.append(path)
     return paths

@@ -139,8 +139,9 @@ def test_config_refusals_are_one_line():
 def test_coord_check_tells_mup_from_sp_by_the_slope(tmp_path):
     """The logits' change after 2 AdamW steps vs width (8, 16, 32). Theory: under SP each of the width's
     aligned Θ(lr) entry changes adds up, the change ∝ width (log-log slope 1); under muP the 1/m hidden
-    lr and 1/m logit multiplier make it width-independent (slope 0; at these widths the vanishing
-    W0·Δh/m term pulls it down to at most -1/2). The threshold is halfway between the predictions, 0.5."""
+    lr and 1/m logit multiplier make it width-independent (slope 0; at these small widths finite-width
+    terms ∝ 1/sqrt(width) pull it below 0: docs/models.md "muP"). The threshold is halfway between the
+    predictions, 0.5."""
     coord = load_script("coord_check")
     results = coord.check(["adamw"], [8, 16, 32], 2, 8, ["model.num_blocks=2", "model.num_heads=2",
                                                          "model.context_length=16", "model.vocab_size=64"])
