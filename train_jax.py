@@ -73,7 +73,7 @@ def init_scheduler(run: RunConfig) -> optax.Schedule:
 def init_optimizer(run: RunConfig, schedule: optax.Schedule, labels) -> optax.GradientTransformation:
     o, t = run.optimizer, run.train
     tx = make_optimizer(o.hparams, schedule, labels, t.gradient_clip_val, o.schedule.lr, o.group_overrides, o.cautious,
-                        o.hyperball)
+                        o.hyperball, o.lr_scales)
     # A non-finite gradient leaves weights and optimizer state as they were (trainit's apply_if_finite);
     # the lr schedule still follows the step (optimizer/nonfinite.py).
     return skip_nonfinite(tx, t.max_consecutive_skips) if t.skip_nonfinite else tx
@@ -175,7 +175,7 @@ def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[st
     optimizer's diagnostics (of the state this update used and left, not the one before it); with
     train.weight_average the average of the weights (trainer/weight_average.py)."""
     o, aux = run.optimizer, run.logging.aux
-    by_group = group_schedules(o.hparams, schedule, o.schedule.lr, o.group_overrides, o.hyperball)
+    by_group = group_schedules(o.hparams, schedule, o.schedule.lr, o.group_overrides, o.hyperball, o.lr_scales)
     metrics = step_metrics.defaults(schedule, by_group, jax.tree.leaves(labels), run.train.skip_nonfinite)
     if aux.on:
         metrics.append(aux_state.AuxHook(aux, labels))

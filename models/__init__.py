@@ -34,7 +34,7 @@ from utils.sections import build_section
 
 MODELS: dict[str, ModuleType] = {"gpt": gpt, "llama": llama}
 # The knobs of conf/model_common.yaml: fields every family's Config has, with the same meaning.
-SHARED_KNOBS = ("init_from", "lora", "moe", "attention")
+SHARED_KNOBS = ("init_from", "lora", "moe", "attention", "mup", "mup_base_dim")
 
 
 def family(cfg_or_model: Any) -> ModuleType:

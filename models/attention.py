@@ -21,6 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from models import mup
 from models.layers import causal_attention
 from utils.errors import ConfigError
 
@@ -139,11 +140,12 @@ def attend(cfg, q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.Array
     if cfg.attention != "cudnn" or q_BxHxTxK.dtype.name not in CUDNN_DTYPES:
         block_size = cfg.attn_block_size if cfg.attention in ("blocked", "auto") else None
         return causal_attention(q_BxHxTxK, k_BxHxTxK, v_BxHxTxK, block_size=block_size,
-                                segment_ids_BxT=segment_ids_BxT, causal=causal)
+                                segment_ids_BxT=segment_ids_BxT, causal=causal, scale=mup.attention_scale(cfg))
     to_btnh = lambda a: jnp.swapaxes(a, 1, 2)  # jax.nn.dot_product_attention's B x T x N x H layout
     mask_Bx1xTxT = None
     if segment_ids_BxT is not None:
         mask_Bx1xTxT = (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])[:, None]
     out_BxTxHxK = jax.nn.dot_product_attention(to_btnh(q_BxHxTxK), to_btnh(k_BxHxTxK), to_btnh(v_BxHxTxK),
-                                               mask=mask_Bx1xTxT, is_causal=causal, implementation="cudnn")
+                                               mask=mask_Bx1xTxT, is_causal=causal, scale=mup.attention_scale(cfg),
+                                               implementation="cudnn")
     return to_btnh(out_BxTxHxK)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import attention, hf_keys
+from models import mup as mup_lib
 from models.layers import (
     LayerNorm,
     Linear,
@@ -61,6 +62,8 @@ class GPTConfig:
     init_from: str | None = None  # a local Hugging Face directory (models/hf.py); conf/model_common.yaml
     lora: LoraConfig = LoraConfig()  # model.lora: low-rank factors on a frozen base (models/lora.py); model_common
     moe: MoEConfig = MoEConfig()  # model.moe: Mixture-of-Experts blocks (models/moe.py); conf/model_common.yaml
+    mup: bool = False  # model.mup: the maximal-update parametrisation (models/mup.py); conf/model_common.yaml
+    mup_base_dim: int = 256  # model.mup_base_dim: the width muP's factors are 1 at (models/mup.py)
 
     def check(self, prefix: str = "model") -> None:
         for knob in ("dim", "num_heads", "num_blocks", "context_length", "mlp_ratio", "vocab_multiple"):
@@ -74,6 +77,7 @@ class GPTConfig:
         self.moe.check_blocks(self.num_blocks, prefix)
         check_run_knobs(self, prefix)
         attention.check_config(self, prefix)
+        mup_lib.check(self, prefix)
 
     @property
     def head_dim(self) -> int:
@@ -103,14 +107,15 @@ class Block(eqx.Module):
         k_qkv, k_out, k_in, k_mlp_out = jax.random.split(key, 4)
         d, f = cfg.dim, cfg.mlp_ratio * cfg.dim
         # GPT-2: residual projections scaled by 1/sqrt(2 * num_blocks) so the residual stream's
-        # variance does not grow with depth.
-        resid_std = 0.02 / math.sqrt(2 * cfg.num_blocks)
+        # variance does not grow with depth. model.mup: every std x 1/sqrt(width/base) (models/mup.py).
+        std = mup_lib.hidden_std(cfg, 0.02)
+        resid_std = std / math.sqrt(2 * cfg.num_blocks)
         return Block(
             ln1=layer_norm(d, cfg.bias),
-            attn_qkv=_head_major(linear(k_qkv, d, 3 * d, 0.02, cfg.bias), cfg.num_heads),
+            attn_qkv=_head_major(linear(k_qkv, d, 3 * d, std, cfg.bias), cfg.num_heads),
             attn_out=linear(k_out, d, d, resid_std, cfg.bias),
             ln2=layer_norm(d, cfg.bias),
-            mlp_in=linear(k_in, d, f, 0.02, cfg.bias),
+            mlp_in=linear(k_in, d, f, std, cfg.bias),
             mlp_out=linear(k_mlp_out, f, d, resid_std, cfg.bias),
         )
 
@@ -175,9 +180,10 @@ class MoEBlock(Block):
         dense = Block.init(key, cfg)  # the attention and norms as a dense block at this key would have them
         k_router, k_in, k_out = jax.random.split(jax.random.fold_in(key, 1), 3)
         d, f, E = cfg.dim, cfg.mlp_ratio * cfg.dim, cfg.moe.num_experts
-        resid_std = 0.02 / math.sqrt(2 * cfg.num_blocks)
+        std = mup_lib.hidden_std(cfg, 0.02)  # as Block.init's
+        resid_std = std / math.sqrt(2 * cfg.num_blocks)
         stack = lambda k, i, o, std: eqx.filter_vmap(lambda k: linear(k, i, o, std, cfg.bias))(jax.random.split(k, E))
-        experts = GeluExperts(stack(k_in, d, f, 0.02), stack(k_out, f, d, resid_std))
+        experts = GeluExperts(stack(k_in, d, f, std), stack(k_out, f, d, resid_std))
         return MoEBlock(ln1=dense.ln1, attn_qkv=dense.attn_qkv, attn_out=dense.attn_out, ln2=dense.ln2, mlp_in=None,
                         mlp_out=None, moe=MoE(router=linear(k_router, d, E, 0.02, False), experts=experts))
 
@@ -252,7 +258,8 @@ class GPT(eqx.Module):
                                             cfg.scan_blocks, cfg.scan_unroll, collect)
 
         head_DxV = self.wte_VxD.T if self.head_DxV is None else self.head_DxV
-        logits_BxTxV = output_logits(self.ln_f(x_BxTxD), head_DxV, compute_dtype)  # float32
+        # model.mup: logits x base/width (MuReadout's multiplier; 1 without muP, a constant XLA folds)
+        logits_BxTxV = output_logits(self.ln_f(x_BxTxD), head_DxV, compute_dtype, mup_lib.width_ratio(cfg))  # float32
         return (logits_BxTxV, stats_L) if collect else logits_BxTxV
 
 
@@ -339,6 +346,7 @@ _HF_PARAM = {"weight_IxO": "weight", "bias_O": "bias", "gain_D": "weight", "bias
 def hf_config(cfg: GPTConfig) -> dict:
     """transformers' GPT2Config fields of `cfg`. Dropout is exported as resid_pdrop (ours drops each
     block's attention and MLP outputs, which is GPT-2's residual dropout); GPT-2 has no bias-free form."""
+    mup_lib.refuse_hf_export(cfg)
     if not cfg.bias:
         raise ConfigError("model.bias=false cannot be exported as gpt2: Hugging Face's GPT-2 always has biases "
                           "(export --format safetensors instead)")

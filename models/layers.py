@@ -41,9 +41,10 @@ class Linear(eqx.Module):
         return y_MxO.reshape(*x_NxI.shape[:-1], y_MxO.shape[-1])
 
 
-def output_logits(x_BxTxD: jax.Array, head_DxV: jax.Array, compute_dtype) -> jax.Array:
+def output_logits(x_BxTxD: jax.Array, head_DxV: jax.Array, compute_dtype, multiplier: float = 1.0) -> jax.Array:
     """The output head's float32 logits: the matmul in `compute_dtype`, accumulated and returned in
-    float32 (bfloat16 logits would round the loss's inputs to 3 significant digits).
+    float32 (bfloat16 logits would round the loss's inputs to 3 significant digits), times
+    `multiplier` (model.mup's base/width, models/mup.py; 1.0 adds no operation).
 
     Under a narrower compute_dtype its backward rounds the logits' gradient to that dtype before its
     two matmuls, as every other matmul of the model has it: left to JAX, the float32 gradient
@@ -51,8 +52,10 @@ def output_logits(x_BxTxD: jax.Array, head_DxV: jax.Array, compute_dtype) -> jax
     bench/step_profile.py). PyTorch's autocast rounds it the same way (its logits are bfloat16)."""
     x_BxTxD, head_DxV = x_BxTxD.astype(compute_dtype), head_DxV.astype(compute_dtype)
     if jnp.dtype(compute_dtype) == jnp.float32:
-        return jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV, preferred_element_type=jnp.float32)
-    return _narrow_head(x_BxTxD, head_DxV)
+        logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV, preferred_element_type=jnp.float32)
+    else:
+        logits_BxTxV = _narrow_head(x_BxTxD, head_DxV)
+    return logits_BxTxV if multiplier == 1.0 else logits_BxTxV * jnp.float32(multiplier)
 
 
 @jax.custom_vjp
@@ -123,11 +126,12 @@ def split_heads(qkv_BxTxN: jax.Array, num_heads: int, head_dim: int) -> list[jax
 
 def causal_attention(q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.Array,
                      block_size: int | None = None, segment_ids_BxT: jax.Array | None = None,
-                     causal: bool = True) -> jax.Array:
+                     causal: bool = True, scale: float | None = None) -> jax.Array:
     """Softmax attention where position t sees positions <= t; scores and softmax in float32.
     With `segment_ids_BxT` (packed documents), t sees only earlier positions of its own document.
     `causal=False` (a static flag: the objective's, e.g. masked diffusion) lets t see every
-    position (of its document), and `block_size` is moot.
+    position (of its document), and `block_size` is moot. `scale`: the scores' factor, None =
+    1/sqrt(K) (model.mup's 1/K-like factor: models/mup.py `attention_scale`).
 
     With `block_size`, queries go in blocks and block i only multiplies against keys
     [0, (i+1)·block_size): the masked-out upper triangle is mostly never computed (at two
@@ -137,6 +141,7 @@ def causal_attention(q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.
     block) rewrote the whole of dk and dv once per block.
     """
     T, K = q_BxHxTxK.shape[-2:]
+    scale = 1.0 / math.sqrt(K) if scale is None else scale
     if not block_size or block_size >= T or T % block_size or not causal:
         block_size = T
     n = T // block_size
@@ -155,7 +160,7 @@ def causal_attention(q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.
         if segment_ids_BxT is not None:
             same_BxCxS = segment_ids_BxT[:, start:keys, None] == segment_ids_BxT[:, None, :keys]
             visible_CxS = (visible_CxS & same_BxCxS)[:, None]  # B x 1 x C x S, broadcast over heads
-        scores_BxHxCxS = jnp.where(visible_CxS, scores_BxHxCxS * (1.0 / math.sqrt(K)), -1e30)
+        scores_BxHxCxS = jnp.where(visible_CxS, scores_BxHxCxS * scale, -1e30)
         probs_BxHxCxS = jax.nn.softmax(scores_BxHxCxS, axis=-1).astype(v_BxHxTxK.dtype)
         outs.append(jnp.matmul(probs_BxHxCxS, v_BxHxSxK))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)

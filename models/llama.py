@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import attention, hf_keys
+from models import mup as mup_lib
 from models.layers import (
     Linear,
     RMSNorm,
@@ -101,6 +102,8 @@ class LlamaConfig:
     init_from: str | None = None  # a local Hugging Face directory (models/hf.py); conf/model_common.yaml
     lora: LoraConfig = LoraConfig()  # model.lora: low-rank factors on a frozen base (models/lora.py); model_common
     moe: MoEConfig = MoEConfig()  # model.moe: Mixture-of-Experts blocks (models/moe.py); conf/model_common.yaml
+    mup: bool = False  # model.mup: the maximal-update parametrisation (models/mup.py); conf/model_common.yaml
+    mup_base_dim: int = 256  # model.mup_base_dim: the width muP's factors are 1 at (models/mup.py)
 
     def check(self, prefix: str = "model") -> None:
         for knob in ("dim", "num_heads", "num_blocks", "context_length", "vocab_multiple", "mlp_multiple"):
@@ -130,6 +133,7 @@ class LlamaConfig:
         check_run_knobs(self, prefix)
         attention.check_config(self, prefix)
         self.moe.check_blocks(self.num_blocks, prefix)
+        mup_lib.check(self, prefix)
 
     @property
     def head_dim(self) -> int:
@@ -231,18 +235,20 @@ class Block(eqx.Module):
         d, f, K = cfg.dim, cfg.mlp_width, cfg.head_dim
         # As GPT-2: the residual output projections (o_proj, down_proj) get 0.02/sqrt(2·num_blocks),
         # so the residual stream's variance does not grow with depth; everything else N(0, 0.02).
-        resid_std = 0.02 / math.sqrt(2 * cfg.num_blocks)
+        # model.mup: every std x 1/sqrt(width/base) (models/mup.py).
+        std = mup_lib.hidden_std(cfg, 0.02)
+        resid_std = std / math.sqrt(2 * cfg.num_blocks)
         return Block(
             attn_norm=_norm(d, cfg.norm_eps),
-            q_proj=linear(k_q, d, cfg.num_heads * K, 0.02, cfg.qkv_bias),
-            k_proj=linear(k_k, d, cfg.kv_heads * K, 0.02, cfg.qkv_bias),
-            v_proj=linear(k_v, d, cfg.kv_heads * K, 0.02, cfg.qkv_bias),
+            q_proj=linear(k_q, d, cfg.num_heads * K, std, cfg.qkv_bias),
+            k_proj=linear(k_k, d, cfg.kv_heads * K, std, cfg.qkv_bias),
+            v_proj=linear(k_v, d, cfg.kv_heads * K, std, cfg.qkv_bias),
             q_norm=_norm(K, cfg.norm_eps) if cfg.qk_norm else None,
             k_norm=_norm(K, cfg.norm_eps) if cfg.qk_norm else None,
             o_proj=linear(k_o, cfg.num_heads * K, d, resid_std, False),
             mlp_norm=_norm(d, cfg.norm_eps),
-            gate_proj=linear(k_gate, d, f, 0.02, False),
-            up_proj=linear(k_up, d, f, 0.02, False),
+            gate_proj=linear(k_gate, d, f, std, False),
+            up_proj=linear(k_up, d, f, std, False),
             down_proj=linear(k_down, f, d, resid_std, False),
         )
 
@@ -313,9 +319,10 @@ class MoEBlock(Block):
         dense = Block.init(key, cfg)  # the attention and norms a dense block at this key would have
         k_router, k_gate, k_up, k_down = jax.random.split(jax.random.fold_in(key, 1), 4)
         d, f, E = cfg.dim, cfg.mlp_width, cfg.moe.num_experts
-        resid_std = 0.02 / math.sqrt(2 * cfg.num_blocks)  # as Block.init's down_proj
+        std = mup_lib.hidden_std(cfg, 0.02)  # as Block.init's
+        resid_std = std / math.sqrt(2 * cfg.num_blocks)  # as Block.init's down_proj
         stack = lambda k, i, o, std: eqx.filter_vmap(lambda k: linear(k, i, o, std, False))(jax.random.split(k, E))
-        experts = SwiGLUExperts(stack(k_gate, d, f, 0.02), stack(k_up, d, f, 0.02), stack(k_down, f, d, resid_std))
+        experts = SwiGLUExperts(stack(k_gate, d, f, std), stack(k_up, d, f, std), stack(k_down, f, d, resid_std))
         fields = {field.name: getattr(dense, field.name) for field in dataclasses.fields(Block)}
         return MoEBlock(**{**fields, "gate_proj": None, "up_proj": None, "down_proj": None},
                         moe=MoE(router=linear(k_router, d, E, 0.02, False), experts=experts))
@@ -380,7 +387,9 @@ class Llama(eqx.Module):
             x_BxTxD, stats_L = apply_blocks(apply, x_BxTxD, self.blocks, key, cfg.num_blocks, cfg.remat,
                                             cfg.scan_blocks, cfg.scan_unroll, collect)
         head_DxV = self.embed_VxD.T if self.head_DxV is None else self.head_DxV
-        logits_BxTxV = output_logits(self.final_norm(x_BxTxD), head_DxV, compute_dtype)  # float32
+        # model.mup: logits x base/width (MuReadout's multiplier; 1 without muP: no operation)
+        logits_BxTxV = output_logits(self.final_norm(x_BxTxD), head_DxV, compute_dtype,
+                                     mup_lib.width_ratio(cfg))  # float32
         return (logits_BxTxV, stats_L) if collect else logits_BxTxV
 
 
@@ -464,6 +473,7 @@ def hf_config(cfg: LlamaConfig) -> dict:
         raise ConfigError("model.qk_norm=true with model.qkv_bias=true has no Hugging Face form (qwen3, the QK-norm "
                           "model type, biases o_proj as well when it biases q, k and v): export with the default "
                           "safetensors format, or train with one of the two false")
+    mup_lib.refuse_hf_export(cfg)
     model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, **_hf_rope_scaling(cfg)}
     out = {

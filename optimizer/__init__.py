@@ -54,13 +54,15 @@ OPTIMIZERS = {
 
 def make_optimizer(hparams, schedule: optax.Schedule, labels, clip: float | None, base_lr: float | None = None,
                    overrides: dict[str, dict[str, float]] | None = None,
-                   cautious: bool = False, hyperball: bool = False) -> optax.GradientTransformation:
+                   cautious: bool = False, hyperball: bool = False,
+                   lr_scales: dict[str, float] | None = None) -> optax.GradientTransformation:
     """Global-norm clipping, then the per-group optimizer, whose last stage applies the lr;
     `cautious` (optimizer.cautious) masks each group's direction (optimizer/cautious.py);
     `hyperball` (optimizer.hyperball) keeps the hidden and head matrices at their initial norms
-    (optimizer/hyperball.py)."""
+    (optimizer/hyperball.py); `lr_scales` multiplies groups' lr (model.mup: optimizer/mup.py)."""
     clip_tx = optax.clip_by_global_norm(clip) if clipping(clip) else optax.identity()
-    return optax.chain(clip_tx, per_group(hparams, schedule, labels, base_lr, overrides, cautious, hyperball))
+    return optax.chain(clip_tx, per_group(hparams, schedule, labels, base_lr, overrides, cautious, hyperball,
+                                          lr_scales))
 
 
 def for_run(hparams, schedule_name: str, schedule, total_steps: int):

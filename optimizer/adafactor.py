@@ -49,6 +49,11 @@ class Adafactor(Optimizer):
 
     GROUP_KNOBS = ("lr", "weight_decay")
 
+    @property
+    def MUP_HIDDEN_LR_POWER(self) -> float | None:
+        """model.mup (optimizer/mup.py): Adam-type without parameter scaling; relative steps have no rule here."""
+        return None if self.multiply_by_parameter_scale else 1.0
+
     def check(self, prefix: str) -> None:
         if not 0.0 < self.decay_rate <= 1.0:
             raise ConfigError(f"{prefix}.decay_rate={self.decay_rate} must be in (0, 1]")

@@ -76,6 +76,7 @@ class AdEMAMix(Optimizer):
     weight_decay: float = 0.1
 
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "b3", "alpha", "eps")
+    MUP_HIDDEN_LR_POWER = 1.0  # model.mup: Adam-type, hidden lr x base/width (optimizer/mup.py)
     # The knob whose null means "the run's length": a comparison's trunk and branches have
     # different lengths, so it sets it to the largest budget for all of them (compare/plan.py).
     RUN_LENGTH_KNOB = "alpha_b3_warmup"

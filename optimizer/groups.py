@@ -73,15 +73,32 @@ def group_lr(hparams: Any, group: str, base_lr: float, overrides: dict[str, dict
 
 
 def group_schedules(hparams: Any, schedule: optax.Schedule, base_lr: float | None,
-                    overrides: dict[str, dict[str, float]], hyperball: bool = False) -> dict[str, optax.Schedule]:
-    """Each group's lr schedule: the run's, rescaled to the group's peak lr. `base_lr=None`
-    (a bare schedule with no known peak) gives every group the schedule unchanged, as does a
-    group whose peak is `base_lr` itself (the object: it may be a traced step argument, which
-    cannot be compared in Python)."""
+                    overrides: dict[str, dict[str, float]], hyperball: bool = False,
+                    lr_scales: dict[str, float] | None = None) -> dict[str, optax.Schedule]:
+    """Each group's lr schedule: the run's, rescaled to the group's peak lr, then times the group's
+    `lr_scales` factor (model.mup's width scaling, optimizer/mup.py; it multiplies an override too:
+    that is the value tuned at the base width). `base_lr=None` (a bare schedule with no known peak)
+    gives every group the schedule unchanged but for `lr_scales`, as does a group whose peak is
+    `base_lr` itself (the object: it may be a traced step argument, which cannot be compared in Python)."""
+    lr_scales = lr_scales or {}
+
+    def factor(g: str, lr):
+        own = None if lr is base_lr else lr / base_lr
+        scale = lr_scales.get(g)
+        return own if scale is None else scale if own is None else own * scale
+
     if base_lr is None:
-        return {g: schedule for g in GROUPS}
+        return {g: scaled_schedule(schedule, lr_scales.get(g)) for g in GROUPS}
     lrs = {g: group_lr(hparams, g, base_lr, overrides, hyperball) for g in GROUPS}
-    return {g: scaled_schedule(schedule, None if lr is base_lr else lr / base_lr) for g, lr in lrs.items()}
+    return {g: scaled_schedule(schedule, factor(g, lr)) for g, lr in lrs.items()}
+
+
+def lr_scaled_decay(hparams: Any, scale: float | None) -> Any:
+    """A group's dataclass with its weight decay divided by its lr factor: decay is times the lr
+    here, so lr·weight_decay, the decay per step, stays what was tuned (optimizer/mup.py)."""
+    if scale is None or not hasattr(hparams, "weight_decay"):
+        return hparams
+    return dataclasses.replace(hparams, weight_decay=hparams.weight_decay / scale)
 
 
 def built_groups(labels) -> tuple[str, ...]:
@@ -93,13 +110,15 @@ def built_groups(labels) -> tuple[str, ...]:
 
 def per_group(hparams: Any, schedule: optax.Schedule, labels, base_lr: float | None = None,
               overrides: dict[str, dict[str, float]] | None = None,
-              cautious: bool = False, hyperball: bool = False) -> optax.GradientTransformation:
+              cautious: bool = False, hyperball: bool = False,
+              lr_scales: dict[str, float] | None = None) -> optax.GradientTransformation:
     """optax.multi_transform over the groups, each built by `hparams.transform`, or with
     `cautious` by `optimizer.cautious.cautious_transform` (the same, its direction masked); with
     `hyperball` the hidden and head groups' updates are then kept on their sphere
-    (optimizer/hyperball.py)."""
-    overrides = overrides or {}
-    schedules = group_schedules(hparams, schedule, base_lr, overrides, hyperball)
+    (optimizer/hyperball.py). `lr_scales`: {group: factor} on a group's lr, its decay divided by
+    it (model.mup: optimizer/mup.py)."""
+    overrides, lr_scales = overrides or {}, lr_scales or {}
+    schedules = group_schedules(hparams, schedule, base_lr, overrides, hyperball, lr_scales)
     build = cautious_transform if cautious else lambda hp, g, s: hp.transform(g, s)
     if hyperball:
         from optimizer import OPTIMIZERS  # the registry imports this module: at call time
@@ -108,7 +127,7 @@ def per_group(hparams: Any, schedule: optax.Schedule, labels, base_lr: float | N
                                           type(hparams).__name__), overrides)
     transforms = {}
     for g in built_groups(labels):
-        transforms[g] = build(group_hparams(hparams, g, overrides), g, schedules[g])
+        transforms[g] = build(lr_scaled_decay(group_hparams(hparams, g, overrides), lr_scales.get(g)), g, schedules[g])
         if hyperball and g in hyperball_lib.HYPERBALL_GROUPS:
             transforms[g] = hyperball_lib.hyperball_transform(transforms[g], schedules[g])
     if FROZEN in set(jax.tree.leaves(labels)):

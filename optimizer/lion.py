@@ -18,6 +18,7 @@ class Lion(Optimizer):
     weight_decay: float = 0.1
 
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2")
+    MUP_HIDDEN_LR_POWER = 1.0  # model.mup: sign updates are Adam-type, hidden lr x base/width (optimizer/mup.py)
 
     def check(self, prefix: str) -> None:
         check_unit_interval(prefix, self, "b1", "b2")

@@ -100,6 +100,7 @@ class MARS(Optimizer):
 
     MARS_KNOBS = ("lr", "weight_decay", "b1", "b2", "gamma", "eps")
     ADAM_KNOBS = ("lr", "weight_decay", "adam_b1", "adam_b2", "eps")
+    MUP_HIDDEN_LR_POWER = 1.0  # model.mup: Adam-type, hidden lr x base/width (optimizer/mup.py)
 
     def group_knobs(self, group: str) -> tuple[str, ...]:
         """`scalar` runs AdamW (adam_b1/adam_b2, no gamma), the others MARS (b1/b2, gamma)."""

@@ -184,6 +184,13 @@ class Muon(Optimizer):
     def default_group_lr(self, group: str, base_lr: float) -> float:
         return base_lr if group == "hidden" else self.adam_lr
 
+    @property
+    def MUP_HIDDEN_LR_POWER(self) -> float:
+        """model.mup (optimizer/mup.py): `reference`'s orthogonalised step has spectral norm Θ(lr)·√max(1,
+        fan_out/fan_in), width-invariant at a fixed aspect ratio (0: the lr transfers as it is); `adam_rms`'s
+        0.2·√max(fan_in, fan_out) grows ∝ √width, so lr x (base/width)^½ restores it."""
+        return 0.0 if self.shape_scale == "reference" else 0.5
+
     def newton_schulz_args(self) -> dict:
         """scale_by_muon's Newton–Schulz arguments for `ns_coefficients`: quintic's are optax's
         defaults (its coefficients, eps 1e-8), so its updates are what they always were."""

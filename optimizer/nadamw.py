@@ -25,6 +25,7 @@ class NAdamW(Optimizer):
     weight_decay: float = 0.164
 
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "eps")
+    MUP_HIDDEN_LR_POWER = 1.0  # model.mup: Adam-type, hidden lr x base/width (optimizer/mup.py)
 
     def check(self, prefix: str) -> None:
         check_unit_interval(prefix, self, "b1", "b2")

@@ -77,6 +77,7 @@ class ScheduleFreeAdamW(Optimizer):
     weight_lr_power: float = 2.0
 
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "eps")
+    MUP_HIDDEN_LR_POWER = 1.0  # model.mup: Adam-type, hidden lr x base/width (optimizer/mup.py)
     # The averaging stands in for an lr decay: a comparison's branches keep the constant lr
     # (compare/plan.py) instead of cooling down, which this optimizer refuses.
     COOLDOWN = False

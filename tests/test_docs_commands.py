@@ -347,7 +347,18 @@ SCRIPT_ARGS = {  # script -> how its command line is checked without running it
     "export_model": lambda argv: load_script("export_model").parse_args(argv),
     "sample": lambda argv: load_script("sample").parse_args(argv),
     "knob_reference": lambda argv: not argv,  # no arguments; tests/test_knob_reference.py runs it
+    "coord_check": lambda argv: _coord_check_args(argv),  # tests/test_mup.py runs it (tiny widths)
 }
+
+
+def _coord_check_args(argv: list[str]) -> bool:
+    """Its flags parsed and every point's config validated at the smallest width (nothing trains)."""
+    coord = load_script("coord_check")
+    args = coord.parse_args(argv)
+    for opt in args.optimizers:
+        for mup in (False, True):
+            coord.build_run(opt, min(args.widths), mup, args.base_dim, args.overrides)
+    return True
 
 
 def test_script_commands_parse():

@@ -23,11 +23,13 @@ import models
 from loaders import dataset_config, tokenizer_config
 from loaders.config import DatasetConfig
 from models import attention
+from models import mup as mup_model
 from models.hf import resolve_init_from
 from models.objectives import AR, OBJECTIVES, check_vocab
 from optimizer import OPTIMIZERS, for_run
 from optimizer import cautious as cautious_mask
 from optimizer import hyperball as hyperball_lib
+from optimizer import mup as mup_optim
 from optimizer.groups import GROUPS, group_hparams, group_knobs
 from optimizer.schedules import SCHEDULES, warmup_warning
 from trainer.early_stopping import EarlyStoppingConfig
@@ -120,6 +122,7 @@ class OptimizerConfig:
     group_overrides: dict  # {"hidden": {"lr": 0.02}, ...}: only the knobs set (non-null)
     cautious: bool = False  # optimizer.cautious, beside `name`: every optimizer takes it (optimizer/cautious.py)
     hyperball: bool = False  # optimizer.hyperball, beside `name`: every optimizer takes it (optimizer/hyperball.py)
+    lr_scales: dict = dataclasses.field(default_factory=dict)  # {group: lr factor}: model.mup's (optimizer/mup.py)
 
 
 @dataclass(frozen=True)
@@ -333,6 +336,12 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         run = dataclasses.replace(run, warnings=run.warnings + (
             f"checkpoint.save_steps {beyond} lie beyond train.max_steps={train.max_steps} and will not be saved",))
     m = run.model
+    if mup_model.on(m):  # the optimizer's half of muP, and the header's line saying which rule applies
+        scales, line, is_warning = mup_optim.lr_scales(hparams, opt_name, mup_model.width_ratio(m), m.dim,
+                                                       m.mup_base_dim, hyperball)
+        run = dataclasses.replace(run, optimizer=dataclasses.replace(run.optimizer, lr_scales=scales),
+                                  warnings=run.warnings + (line,) * is_warning,
+                                  notes=run.notes + (line,) * (not is_warning))
     if hyperball and models.lora_config(m).on:
         raise ConfigError(f"optimizer.hyperball=true with model.lora.rank={models.lora_config(m).rank}: only the LoRA "
                           "factors train (B starts at norm 0, no sphere to keep); set optimizer.hyperball=false")
