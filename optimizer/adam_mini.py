@@ -182,6 +182,7 @@ class AdamMini(Optimizer):
     weight_decay: float = 0.1
 
     GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "eps")  # settable per group
+    MUP_HIDDEN_LR_POWER = 1.0  # model.mup: Adam-type (a block's shared v), hidden lr x base/width (optimizer/mup.py)
 
     def check(self, prefix: str) -> None:
         check_unit_interval(prefix, self, "b1", "b2")

@@ -42,6 +42,10 @@ class Optimizer:
     # A reason optimizer.cautious=true / optimizer.hyperball=true cannot apply to it (None: they can).
     CAUTIOUS_UNSUPPORTED: ClassVar[str | None] = None
     HYPERBALL_UNSUPPORTED: ClassVar[str | None] = None
+    # model.mup: the exponent p of the hidden group's lr factor (base/width)^p (optimizer/mup.py: 1 for
+    # Adam-type updates, 0 for an already width-invariant one); None: no known muP rule (the run's
+    # header says so). A property where it depends on the knobs (Muon's shape_scale).
+    MUP_HIDDEN_LR_POWER: ClassVar[float | None] = None
     # diagnostics(group, group_state, params[, grads]) -> {stat: scalar}: what its state says, logged as
     # optim/<group>/<stat> (optimizer/diagnostics.py); None: no diagnostics of its own.
     diagnostics: ClassVar[Callable[..., dict] | None] = None

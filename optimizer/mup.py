@@ -26,7 +26,7 @@ from typing import Any
 
 def hidden_lr_power(hparams: Any) -> float | None:
     """The optimizer's exponent p (None: no known muP rule)."""
-    return getattr(hparams, "MUP_HIDDEN_LR_POWER", None)
+    return hparams.MUP_HIDDEN_LR_POWER
 
 
 def lr_scales(hparams: Any, opt_name: str, width_ratio: float, dim: int, base_dim: int,

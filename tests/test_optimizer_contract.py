@@ -21,6 +21,7 @@ CONTRACT = {name for name, _ in inspect.getmembers(Optimizer) if not name.starts
 NONE = type(None)
 KINDS = {"GROUP_KNOBS": tuple, "CONSTANT_KNOBS": tuple, "RUN_LENGTH_KNOB": (str, NONE), "COOLDOWN": bool,
          "CAUTIOUS_UNSUPPORTED": (str, NONE), "HYPERBALL_UNSUPPORTED": (str, NONE),
+         "MUP_HIDDEN_LR_POWER": (float, NONE, property),
          "diagnostics": (NONE, type(lambda: 0)), "eval_params": (NONE, type(lambda: 0)), "check": "method",
          "transform": "method", "group_knobs": "method", "group_knob_hint": "method", "default_group_lr": "method",
          "for_run": "method", "decay_embeddings": bool}
@@ -59,6 +60,7 @@ def test_an_optimizer_that_declares_only_its_transform_gets_every_default():
     hp = Plain()
     assert hp.decay_embeddings is False and hp.CONSTANT_KNOBS == () and hp.RUN_LENGTH_KNOB is None
     assert hp.COOLDOWN and hp.CAUTIOUS_UNSUPPORTED is None and hp.HYPERBALL_UNSUPPORTED is None
+    assert hp.MUP_HIDDEN_LR_POWER is None  # no known muP rule: the header says so
     assert all(group_knobs(hp, g) == ("lr",) for g in GROUPS)
     assert group_lr(hp, "embed", 0.3, {}) == 0.3 and for_run(hp, "cosine", None, 100) is hp
     assert eval_view(hp) is None and hp.diagnostics is None
