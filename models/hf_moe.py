@@ -43,18 +43,36 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # Mixtral's names of the SwiGLU matrices
 
 INT, BOOL, LIST, NONNEGATIVE = "a positive integer", "a boolean", "a list", "a number >= 0"
-HF_KEYS = {  # config.json keys the MoE types add (models/hf_keys.py checks each before anything is built)
-    "num_local_experts": hf_keys.Key(INT, "experts per MoE block (mixtral; qwen3_moe's other name)"),
-    "num_experts": hf_keys.Key(INT, "experts per MoE block (qwen2_moe, qwen3_moe)"),
-    "num_experts_per_tok": hf_keys.Key(INT, "experts each token is routed to", required=True),
-    "router_aux_loss_coef": hf_keys.Key(NONNEGATIVE, "the load-balancing loss' weight", default=0.001),
-    "router_jitter_noise": hf_keys.Key(NONNEGATIVE, "mixtral's training-time noise on the router input",
-                                       default=0.0),
-    "norm_topk_prob": hf_keys.Key(BOOL, "whether the top-k weights are renormalised (qwen)", default=False),
-    "decoder_sparse_step": hf_keys.Key(INT, "every s-th layer is MoE (qwen)", default=1),
-    "mlp_only_layers": hf_keys.Key(LIST, "layers kept dense, by index (qwen)", default=[]),
-    "moe_intermediate_size": hf_keys.Key(INT, "each expert's SwiGLU width (qwen)"),
-    "shared_expert_intermediate_size": hf_keys.Key(INT, "the shared expert's SwiGLU width (qwen2_moe)"),
+_Key = hf_keys.Key
+_TOP_K = _Key(INT, "experts each token is routed to", required=True)
+_COEF = _Key(NONNEGATIVE, "the load-balancing loss' weight", default=0.001)
+_QWEN = {  # the keys qwen2_moe and qwen3_moe share
+    "num_experts_per_tok": _TOP_K,
+    "moe_intermediate_size": _Key(INT, "each expert's SwiGLU width", required=True),
+    "norm_topk_prob": _Key(BOOL, "whether the top-k weights are renormalised", default=False),
+    "decoder_sparse_step": _Key(INT, "every s-th layer is MoE", default=1),
+    "mlp_only_layers": _Key(LIST, "layers kept dense, by index", default=[]),
+    "router_aux_loss_coef": _COEF,
+}
+# config.json keys each MoE type adds to the llama family's (models/hf_keys.py checks each before anything is built)
+HF_KEYS = {
+    "mixtral": {
+        "num_local_experts": _Key(INT, "experts per MoE block", required=True),
+        "num_experts_per_tok": _TOP_K,
+        "router_aux_loss_coef": _COEF,
+        "router_jitter_noise": _Key(NONNEGATIVE, "training-time noise on the router input", default=0.0),
+    },
+    "qwen2_moe": {
+        "num_experts": _Key(INT, "experts per MoE block", required=True),
+        **_QWEN,
+        "shared_expert_intermediate_size": _Key(INT, "the shared expert's SwiGLU width", required=True),
+        "qkv_bias": _Key(BOOL, "biases on q, k and v", default=True),
+    },
+    "qwen3_moe": {  # transformers 5 saves num_local_experts, the hub's configs num_experts: either (export: both)
+        "num_experts": _Key(INT, "experts per MoE block; num_local_experts when null"),
+        "num_local_experts": _Key(INT, "experts per MoE block (transformers 5's name); num_experts when null"),
+        **_QWEN,
+    },
 }
 
 
@@ -63,25 +81,20 @@ def _unsupported(where: str, key: str, value, why: str) -> ConfigError:
                        "it (pick a checkpoint without it)")
 
 
-def _missing(where: str, key: str, means: str, example: str) -> ConfigError:
-    return ConfigError(f"{where} {key} is missing: eqtrain needs it ({means}), e.g. {key}: {example}; save the "
-                       "directory again with transformers' save_pretrained, or add the key")
-
-
-def moe_from_hf(hf: dict, where: str, num_blocks: int, intermediate_size: int) -> tuple[MoEConfig, int]:
-    """(model.moe, the experts' SwiGLU width: model.mlp_hidden) of an MoE config.json (the module
-    docstring's mapping); one-line ConfigErrors naming `where` and the key."""
-    model_type = hf["model_type"]
-    v = hf_keys.read(hf, HF_KEYS, where)
-    names = ("num_local_experts",) if model_type == "mixtral" else ("num_experts", "num_local_experts")
-    experts = next((v[name] for name in names if v[name] is not None), None)
-    if experts is None:
-        raise _missing(where, names[0], "experts per MoE block", "8")
+def from_hf(hf: dict, where: str, num_blocks: int, intermediate_size: int) -> dict:
+    """The llama Config fields an MoE config.json sets (the module docstring's mapping): `moe`,
+    `mlp_hidden` (the experts' width) and `qkv_bias`; one-line ConfigErrors naming `where` and the key."""
+    kind = hf["model_type"]
+    v = hf_keys.read(hf, HF_KEYS[kind], where)
+    experts = v.get("num_local_experts") if kind == "mixtral" else v["num_experts"] or v.get("num_local_experts")
+    if experts is None:  # qwen3_moe with neither name
+        raise ConfigError(f"{where} num_experts is missing: eqtrain needs it (experts per MoE block) as {INT}, e.g. "
+                          "num_experts: 128; save the directory again with transformers' save_pretrained, or add it")
     top_k = v["num_experts_per_tok"]
     if top_k > experts:
-        raise ConfigError(f"{where} num_experts_per_tok={top_k} is more than the {experts} experts ({names[0]}): "
-                          "each token picks distinct experts; correct config.json")
-    if model_type == "mixtral":
+        raise ConfigError(f"{where} num_experts_per_tok={top_k} is more than the {experts} experts: each token "
+                          "picks distinct experts; correct config.json")
+    if kind == "mixtral":
         if v["router_jitter_noise"]:
             raise _unsupported(where, "router_jitter_noise", v["router_jitter_noise"],
                                "the router here takes its input without noise")
@@ -89,10 +102,8 @@ def moe_from_hf(hf: dict, where: str, num_blocks: int, intermediate_size: int) -
     else:
         if v["mlp_only_layers"]:
             raise _unsupported(where, "mlp_only_layers", v["mlp_only_layers"],
-                               "dense layers here are every decoder_sparse_step-th's complement, not a list")
+                               "dense layers here are the complement of every decoder_sparse_step-th, not a list")
         every, renormalize, width = v["decoder_sparse_step"], v["norm_topk_prob"], v["moe_intermediate_size"]
-        if width is None:
-            raise _missing(where, "moe_intermediate_size", "each expert's SwiGLU width", "768")
         if num_blocks % every:
             raise _unsupported(where, "decoder_sparse_step", every, f"blocks are scanned in groups of "
                                f"decoder_sparse_step, which must divide num_hidden_layers={num_blocks}")
@@ -100,16 +111,11 @@ def moe_from_hf(hf: dict, where: str, num_blocks: int, intermediate_size: int) -
             raise _unsupported(where, "moe_intermediate_size", width, f"with decoder_sparse_step={every} the dense "
                                f"layers' intermediate_size={intermediate_size} must equal it: experts and dense MLPs "
                                "share model.mlp_hidden")
-        shared = 0
-        if model_type == "qwen2_moe":
-            shared = v["shared_expert_intermediate_size"]
-            if shared is None:
-                raise _missing(where, "shared_expert_intermediate_size", "the shared expert's width", "5632")
-    coef = float(v["router_aux_loss_coef"])
+        shared = v.get("shared_expert_intermediate_size", 0)
     moe = MoEConfig(num_experts=experts, top_k=top_k, capacity_factor=None, every=every, renormalize=renormalize,
-                    load_balance_coef=coef * top_k, z_loss_coef=0.0, balance_pooling="global",
-                    shared_expert_hidden=shared)
-    return moe, width
+                    load_balance_coef=float(v["router_aux_loss_coef"]) * top_k, z_loss_coef=0.0,
+                    balance_pooling="global", shared_expert_hidden=shared)
+    return {"moe": moe, "mlp_hidden": width, "qkv_bias": kind == "qwen2_moe" and v["qkv_bias"]}
 
 
 def model_type(cfg) -> str:
@@ -149,8 +155,8 @@ def hf_config(cfg, kind: str) -> dict:
         out.update(shared_expert_intermediate_size=moe.shared_expert_hidden, qkv_bias=cfg.qkv_bias,
                    sliding_window=None, max_window_layers=cfg.num_blocks,
                    layer_types=["full_attention"] * cfg.num_blocks)
-    else:
-        out.update(attention_bias=False, sliding_window=None)
+    else:  # both names of the expert count (HF_KEYS)
+        out.update(num_local_experts=moe.num_experts, attention_bias=False, sliding_window=None)
     return out
 
 

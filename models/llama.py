@@ -663,18 +663,17 @@ def config_from_hf(hf: dict, base: LlamaConfig, where: str = "config.json") -> L
     if heads % kv_heads:
         raise ConfigError(f"{where} num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}: "
                           "each key/value head serves a group of query heads; correct config.json")
-    moe, width = base.moe, v["intermediate_size"]  # a dense type: MoE stays off (models/hf.py refuses it on)
-    if model_type in hf_moe.MOE_MODEL_TYPES:  # the directory's experts, routing and loss weights
-        moe, width = hf_moe.moe_from_hf(hf, where, v["num_hidden_layers"], v["intermediate_size"])
-    qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and hf_keys.read(
-        hf, {"qkv_bias": hf_keys.Key(BOOL, "biases on q, k and v (qwen2_moe)", default=True)}, where)["qkv_bias"])
+    # a dense type: MoE stays off (models/hf.py refuses it on); an MoE type: its experts, routing and loss weights
+    knobs = {"moe": base.moe, "mlp_hidden": v["intermediate_size"], "qkv_bias": model_type == "qwen2"}
+    if model_type in hf_moe.MOE_MODEL_TYPES:
+        knobs = hf_moe.from_hf(hf, where, v["num_hidden_layers"], v["intermediate_size"])
     cfg = dataclasses.replace(
         base, name="llama", dim=dim, num_heads=heads, num_blocks=v["num_hidden_layers"], num_kv_heads=kv_heads,
         head_size=None if head_dim * heads == dim else head_dim,
-        mlp_hidden=width, vocab_size=v["vocab_size"], context_length=context_length,
+        vocab_size=v["vocab_size"], context_length=context_length,
         rope_theta=float(rope["rope_theta"] or v["rope_theta"]), rope_scaling=scaling,
-        norm_eps=float(v["rms_norm_eps"]), tie_embeddings=v["tie_word_embeddings"], qkv_bias=qkv_bias,
-        qk_norm=model_type in ("qwen3", "qwen3_moe"), moe=moe)
+        norm_eps=float(v["rms_norm_eps"]), tie_embeddings=v["tie_word_embeddings"],
+        qk_norm=model_type in ("qwen3", "qwen3_moe"), **knobs)
     try:
         cfg.check("model")
     except ConfigError as e:

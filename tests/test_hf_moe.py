@@ -211,9 +211,9 @@ def test_our_moe_loads_in_transformers_with_equal_logits(tmp_path, case):
 def test_a_run_from_a_mixtral_directory_exports_as_mixtral(tmp_path, monkeypatch):
     """model.init_from=<a transformers Mixtral> -> 2 training steps -> checkpoint -> export_model.py
     --format hf: transformers loads a mixtral whose logits are the checkpoint's model's."""
-    import train_jax
     import transformers
 
+    import train_jax
     from trainer import inference
 
     monkeypatch.chdir(tmp_path)
