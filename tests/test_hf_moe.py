@@ -269,7 +269,7 @@ def test_config_json_maps_to_model_moe():
 
 @pytest.mark.parametrize("hf_cfg,needle", [
     (lambda: mixtral_config(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
-    (lambda: mixtral_config(num_local_experts=None), "num_local_experts is missing"),
+    (lambda: mixtral_config(num_local_experts=None), "num_local_experts is null"),
     (lambda: mixtral_config(num_experts_per_tok=8), "num_experts_per_tok=8 is more than the 4 experts"),
     (lambda: mixtral_config(router_aux_loss_coef=-1), "router_aux_loss_coef=-1: expected a number >= 0"),
     (lambda: mixtral_config(sliding_window=16), "sliding_window=16"),
@@ -277,12 +277,13 @@ def test_config_json_maps_to_model_moe():
     (lambda: qwen_config("qwen2_moe", decoder_sparse_step=3), "decoder_sparse_step=3"),
     (lambda: qwen_config("qwen2_moe", decoder_sparse_step=2, intermediate_size=96), "moe_intermediate_size=48"),
     (lambda: qwen_config("qwen2_moe", shared_expert_intermediate_size=None), "shared_expert_intermediate_size is "
-                                                                             "missing"),
+                                                                             "null"),
     (lambda: qwen_config("qwen2_moe", layer_types=["full_attention", "sliding_attention"] * 2), "layer_types="),
     (lambda: qwen_config("qwen3_moe", attention_bias=True), "attention_bias=true"),
-    (lambda: qwen_config("qwen3_moe", moe_intermediate_size=None), "moe_intermediate_size is missing"),
+    (lambda: qwen_config("qwen3_moe", moe_intermediate_size=None), "moe_intermediate_size is null"),
+    (lambda: qwen_config("qwen3_moe", num_experts=None), "num_experts is missing"),  # and no num_local_experts
 ], ids=["jitter", "no_experts", "top_k", "negative_coef", "window", "mlp_only_layers", "sparse_step", "widths",
-        "no_shared_width", "sliding_layers", "qwen3_bias", "no_expert_width"])
+        "no_shared_width", "sliding_layers", "qwen3_bias", "no_expert_width", "no_expert_count"])
 def test_what_our_moe_blocks_cannot_express_is_one_line(hf_cfg, needle):
     with pytest.raises(ConfigError) as e:
         llama.config_from_hf(hf_cfg(), BASE, "dir/config.json")
