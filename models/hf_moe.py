@@ -1,5 +1,5 @@
 """The Mixture-of-Experts model types of the llama family's Hugging Face form (models/hf.py,
-models/llama.py): `mixtral`, `qwen2_moe` and `qwen3_moe`, read into and written from a llama with
+models/llama.py): `mixtral`, `qwen2_moe`, `qwen3_moe` and `olmoe`, read into and written from a llama with
 `model.moe` on. This module holds their config.json keys, both ways, and their tensor names; the
 attention side (biases, QK-norm, rotary, windows) stays llama.py's.
 
@@ -24,8 +24,12 @@ Qwen3MoeSparseMoeBlock) map onto ours (models/moe.py, llama.py's MoEBlock):
                  (models/moe.py): `load_balance_coef` = router_aux_loss_coef · top_k with
                  `balance_pooling: global`, and no z-loss (`z_loss_coef` 0).
 
-Export picks the type by what the model has: QK-norm -> qwen3_moe, a shared expert -> qwen2_moe,
-else mixtral (every block MoE, renormalised, no biases); anything else is refused in one line.
+OLMoE (`olmoe`) routes as Qwen3-MoE with every layer MoE and the experts' width intermediate_size;
+its q and k RMSNorms span all heads together (`model.qk_norm_scope: all`); `clip_qkv` is refused.
+
+Export picks the type by what the model has: QK-norm over all heads -> olmoe, per head ->
+qwen3_moe, a shared expert -> qwen2_moe, else mixtral (every block MoE, renormalised, no biases);
+anything else is refused in one line.
 The z-loss and capacity have no config.json key: transformers trains without a z-loss and runs
 dropless (docs/models.md).
 """
@@ -36,13 +40,14 @@ from models import hf_keys
 from models.moe import MoEConfig
 from utils.errors import ConfigError
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # Mixtral's names of the SwiGLU matrices
 
 INT, BOOL, LIST, NONNEGATIVE = "a positive integer", "a boolean", "a list", "a number >= 0"
+NUMBER = "a positive number"
 _Key = hf_keys.Key
 _TOP_K = _Key(INT, "experts each token is routed to", required=True)
 _COEF = _Key(NONNEGATIVE, "the load-balancing loss' weight", default=0.001)
@@ -73,6 +78,13 @@ HF_KEYS = {
         "num_local_experts": _Key(INT, "experts per MoE block (transformers 5's name); num_experts when null"),
         **_QWEN,
     },
+    "olmoe": {
+        "num_experts": _Key(INT, "experts per MoE block", required=True),
+        "num_experts_per_tok": _TOP_K,
+        "norm_topk_prob": _Key(BOOL, "whether the top-k weights are renormalised", default=False),
+        "router_aux_loss_coef": _Key(NONNEGATIVE, "the load-balancing loss' weight", default=0.01),
+        "clip_qkv": _Key(NUMBER, "q, k and v clamped to [-clip_qkv, clip_qkv]; null = not clamped"),
+    },
 }
 
 
@@ -99,6 +111,10 @@ def from_hf(hf: dict, where: str, num_blocks: int, intermediate_size: int) -> di
             raise _unsupported(where, "router_jitter_noise", v["router_jitter_noise"],
                                "the router here takes its input without noise")
         every, renormalize, width, shared = 1, True, intermediate_size, 0
+    elif kind == "olmoe":
+        if v["clip_qkv"] is not None:
+            raise _unsupported(where, "clip_qkv", v["clip_qkv"], "q, k and v here are not clamped")
+        every, renormalize, width, shared = 1, v["norm_topk_prob"], intermediate_size, 0
     else:
         if v["mlp_only_layers"]:
             raise _unsupported(where, "mlp_only_layers", v["mlp_only_layers"],
@@ -127,6 +143,14 @@ def model_type(cfg) -> str:
             raise ConfigError(f"model.moe.shared_expert_hidden={moe.shared_expert_hidden} with model.qk_norm=true has "
                               "no Hugging Face form (qwen3_moe has QK-norm and no shared expert, qwen2_moe the "
                               "reverse): export with the default safetensors format")
+        if cfg.qk_norm_scope == "all":  # OLMoE's norm over all heads
+            if moe.every != 1:
+                raise ConfigError(f"model.moe.every={moe.every} with model.qk_norm_scope=all: olmoe (the type with "
+                                  "that norm) has no dense blocks: export with the default safetensors format")
+            if cfg.head_size is not None:
+                raise ConfigError(f"model.head_size={cfg.head_size} with model.qk_norm_scope=all: olmoe's q norm spans "
+                                  "hidden_size, so heads must split dim: export with the default safetensors format")
+            return "olmoe"
         return "qwen3_moe"
     if moe.shared_expert_hidden:
         return "qwen2_moe"
@@ -147,6 +171,9 @@ def hf_config(cfg, kind: str) -> dict:
     moe = cfg.moe
     out = {"num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.load_balance_coef / moe.top_k,
            "output_router_logits": False}
+    if kind == "olmoe":
+        return {**out, "num_experts": moe.num_experts, "norm_topk_prob": moe.renormalize, "clip_qkv": None,
+                "attention_bias": False}
     if kind == "mixtral":
         return {**out, "num_local_experts": moe.num_experts, "router_jitter_noise": 0.0, "sliding_window": None}
     out.update(num_experts=moe.num_experts, norm_topk_prob=moe.renormalize, decoder_sparse_step=moe.every,

@@ -1,7 +1,8 @@
 """Llama-style decoder in Equinox: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention.
 
 Covers Llama 2/3 (no biases; Llama 3.1+'s long-context `rope_scaling`), Mistral without a sliding
-window, Qwen2 (`qkv_bias`) and QK-norm models (`qk_norm`, as Qwen3/OLMo2; Qwen3's `head_size`).
+window, Qwen2 (`qkv_bias`) and QK-norm models (`qk_norm`: per head as Qwen3, with its `head_size`;
+over all heads together as OLMoE, `qk_norm_scope: all`).
 The module names and weight layouts follow Hugging Face's (`q_proj`, `gate_proj`, rotary in the
 rotate-half layout), so its checkpoints map 1:1 with a transpose and no permutation
 (`hf_tensors` / `from_hf_tensors`). Blocks are stacked and run exactly as GPT's
@@ -38,6 +39,7 @@ from models.moe import flops_per_token as moe_flops
 from utils.errors import CheckpointError, ConfigError
 
 ROPE_TYPES = ("linear", "llama3")  # model.rope_scaling.type: transformers' rope_type of the same name
+QK_NORM_SCOPES = ("head", "all")  # model.qk_norm_scope
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class LlamaConfig:
     tie_embeddings: bool = True
     qkv_bias: bool = False  # biases on q, k, v (Qwen2)
     qk_norm: bool = False  # RMSNorm on each head's q and k before rotary (Qwen3, OLMo2)
+    qk_norm_scope: str = "head"  # head: each head's q, k normalised alone (Qwen3); all: all heads' together (OLMoE)
     scan_blocks: bool = True
     remat: str = "dots"  # dots | full | none (see REMAT_POLICIES)
     scan_unroll: int = 1
@@ -125,6 +128,9 @@ class LlamaConfig:
         for knob in ("rope_theta", "norm_eps"):
             if not getattr(self, knob) > 0:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be positive")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ConfigError(f"{prefix}.qk_norm_scope={self.qk_norm_scope!r} must be one of "
+                              f"{', '.join(QK_NORM_SCOPES)} (head: Qwen3's per-head norm; all: OLMoE's over all heads)")
         if self.rope_scaling is not None:
             self.rope_scaling.check(f"{prefix}.rope_scaling")
         check_run_knobs(self, prefix)
@@ -229,6 +235,7 @@ class Block(eqx.Module):
     def init(key: jax.Array, cfg: LlamaConfig) -> "Block":
         k_q, k_k, k_v, k_o, k_gate, k_up, k_down = jax.random.split(key, 7)
         d, f, K = cfg.dim, cfg.mlp_width, cfg.head_dim
+        per_head = cfg.qk_norm_scope == "head"  # else one norm over all heads' q (and one over all k), OLMoE's
         # As GPT-2: the residual output projections (o_proj, down_proj) get 0.02/sqrt(2·num_blocks),
         # so the residual stream's variance does not grow with depth; everything else N(0, 0.02).
         resid_std = 0.02 / math.sqrt(2 * cfg.num_blocks)
@@ -237,8 +244,8 @@ class Block(eqx.Module):
             q_proj=linear(k_q, d, cfg.num_heads * K, 0.02, cfg.qkv_bias),
             k_proj=linear(k_k, d, cfg.kv_heads * K, 0.02, cfg.qkv_bias),
             v_proj=linear(k_v, d, cfg.kv_heads * K, 0.02, cfg.qkv_bias),
-            q_norm=_norm(K, cfg.norm_eps) if cfg.qk_norm else None,
-            k_norm=_norm(K, cfg.norm_eps) if cfg.qk_norm else None,
+            q_norm=_norm(K if per_head else cfg.num_heads * K, cfg.norm_eps) if cfg.qk_norm else None,
+            k_norm=_norm(K if per_head else cfg.kv_heads * K, cfg.norm_eps) if cfg.qk_norm else None,
             o_proj=linear(k_o, cfg.num_heads * K, d, resid_std, False),
             mlp_norm=_norm(d, cfg.norm_eps),
             gate_proj=linear(k_gate, d, f, 0.02, False),
@@ -257,10 +264,14 @@ class Block(eqx.Module):
         k_q, k_k, k_v, k_o, k_gate, k_up, k_down = branch_keys(key, cfg.lora, 7)  # LoRA's dropout; Nones without it
 
         h_BxTxD = self.attn_norm(x_BxTxD).astype(compute_dtype)
-        q_BxHxTxK = _split_heads(_project(self.q_proj, h_BxTxD, k_q), cfg.num_heads)
-        k_BxGxTxK = _split_heads(_project(self.k_proj, h_BxTxD, k_k), cfg.kv_heads)
+        q_BxTxHK, k_BxTxGK = _project(self.q_proj, h_BxTxD, k_q), _project(self.k_proj, h_BxTxD, k_k)
+        all_heads = self.q_norm is not None and cfg.qk_norm_scope == "all"
+        if all_heads:  # OLMoE: one RMSNorm over every head's q (and one over k), before the split
+            q_BxTxHK, k_BxTxGK = self.q_norm(q_BxTxHK), self.k_norm(k_BxTxGK)
+        q_BxHxTxK = _split_heads(q_BxTxHK, cfg.num_heads)
+        k_BxGxTxK = _split_heads(k_BxTxGK, cfg.kv_heads)
         v_BxGxTxK = _split_heads(_project(self.v_proj, h_BxTxD, k_v), cfg.kv_heads)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not all_heads:
             q_BxHxTxK, k_BxGxTxK = self.q_norm(q_BxHxTxK), self.k_norm(k_BxGxTxK)
         q_BxHxTxK, k_BxGxTxK = apply_rotary(q_BxHxTxK, *cos_sin), apply_rotary(k_BxGxTxK, *cos_sin)
         group = cfg.num_heads // cfg.kv_heads
@@ -491,6 +502,10 @@ def hf_config(cfg: LlamaConfig) -> dict:
     model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
     if cfg.moe.on:
         model_type = hf_moe.model_type(cfg)
+    elif cfg.qk_norm and cfg.qk_norm_scope == "all":
+        raise ConfigError("model.qk_norm_scope=all without MoE has no Hugging Face form here (olmoe, the type with "
+                          "that norm, is MoE; olmo2 also moves its block norms): export with the default safetensors "
+                          "format, or train with model.qk_norm_scope=head")
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, **_hf_rope_scaling(cfg)}
     out = {
         "model_type": model_type,
@@ -632,7 +647,7 @@ def config_from_hf(hf: dict, base: LlamaConfig, where: str = "config.json") -> L
     if v["hidden_act"] != "silu":
         raise _unsupported(where, "hidden_act", v["hidden_act"], "SwiGLU here uses silu")
     scaling = _rope_from_hf(rope, rope_key, context_length, where)
-    if model_type in ("llama", "qwen3", "qwen3_moe") and v["attention_bias"]:
+    if model_type in ("llama", "qwen3", "qwen3_moe", "olmoe") and v["attention_bias"]:
         raise _unsupported(where, "attention_bias", True, f"{model_type}'s attention_bias also puts a bias on o_proj")
     if v["mlp_bias"]:
         raise _unsupported(where, "mlp_bias", True, "the SwiGLU matrices have no biases")
@@ -659,6 +674,9 @@ def config_from_hf(hf: dict, base: LlamaConfig, where: str = "config.json") -> L
     if head_dim % 2:
         raise _unsupported(where, "head_dim", head_dim, "it is odd, and rotary positions rotate pairs of a head's "
                            "dimensions")
+    if model_type == "olmoe" and head_dim * heads != dim:
+        raise _unsupported(where, "head_dim", head_dim, f"olmoe's q norm spans hidden_size={dim}, so its heads must "
+                           f"split it ({heads} of {dim // heads})")
     kv_heads = v["num_key_value_heads"] or heads
     if heads % kv_heads:
         raise ConfigError(f"{where} num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}: "
@@ -673,7 +691,8 @@ def config_from_hf(hf: dict, base: LlamaConfig, where: str = "config.json") -> L
         vocab_size=v["vocab_size"], context_length=context_length,
         rope_theta=float(rope["rope_theta"] or v["rope_theta"]), rope_scaling=scaling,
         norm_eps=float(v["rms_norm_eps"]), tie_embeddings=v["tie_word_embeddings"],
-        qk_norm=model_type in ("qwen3", "qwen3_moe"), **knobs)
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+        qk_norm_scope="all" if model_type == "olmoe" else "head", **knobs)
     try:
         cfg.check("model")
     except ConfigError as e:

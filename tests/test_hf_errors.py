@@ -208,6 +208,8 @@ TINY = {  # model_type -> (its family's model yaml, a tiny model's config)
                                  "moe": {"num_experts": 4, "top_k": 2, "shared_expert_hidden": 16}}),
     "qwen3_moe": ("llama_tiny", {**TINY_LLAMA, "qk_norm": True, "head_size": 16,
                                  "moe": {"num_experts": 4, "top_k": 2}}),
+    "olmoe": ("llama_tiny", {**TINY_LLAMA, "qk_norm": True, "qk_norm_scope": "all",
+                             "moe": {"num_experts": 4, "top_k": 2}}),
 }
 # save_hf writes a Mistral without a window as the llama it is; its directory here is that llama's,
 # relabelled as transformers' MistralConfig saves one.

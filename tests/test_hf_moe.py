@@ -56,6 +56,9 @@ FAMILIES = {
                               MoEConfig(num_experts=E, top_k=K, every=2, shared_expert_hidden=SHARED)),
     "qwen3_moe": ("qwen3_moe", dict(num_experts=E, intermediate_size=96, moe_intermediate_size=WIDTH, head_dim=12,
                                     norm_topk_prob=True), MoEConfig(num_experts=E, top_k=K, renormalize=True)),
+    # q and k RMSNorms over all heads together (model.qk_norm_scope: all)
+    "olmoe": ("olmoe", dict(num_experts=E, intermediate_size=WIDTH, norm_topk_prob=False),
+              MoEConfig(num_experts=E, top_k=K, renormalize=False)),
 }
 # transformers' loss: router_aux_loss_coef × its load-balancing loss, k times ours pooled over the layers, no z-loss
 AS_TRANSFORMERS = dict(load_balance_coef=0.02 * K, z_loss_coef=0.0, balance_pooling="global", capacity_factor=None)
@@ -130,8 +133,9 @@ def test_transformers_moe_loads_with_equal_logits(tmp_path, case):
     assert cfg.moe == dataclasses.replace(moe, **AS_TRANSFORMERS)
     assert (cfg.mlp_width, cfg.num_blocks, cfg.head_dim) == (WIDTH, config.get("num_hidden_layers", 2),
                                                              config.get("head_dim", 8))
-    assert (cfg.qk_norm, cfg.qkv_bias) == (model_type == "qwen3_moe", model_type == "qwen2_moe" and case != (
+    assert (cfg.qk_norm, cfg.qkv_bias) == (model_type in ("qwen3_moe", "olmoe"), model_type == "qwen2_moe" and case != (
         "qwen2_moe_sparse_step"))
+    assert cfg.qk_norm_scope == ("all" if model_type == "olmoe" else "head")
     toks = tokens()
     routers, _ = router_logits(theirs, toks)
     assert len(routers) == len(cfg.moe.layers(cfg.num_blocks))  # transformers' MoE layers are ours
@@ -179,6 +183,7 @@ EXPORTS = {
     "qwen2_moe": (dict(num_blocks=4, qkv_bias=True, moe={"every": 2, "renormalize": False,
                                                          "shared_expert_hidden": SHARED}), "qwen2_moe"),
     "qwen3_moe": (dict(qk_norm=True, head_size=12, moe={"renormalize": False}), "qwen3_moe"),
+    "olmoe": (dict(qk_norm=True, qk_norm_scope="all"), "olmoe"),
 }
 
 
@@ -188,7 +193,7 @@ def test_our_moe_loads_in_transformers_with_equal_logits(tmp_path, case):
     import transformers
 
     knobs, model_type = EXPORTS[case]
-    ours = our_moe_model(**knobs)
+    ours = our_moe_model(**dict(knobs))
     assert hf.save_hf(str(tmp_path), ours) == [hf.WEIGHTS_FILE, hf.CONFIG_FILE]
     config = json.loads((tmp_path / hf.CONFIG_FILE).read_text())
     assert (config["model_type"], config["router_aux_loss_coef"]) == (model_type, 0.02)
@@ -267,6 +272,11 @@ def test_config_json_maps_to_model_moe():
     assert (cfg.moe.num_experts, cfg.moe.renormalize, cfg.moe.shared_expert_hidden, cfg.qk_norm) == (8, False, 0, True)
 
 
+def olmoe_config(**edits) -> dict:
+    hf_cfg = {k: v for k, v in mixtral_config().items() if k not in ("num_local_experts", "router_jitter_noise")}
+    return {**hf_cfg, "model_type": "olmoe", "num_experts": E, **edits}
+
+
 @pytest.mark.parametrize("hf_cfg,needle", [
     (lambda: mixtral_config(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
     (lambda: mixtral_config(num_local_experts=None), "num_local_experts is null"),
@@ -282,8 +292,11 @@ def test_config_json_maps_to_model_moe():
     (lambda: qwen_config("qwen3_moe", attention_bias=True), "attention_bias=true"),
     (lambda: qwen_config("qwen3_moe", moe_intermediate_size=None), "moe_intermediate_size is null"),
     (lambda: qwen_config("qwen3_moe", num_experts=None), "num_experts is missing"),  # and no num_local_experts
+    (lambda: olmoe_config(clip_qkv=8.0), "clip_qkv=8.0"),
+    (lambda: olmoe_config(head_dim=12), "head_dim=12: olmoe's q norm spans hidden_size=32"),
 ], ids=["jitter", "no_experts", "top_k", "negative_coef", "window", "mlp_only_layers", "sparse_step", "widths",
-        "no_shared_width", "sliding_layers", "qwen3_bias", "no_expert_width", "no_expert_count"])
+        "no_shared_width", "sliding_layers", "qwen3_bias", "no_expert_width", "no_expert_count", "clip_qkv",
+        "olmoe_head_dim"])
 def test_what_our_moe_blocks_cannot_express_is_one_line(hf_cfg, needle):
     with pytest.raises(ConfigError) as e:
         llama.config_from_hf(hf_cfg(), BASE, "dir/config.json")
@@ -296,9 +309,13 @@ def test_what_our_moe_blocks_cannot_express_is_one_line(hf_cfg, needle):
     (dict(moe={"renormalize": False}), "model.moe.renormalize=false"),
     (dict(qkv_bias=True), "model.qkv_bias=true with MoE"),
     (dict(qk_norm=True, moe={"shared_expert_hidden": 8}), "model.moe.shared_expert_hidden=8 with model.qk_norm=true"),
-], ids=["every", "renormalize", "qkv_bias", "qk_norm_and_shared"])
+    (dict(qk_norm=True, qk_norm_scope="all", moe={"every": 2}), "model.moe.every=2 with model.qk_norm_scope=all"),
+    (dict(qk_norm=True, qk_norm_scope="all", head_size=16), "model.head_size=16 with model.qk_norm_scope=all"),
+    (dict(qk_norm=True, qk_norm_scope="all", moe={"num_experts": 0}), "model.qk_norm_scope=all without MoE"),
+], ids=["every", "renormalize", "qkv_bias", "qk_norm_and_shared", "olmoe_every", "olmoe_head_size", "dense_all"])
 def test_a_model_no_moe_type_holds_is_refused_before_writing(tmp_path, knobs, needle):
-    moe = MoEConfig(num_experts=E, top_k=K, **knobs.pop("moe", {}))
+    knobs = dict(knobs)
+    moe = MoEConfig(**{"num_experts": E, "top_k": K, **knobs.pop("moe", {})})
     cfg = models.config_from_dict({"name": "llama", "dim": 32, "num_heads": 4, "num_blocks": 2, "context_length": 16,
                                    "vocab_size": VOCAB, **knobs, "moe": dataclasses.asdict(moe)})
     with pytest.raises(ConfigError) as e:
