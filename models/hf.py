@@ -14,6 +14,8 @@ module's `HF_MODEL_TYPES`; the family converts config and tensors both ways:
                                        key that is missing, mistyped or that it cannot represent
     hf_tensors(model) -> {name: array} Hugging Face key names and layouts
     from_hf_tensors(cfg, tensors)      -> Model; CheckpointError naming a missing/misshapen tensor
+    HF_MOE (optional, default False)   whether hf_config writes MoE blocks (the llama family: mixtral,
+                                       qwen2_moe, qwen3_moe, olmoe; models/hf_moe.py); else they are refused
 
 This module owns only the files: JSON, safetensors (one file or a sharded index), the tokenizer
 files, atomic writes. Torch is never imported: safetensors' numpy reader and writer suffice.
