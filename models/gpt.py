@@ -75,6 +75,10 @@ class GPTConfig:
                 "pick a head count that divides dim"
             )
         self.moe.check_blocks(self.num_blocks, prefix)
+        if self.moe.on and self.moe.shared_expert_hidden:
+            raise ConfigError(f"{prefix}.moe.shared_expert_hidden={self.moe.shared_expert_hidden}: the shared expert "
+                              "is a SwiGLU MLP (Qwen2-MoE's), which the gpt family lacks: set it to 0, or use "
+                              "model=llama_tiny (or another llama yaml)")
         check_run_knobs(self, prefix)
         attention.check_config(self, prefix)
         mup_lib.check(self, prefix)

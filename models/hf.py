@@ -14,6 +14,8 @@ module's `HF_MODEL_TYPES`; the family converts config and tensors both ways:
                                        key that is missing, mistyped or that it cannot represent
     hf_tensors(model) -> {name: array} Hugging Face key names and layouts
     from_hf_tensors(cfg, tensors)      -> Model; CheckpointError naming a missing/misshapen tensor
+    HF_MOE (optional, default False)   whether hf_config writes MoE blocks (the llama family: mixtral,
+                                       qwen2_moe, qwen3_moe, olmoe; models/hf_moe.py); else they are refused
 
 This module owns only the files: JSON, safetensors (one file or a sharded index), the tokenizer
 files, atomic writes. Torch is never imported: safetensors' numpy reader and writer suffice.
@@ -40,6 +42,7 @@ import numpy as np
 import models
 from models import hf_generation, hf_shards, hf_tokenizer
 from models.hf_keys import json_text
+from models.hf_moe import MOE_MODEL_TYPES
 from models.hf_tokenizer import hf_tokenizer_object
 from utils import files
 from utils.errors import CheckpointError, ConfigError
@@ -103,7 +106,8 @@ def config_from_dir(path: str, base) -> tuple[Any, dict]:
     """(the family's Config from PATH/config.json, execution knobs from `base`; the raw config.json)."""
     hf = read_hf_config(path)
     try:
-        refuse_moe(base, "a Hugging Face directory cannot be loaded into MoE blocks")
+        if hf.get("model_type") not in MOE_MODEL_TYPES:  # an MoE directory sets model.moe itself
+            refuse_moe(base, "a Hugging Face directory of dense blocks cannot be loaded into MoE blocks")
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     cfg = family_of(path, hf).config_from_hf(hf, base, os.path.join(path, CONFIG_FILE))  # its errors name the file
@@ -111,11 +115,13 @@ def config_from_dir(path: str, base) -> tuple[Any, dict]:
 
 
 def refuse_moe(cfg, what: str) -> None:
-    """Mixture-of-Experts blocks have no form in the model types eqtrain reads and writes (their MLPs are dense)."""
+    """Mixture-of-Experts blocks where the Hugging Face side has dense MLPs (a dense directory, a
+    family with no MoE model type, a PEFT adapter): one line."""
     moe = getattr(cfg, "moe", None)
     if moe is not None and moe.on:
         raise ConfigError(f"model.moe.num_experts={moe.num_experts}: {what} (gpt2, llama, mistral, qwen2 and "
-                          "qwen3 have dense MLPs): set model.moe.num_experts=0, or use eqtrain's own export format")
+                          f"qwen3 have dense MLPs; {', '.join(MOE_MODEL_TYPES)} are a llama's MoE forms): set "
+                          "model.moe.num_experts=0, or use eqtrain's own export format")
 
 
 def has_tokenizer(path: str) -> bool:
@@ -153,7 +159,8 @@ def resolve_init_from(cfg, prefix: str = "model") -> tuple[Any, tuple[str, ...],
         raise ConfigError(f"{knob} holds a {name} model (model_type {hf.get('model_type')!r}) but model= picks "
                           f"a {cfg.name} config: use model={' or model='.join(right)}")
     try:
-        refuse_moe(cfg, "a run cannot start its MoE blocks from a Hugging Face directory")
+        if hf.get("model_type") not in MOE_MODEL_TYPES:  # an MoE directory sets model.moe itself
+            refuse_moe(cfg, "a run cannot start its MoE blocks from a Hugging Face directory of dense blocks")
         new = fam.config_from_hf(hf, dataclasses.replace(cfg, init_from=path), os.path.join(path, CONFIG_FILE))
         new.check(prefix)
         hf_generation.read_base(path, hf)  # bos/eos/pad and generation_config.json, carried to the export
@@ -381,7 +388,8 @@ def hf_dir_config(model: eqx.Module, tokenizer=None, generation: dict | None = N
     """config.json: the family's model fields plus what transformers reads to load it offline (the
     weights' `dtype`, which `from_pretrained`'s default dtype="auto" loads them in), and the special
     ids of `generation` (models/hf_generation.py; None: the tokenizer's, if any)."""
-    refuse_moe(model.cfg, "MoE blocks cannot be exported as a Hugging Face directory")
+    if not getattr(models.family(model), "HF_MOE", False):  # the llama family writes its MoE types (models/hf_moe.py)
+        refuse_moe(model.cfg, "this family's MoE blocks cannot be exported as a Hugging Face directory")
     hf = {**models.family(model).hf_config(model.cfg), "torch_dtype": dtype, "dtype": dtype}
     if generation is None and tokenizer is not None:
         generation = hf_generation.from_tokenizer(tokenizer)

@@ -36,6 +36,8 @@ KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "a boolean": (lambda v: isinstance(v, bool), "true"),
     "a string": (lambda v: isinstance(v, str), '"silu"'),
     "an object": (lambda v: isinstance(v, dict), '{"rope_type": "default"}'),
+    "a number >= 0": (lambda v: _is_number(v) and v >= 0, "0.001"),
+    "a list": (lambda v: isinstance(v, list), "[]"),
 }
 
 

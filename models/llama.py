@@ -1,7 +1,8 @@
 """Llama-style decoder in Equinox: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention.
 
 Covers Llama 2/3 (no biases; Llama 3.1+'s long-context `rope_scaling`), Mistral without a sliding
-window, Qwen2 (`qkv_bias`) and QK-norm models (`qk_norm`, as Qwen3/OLMo2; Qwen3's `head_size`).
+window, Qwen2 (`qkv_bias`) and QK-norm models (`qk_norm`: per head as Qwen3, with its `head_size`;
+over all heads together as OLMoE, `qk_norm_scope: all`).
 The module names and weight layouts follow Hugging Face's (`q_proj`, `gate_proj`, rotary in the
 rotate-half layout), so its checkpoints map 1:1 with a transpose and no permutation
 (`hf_tensors` / `from_hf_tensors`). Blocks are stacked and run exactly as GPT's
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import attention, hf_keys
+from models import attention, hf_keys, hf_moe
 from models import mup as mup_lib
 from models.layers import (
     Linear,
@@ -39,6 +40,7 @@ from models.moe import flops_per_token as moe_flops
 from utils.errors import CheckpointError, ConfigError
 
 ROPE_TYPES = ("linear", "llama3")  # model.rope_scaling.type: transformers' rope_type of the same name
+QK_NORM_SCOPES = ("head", "all")  # model.qk_norm_scope
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class LlamaConfig:
     tie_embeddings: bool = True
     qkv_bias: bool = False  # biases on q, k, v (Qwen2)
     qk_norm: bool = False  # RMSNorm on each head's q and k before rotary (Qwen3, OLMo2)
+    qk_norm_scope: str = "head"  # head: each head's q, k normalised alone (Qwen3); all: all heads' together (OLMoE)
     scan_blocks: bool = True
     remat: str = "dots"  # dots | full | none (see REMAT_POLICIES)
     scan_unroll: int = 1
@@ -128,6 +131,9 @@ class LlamaConfig:
         for knob in ("rope_theta", "norm_eps"):
             if not getattr(self, knob) > 0:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be positive")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ConfigError(f"{prefix}.qk_norm_scope={self.qk_norm_scope!r} must be one of "
+                              f"{', '.join(QK_NORM_SCOPES)} (head: Qwen3's per-head norm; all: OLMoE's over all heads)")
         if self.rope_scaling is not None:
             self.rope_scaling.check(f"{prefix}.rope_scaling")
         check_run_knobs(self, prefix)
@@ -233,6 +239,7 @@ class Block(eqx.Module):
     def init(key: jax.Array, cfg: LlamaConfig) -> "Block":
         k_q, k_k, k_v, k_o, k_gate, k_up, k_down = jax.random.split(key, 7)
         d, f, K = cfg.dim, cfg.mlp_width, cfg.head_dim
+        per_head = cfg.qk_norm_scope == "head"  # else one norm over all heads' q (and one over all k), OLMoE's
         # As GPT-2: the residual output projections (o_proj, down_proj) get 0.02/sqrt(2·num_blocks),
         # so the residual stream's variance does not grow with depth; everything else N(0, 0.02).
         # model.mup: every std x 1/sqrt(width/base) (models/mup.py).
@@ -243,8 +250,8 @@ class Block(eqx.Module):
             q_proj=linear(k_q, d, cfg.num_heads * K, std, cfg.qkv_bias),
             k_proj=linear(k_k, d, cfg.kv_heads * K, std, cfg.qkv_bias),
             v_proj=linear(k_v, d, cfg.kv_heads * K, std, cfg.qkv_bias),
-            q_norm=_norm(K, cfg.norm_eps) if cfg.qk_norm else None,
-            k_norm=_norm(K, cfg.norm_eps) if cfg.qk_norm else None,
+            q_norm=_norm(K if per_head else cfg.num_heads * K, cfg.norm_eps) if cfg.qk_norm else None,
+            k_norm=_norm(K if per_head else cfg.kv_heads * K, cfg.norm_eps) if cfg.qk_norm else None,
             o_proj=linear(k_o, cfg.num_heads * K, d, resid_std, False),
             mlp_norm=_norm(d, cfg.norm_eps),
             gate_proj=linear(k_gate, d, f, std, False),
@@ -263,10 +270,14 @@ class Block(eqx.Module):
         k_q, k_k, k_v, k_o, k_gate, k_up, k_down = branch_keys(key, cfg.lora, 7)  # LoRA's dropout; Nones without it
 
         h_BxTxD = self.attn_norm(x_BxTxD).astype(compute_dtype)
-        q_BxHxTxK = _split_heads(_project(self.q_proj, h_BxTxD, k_q), cfg.num_heads)
-        k_BxGxTxK = _split_heads(_project(self.k_proj, h_BxTxD, k_k), cfg.kv_heads)
+        q_BxTxHK, k_BxTxGK = _project(self.q_proj, h_BxTxD, k_q), _project(self.k_proj, h_BxTxD, k_k)
+        all_heads = self.q_norm is not None and cfg.qk_norm_scope == "all"
+        if all_heads:  # OLMoE: one RMSNorm over every head's q (and one over k), before the split
+            q_BxTxHK, k_BxTxGK = self.q_norm(q_BxTxHK), self.k_norm(k_BxTxGK)
+        q_BxHxTxK = _split_heads(q_BxTxHK, cfg.num_heads)
+        k_BxGxTxK = _split_heads(k_BxTxGK, cfg.kv_heads)
         v_BxGxTxK = _split_heads(_project(self.v_proj, h_BxTxD, k_v), cfg.kv_heads)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not all_heads:
             q_BxHxTxK, k_BxGxTxK = self.q_norm(q_BxHxTxK), self.k_norm(k_BxGxTxK)
         q_BxHxTxK, k_BxGxTxK = apply_rotary(q_BxHxTxK, *cos_sin), apply_rotary(k_BxGxTxK, *cos_sin)
         group = cfg.num_heads // cfg.kv_heads
@@ -296,6 +307,17 @@ class Block(eqx.Module):
         return _project(self.down_proj, h_BxTxF, k_down), None
 
 
+class SwiGLU(eqx.Module):
+    """Llama's MLP on its own: the shared expert of an MoE block (models/moe.py `MoE.shared`)."""
+
+    gate_proj: Linear
+    up_proj: Linear
+    down_proj: Linear
+
+    def __call__(self, x_NxD: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x_NxD)) * self.up_proj(x_NxD))
+
+
 class SwiGLUExperts(eqx.Module):
     """Llama's MLP as a stack of experts (models/moe.py `Groups`): every weight (E, in, out)."""
 
@@ -323,9 +345,16 @@ class MoEBlock(Block):
         resid_std = std / math.sqrt(2 * cfg.num_blocks)  # as Block.init's down_proj
         stack = lambda k, i, o, std: eqx.filter_vmap(lambda k: linear(k, i, o, std, False))(jax.random.split(k, E))
         experts = SwiGLUExperts(stack(k_gate, d, f, std), stack(k_up, d, f, std), stack(k_down, f, d, resid_std))
+        shared, shared_gate, fs = None, None, cfg.moe.shared_expert_hidden
+        if fs:  # Qwen2-MoE's shared expert and its gate, from keys of their own (the routed ones' draws unchanged)
+            k_sg, k_su, k_sd, k_sgate = jax.random.split(jax.random.fold_in(key, 2), 4)
+            shared = SwiGLU(linear(k_sg, d, fs, std, False), linear(k_su, d, fs, std, False),
+                            linear(k_sd, fs, d, resid_std, False))
+            shared_gate = linear(k_sgate, d, 1, 0.02, False)  # a gate like the router: not width-scaled
         fields = {field.name: getattr(dense, field.name) for field in dataclasses.fields(Block)}
         return MoEBlock(**{**fields, "gate_proj": None, "up_proj": None, "down_proj": None},
-                        moe=MoE(router=linear(k_router, d, E, 0.02, False), experts=experts))
+                        moe=MoE(router=linear(k_router, d, E, 0.02, False), experts=experts, shared=shared,
+                                shared_gate=shared_gate))
 
     def mlp(self, h_BxTxD: jax.Array, cfg: LlamaConfig, keys: tuple, router_mask_BxT=None) -> tuple[jax.Array, dict]:
         return self.moe(h_BxTxD, cfg.moe, router_mask_BxT)
@@ -399,8 +428,8 @@ def param_labels(model: Llama) -> Llama:
 
     def label(path, leaf) -> str:
         names = [getattr(p, "name", "") for p in path]
-        if names[0] == "blocks":
-            return "hidden" if names[-1] == "weight_IxO" else "scalar"
+        if names[0] == "blocks":  # the shared expert's D x 1 gate is a vector: scalar, not a matrix
+            return "hidden" if names[-1] == "weight_IxO" and "shared_gate" not in names else "scalar"
         return {"embed_VxD": "embed", "head_DxV": "head"}.get(names[0], "scalar")
 
     return jax.tree_util.tree_map_with_path(label, model)
@@ -419,6 +448,7 @@ PARAM_AXES = {
     ("up_proj", "weight_IxO"): ("layers", "embed", "mlp"),
     ("down_proj", "weight_IxO"): ("layers", "mlp", "embed"),
     ("router", "weight_IxO"): ("layers", "embed", "router"),  # MoE: the router is not split over experts
+    ("shared_gate", "weight_IxO"): ("layers", "embed", "router"),  # the shared expert's D x 1 gate, replicated
 }
 
 
@@ -437,14 +467,17 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     attn = 2 * d * cfg.num_heads * K + 2 * d * cfg.kv_heads * K
     n_matmul = L * (attn + 3 * d * f) + d * cfg.vocab_size
     if cfg.moe.on:  # an MoE block's MLP: top_k SwiGLU experts per token and the router, instead of one MLP
-        n_matmul += len(cfg.moe.layers(L)) * (moe_flops(cfg.moe, d, 3 * d * f) - 3 * d * f)
+        shared = 3 * d * cfg.moe.shared_expert_hidden + d if cfg.moe.shared_expert_hidden else 0  # + its gate
+        n_matmul += len(cfg.moe.layers(L)) * (moe_flops(cfg.moe, d, 3 * d * f) + shared - 3 * d * f)
     return 6.0 * n_matmul + 12.0 * L * d * seq_len
 
 
 # ---------------------------------------------------------------------------- Hugging Face
 
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+HF_MOE = True  # with model.moe on, written as mixtral, qwen2_moe or qwen3_moe (models/hf.py)
+# the dense types, then the MoE ones (models/hf_moe.py)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *hf_moe.MOE_MODEL_TYPES)
 # Our path -> (Hugging Face name, transposed): torch's Linear stores (out, in), ours (in, out).
 # Block entries are under `model.layers.{i}.`; QK-norm's names are Qwen3's.
 _HF_TOP = {
@@ -463,18 +496,26 @@ _HF_BLOCK = {
 }
 
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  **hf_moe.ARCHITECTURES}
 
 
 def hf_config(cfg: LlamaConfig) -> dict:
     """transformers' config.json fields for this model: `qwen3` with QK-norm, `qwen2` with qkv
-    biases, else `llama` (a Mistral without a window is a llama: it is written as one)."""
+    biases, else `llama` (a Mistral without a window is a llama: it is written as one); with MoE on,
+    `mixtral`, `qwen2_moe` or `qwen3_moe` (models/hf_moe.py picks, or refuses in one line)."""
     if cfg.qk_norm and cfg.qkv_bias:
         raise ConfigError("model.qk_norm=true with model.qkv_bias=true has no Hugging Face form (qwen3, the QK-norm "
                           "model type, biases o_proj as well when it biases q, k and v): export with the default "
                           "safetensors format, or train with one of the two false")
     mup_lib.refuse_hf_export(cfg)
     model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    if cfg.moe.on:
+        model_type = hf_moe.model_type(cfg)
+    elif cfg.qk_norm and cfg.qk_norm_scope == "all":
+        raise ConfigError("model.qk_norm_scope=all without MoE has no Hugging Face form here (olmoe, the type with "
+                          "that norm, is MoE; olmo2 also moves its block norms): export with the default safetensors "
+                          "format, or train with model.qk_norm_scope=head")
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, **_hf_rope_scaling(cfg)}
     out = {
         "model_type": model_type,
@@ -502,6 +543,8 @@ def hf_config(cfg: LlamaConfig) -> dict:
         out.update(attention_bias=False)
     if model_type == "llama":
         out.update(mlp_bias=False)
+    if cfg.moe.on:
+        out.update(hf_moe.hf_config(cfg, model_type))
     return out
 
 
@@ -596,12 +639,16 @@ def config_from_hf(hf: dict, base: LlamaConfig, where: str = "config.json") -> L
     """A Config of the model a transformers config.json describes: its shape knobs from `hf`, the
     execution knobs (scan_blocks, remat, dropout, attn_block_size, scan_unroll, ...) from `base`.
     `context_length` is max_position_embeddings (rotary has no position table: a limit, not a shape).
-    model_type llama, mistral (no window: a llama), qwen2 (qkv biases) and qwen3 (QK-norm).
-    Every fault is one ConfigError naming `where` (the file) and the key."""
+    model_type llama, mistral (no window: a llama), qwen2 (qkv biases) and qwen3 (QK-norm); the
+    MoE types mixtral, qwen2_moe (qkv biases as its qkv_bias says) and qwen3_moe (QK-norm) set
+    model.moe from config.json (models/hf_moe.py). Every fault is one ConfigError naming `where`
+    (the file) and the key."""
     model_type = hf.get("model_type")
     if model_type not in HF_MODEL_TYPES:
         raise ConfigError(f"{where} model_type={hf_keys.json_text(model_type)} is not a llama-family model "
                           f"({', '.join(HF_MODEL_TYPES)}): use a checkpoint of one of those")
+    if model_type == "qwen2_moe" and not hf.get("use_sliding_window") and hf.get("sliding_window") == 0:
+        hf = {k: x for k, x in hf.items() if k != "sliding_window"}  # Qwen2MoeConfig writes 0 for "no window"
     v = hf_keys.read(hf, HF_KEYS, where)
     # transformers 5 reads rope_scaling first when it is set (configuration_utils: convert_rope_params_to_dict)
     rope_key = "rope_scaling" if v["rope_scaling"] else "rope_parameters"
@@ -610,17 +657,20 @@ def config_from_hf(hf: dict, base: LlamaConfig, where: str = "config.json") -> L
     if v["hidden_act"] != "silu":
         raise _unsupported(where, "hidden_act", v["hidden_act"], "SwiGLU here uses silu")
     scaling = _rope_from_hf(rope, rope_key, context_length, where)
-    if model_type in ("llama", "qwen3") and v["attention_bias"]:
+    if model_type in ("llama", "qwen3", "qwen3_moe", "olmoe") and v["attention_bias"]:
         raise _unsupported(where, "attention_bias", True, f"{model_type}'s attention_bias also puts a bias on o_proj")
     if v["mlp_bias"]:
         raise _unsupported(where, "mlp_bias", True, "the SwiGLU matrices have no biases")
     if v["use_sliding_window"]:
         raise _unsupported(where, "use_sliding_window", True, "attention here is always full")
     window = v["sliding_window"]
-    if model_type == "mistral" and window is not None and window < context_length:
+    if model_type in ("mistral", "mixtral") and window is not None and window < context_length:
         raise _unsupported(where, "sliding_window", window, f"attention here is always full, and a window shorter "
                            f"than the context ({context_length}) hides earlier tokens; a Mistral with sliding_window "
-                           "null (7B v0.2 and later) loads")
+                           f"null (7B v0.2 and later, Mixtral 8x7B) loads")
+    layer_types = hf.get("layer_types") if model_type == "qwen2_moe" else None
+    if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types):
+        raise _unsupported(where, "layer_types", layer_types, "attention here is always full")
     heads, dim = v["num_attention_heads"], v["hidden_size"]
     head_dim = v["head_dim"] or (QWEN3_HEAD_DIM if model_type == "qwen3" else None)
     if head_dim is None:
@@ -634,17 +684,25 @@ def config_from_hf(hf: dict, base: LlamaConfig, where: str = "config.json") -> L
     if head_dim % 2:
         raise _unsupported(where, "head_dim", head_dim, "it is odd, and rotary positions rotate pairs of a head's "
                            "dimensions")
+    if model_type == "olmoe" and head_dim * heads != dim:
+        raise _unsupported(where, "head_dim", head_dim, f"olmoe's q norm spans hidden_size={dim}, so its heads must "
+                           f"split it ({heads} of {dim // heads})")
     kv_heads = v["num_key_value_heads"] or heads
     if heads % kv_heads:
         raise ConfigError(f"{where} num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}: "
                           "each key/value head serves a group of query heads; correct config.json")
+    # a dense type: MoE stays off (models/hf.py refuses it on); an MoE type: its experts, routing and loss weights
+    knobs = {"moe": base.moe, "mlp_hidden": v["intermediate_size"], "qkv_bias": model_type == "qwen2"}
+    if model_type in hf_moe.MOE_MODEL_TYPES:
+        knobs = hf_moe.from_hf(hf, where, v["num_hidden_layers"], v["intermediate_size"])
     cfg = dataclasses.replace(
         base, name="llama", dim=dim, num_heads=heads, num_blocks=v["num_hidden_layers"], num_kv_heads=kv_heads,
         head_size=None if head_dim * heads == dim else head_dim,
-        mlp_hidden=v["intermediate_size"], vocab_size=v["vocab_size"], context_length=context_length,
+        vocab_size=v["vocab_size"], context_length=context_length,
         rope_theta=float(rope["rope_theta"] or v["rope_theta"]), rope_scaling=scaling,
-        norm_eps=float(v["rms_norm_eps"]), tie_embeddings=v["tie_word_embeddings"], qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3")
+        norm_eps=float(v["rms_norm_eps"]), tie_embeddings=v["tie_word_embeddings"],
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+        qk_norm_scope="all" if model_type == "olmoe" else "head", **knobs)
     try:
         cfg.check("model")
     except ConfigError as e:
@@ -652,31 +710,56 @@ def config_from_hf(hf: dict, base: LlamaConfig, where: str = "config.json") -> L
     return cfg
 
 
-def _leaf_names(template) -> list[tuple[str, bool, bool]]:
-    """(Hugging Face name with `{}` for the block index, transposed, stacked) of each array leaf of
-    `template`, in leaf order."""
+def _hf_layout(template, naming: str | None = None) -> list[list[tuple[str, tuple, bool]]]:
+    """For each array leaf of `template` (a Llama or its shapes), in leaf order, the Hugging Face
+    tensors it holds: (name, the index into the leaf, transposed). A dense stacked leaf holds one
+    tensor per block; with MoE every expert's weight is its own tensor (index (block, expert)), and
+    grouped blocks (moe.every > 1, models/moe.py `Group`) index (group, block in group) for the
+    dense ones and (group,) for the MoE one. `naming`: the experts' names (models/hf_moe.py), mixtral
+    or qwen; None: the export's model type's."""
+    cfg = template.cfg
+    moe = cfg.moe if cfg.moe.on else None
+    every, L = (moe.every if moe else 1), cfg.num_blocks
+    if moe is not None and naming is None:
+        naming = "mixtral" if hf_moe.model_type(cfg) == "mixtral" else "qwen"
+    moe_names = hf_moe.tensor_names(naming) if moe is not None else {}
     out = []
     for path, _ in jax.tree_util.tree_flatten_with_path(template)[0]:
         names = tuple(getattr(p, "name", "") for p in path)
-        if names[1:] not in _HF_BLOCK and names not in _HF_TOP:  # e.g. LoRA factors: merged before an export
+        if names[0] != "blocks":
+            if names not in _HF_TOP:
+                raise ValueError(f"{'.'.join(names)} has no Hugging Face name: merge LoRA factors first (for_export)")
+            out.append([(*_HF_TOP[names][:1], (), _HF_TOP[names][1])])
+            continue
+        part, rest = (names[1], names[2:]) if every > 1 else (None, names[1:])
+        if rest in _HF_BLOCK:
+            hf_name, transposed = _HF_BLOCK[rest]
+        elif rest in moe_names:
+            hf_name, transposed = moe_names[rest], True
+        else:  # e.g. LoRA factors: merged before an export
             raise ValueError(f"{'.'.join(names)} has no Hugging Face name: merge LoRA factors first (for_export)")
-        if names[0] == "blocks":
-            hf_name, transposed = _HF_BLOCK[names[1:]]
-            out.append((f"model.layers.{{}}.{hf_name}", transposed, True))
+        if part is None:
+            layers = [((i,), i) for i in range(L)]
+        elif part == "dense":
+            layers = [((g, j), g * every + j) for g in range(L // every) for j in range(every - 1)]
         else:
-            out.append((*_HF_TOP[names], False))
+            layers = [((g,), g * every + every - 1) for g in range(L // every)]
+        experts = range(moe.num_experts) if rest[:2] == ("moe", "experts") else [None]
+        out.append([(f"model.layers.{layer}." + hf_name.replace("{e}", str(e)), idx + ((e,) if e is not None else ()),
+                     transposed) for idx, layer in layers for e in experts])
     return out
 
 
 def hf_tensors(model: Llama) -> dict[str, np.ndarray]:
     """Every weight under its Hugging Face name and layout (no `lm_head.weight` when tied, as
-    transformers' save_pretrained writes it), host numpy in the model's dtype."""
+    transformers' save_pretrained writes it; one tensor per expert, as it writes MoE models), host
+    numpy in the model's dtype."""
     out = {}
-    leaves = jax.tree.leaves(model)
-    for (name, transposed, stacked), leaf in zip(_leaf_names(model), leaves, strict=True):
+    for slots, leaf in zip(_hf_layout(model), jax.tree.leaves(model), strict=True):
         array = np.asarray(leaf)
-        for i, a in enumerate(array) if stacked else [(None, array)]:
-            out[name.format(i)] = np.array(a.T if transposed else a, order="C")  # a writable copy
+        for name, idx, transposed in slots:
+            a = array[idx]
+            out[name] = np.array(a.T if transposed else a, order="C")  # a writable copy
     return out
 
 
@@ -703,17 +786,17 @@ def from_hf_tensors(cfg: LlamaConfig, tensors: dict) -> Llama:
     """The model of `cfg` holding Hugging Face weights (`hf_tensors`' inverse), float32 (or the dtype
     of a `models.hf.Tensors` reader: `tensors.dtype`, each tensor read once). Extra
     tensors (a tied model's `lm_head.weight`, rotary buffers) are ignored; a missing or misshapen
-    one is a CheckpointError naming it."""
+    one is a CheckpointError naming it. MoE experts may carry Mixtral's or Qwen's names."""
     template = eqx.filter_eval_shape(lambda: Llama(cfg, jax.random.PRNGKey(0)))  # no device transfer: models/hf.py
     shapes = jax.tree.leaves(template)
     dtype = getattr(tensors, "dtype", np.float32)
+    naming = hf_moe.naming_of(tensors, cfg) if cfg.moe.on else None
     leaves = []
-    for (name, transposed, stacked), shape in zip(_leaf_names(template), shapes, strict=True):
-        per_block = shape.shape[1:] if stacked else shape.shape
-        want = per_block[::-1] if transposed else per_block
-        parts = []
-        for i in range(cfg.num_blocks) if stacked else [None]:
-            key = name.format(i)
+    for slots, shape in zip(_hf_layout(template, naming), shapes, strict=True):
+        leaf = np.empty(shape.shape, dtype)  # numpy: models/hf.py reads under a callback
+        for key, idx, transposed in slots:
+            part = shape.shape[len(idx):]
+            want = part[::-1] if transposed else part
             if key not in tensors:
                 raise CheckpointError(f"tensor {key} is missing from the Hugging Face weights: the checkpoint does "
                                       "not match its config.json (or model.qkv_bias/tie_embeddings); re-export it")
@@ -721,8 +804,8 @@ def from_hf_tensors(cfg: LlamaConfig, tensors: dict) -> Llama:
             if a.shape != tuple(want):
                 raise CheckpointError(f"tensor {key} has shape {a.shape}, the config.json's model needs "
                                       f"{tuple(want)}: the weights and config.json disagree; re-export them together")
-            parts.append(a.T if transposed else a)
-        leaves.append(np.stack(parts) if stacked else parts[0])  # numpy: models/hf.py reads under a callback
+            leaf[idx] = a.T if transposed else a
+        leaves.append(leaf)
     return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
 

@@ -6,7 +6,9 @@ Routing (per micro-batch; the N = B·T tokens flattened row-major: batch row, th
 router logits in float32 (Switch's selective precision), softmax over the E experts, the top-k
 experts per token; their weights are the top-k probabilities renormalised to sum to 1
 (`renormalize`, Mixtral) or left as they are (Switch). A token's MoE output is the weighted sum
-of its experts' MLP outputs.
+of its experts' MLP outputs. A shared expert (`shared_expert_hidden` > 0, Qwen2-MoE's) is one more
+MLP that every token passes through, scaled by a sigmoid gate sigmoid(x·w_gate) (w_gate: D x 1) and
+added to the routed experts' sum; it is not routed, so it enters no router statistic.
 
 Dispatch:
   dropless (`capacity_factor: null`)  every token-slot is computed: the slots sorted by expert and
@@ -67,6 +69,8 @@ class MoEConfig:
     z_loss_coef: float = 0.001  # times the router z-loss mean(logsumexp(logits)^2), added to the training loss
     # layer: the mean over MoE layers of E*sum_e f_e*P_e; global: f and P pooled over the layers first (transformers)
     balance_pooling: str = "layer"
+    # the width of a shared SwiGLU expert every token passes, times sigmoid(x·w) (Qwen2-MoE; llama only); 0 = none
+    shared_expert_hidden: int = 0
 
     def check(self, prefix: str) -> None:
         if self.num_experts < 0:
@@ -76,6 +80,9 @@ class MoEConfig:
         for knob in ("load_balance_coef", "z_loss_coef"):
             if getattr(self, knob) < 0:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be >= 0 (0 = not added)")
+        if self.shared_expert_hidden < 0:
+            raise ConfigError(f"{prefix}.shared_expert_hidden={self.shared_expert_hidden} must be >= 0 (0 = no "
+                              "shared expert)")
         if self.balance_pooling not in BALANCE_POOLINGS:
             raise ConfigError(f"{prefix}.balance_pooling={self.balance_pooling!r} must be one of "
                               f"{', '.join(BALANCE_POOLINGS)}")
@@ -139,10 +146,13 @@ class Groups:
 
 class MoE(eqx.Module):
     """A router and a stack of experts. `experts` is the family's MLP with every weight carrying a
-    leading expert axis, called as `experts(x, groups)` (see `Groups`)."""
+    leading expert axis, called as `experts(x, groups)` (see `Groups`). `shared` (or None): the
+    family's plain MLP every token passes, `shared(x_NxD)`, scaled by sigmoid(x·shared_gate)."""
 
     router: Linear  # D x E, no bias
     experts: Any
+    shared: Any = None  # the shared expert (MoEConfig.shared_expert_hidden > 0); None = none
+    shared_gate: Linear | None = None  # D x 1, no bias: the shared expert's sigmoid gate
 
     def __call__(self, x_BxTxD: jax.Array, cfg: MoEConfig, router_mask_BxT: jax.Array | None = None
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -154,6 +164,9 @@ class MoE(eqx.Module):
         mask_N = None if router_mask_BxT is None else router_mask_BxT.reshape(B * T)
         route = routing(logits_NxE, cfg.top_k, cfg.capacity(B * T), cfg.renormalize, mask_N)
         y_NxD = dispatch(self.experts, x_NxD, route, cfg.num_experts)
+        if self.shared is not None:
+            gate_Nx1 = jax.nn.sigmoid(self.shared_gate(x_NxD))
+            y_NxD = y_NxD + (gate_Nx1 * self.shared(x_NxD)).astype(y_NxD.dtype)
         return y_NxD.reshape(B, T, D), route.stats
 
 

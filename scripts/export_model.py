@@ -12,9 +12,11 @@ model config plus `step`, the run's `tokenizer` section and its `objective`. `mo
 rebuilds the model from the two files.
 
 `--format hf` writes a Hugging Face transformers directory instead (models/hf.py): config.json
-(model_type gpt2, llama, qwen2, qwen3), the weights (in --dtype, below) with Hugging Face's tensor names and
-layouts, and the tokenizer's files for a BPE or Hugging Face tokenizer (the byte tokenizer has none);
-`AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads it offline. masked-diffusion (mdlm) models are refused.
+(model_type gpt2, llama, qwen2, qwen3; an MoE llama as mixtral, qwen2_moe, qwen3_moe or olmoe), the weights
+(in --dtype, below) with Hugging Face's tensor names and layouts, and the tokenizer's files for a
+BPE or Hugging Face tokenizer (the byte tokenizer has none);
+`AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads it offline. masked-diffusion (mdlm) models are
+refused.
 
 `--dtype float32|bfloat16|float16` casts every float tensor (round to nearest even); config.json's
 `dtype`/`torch_dtype` say it, so `from_pretrained` loads them as they are. Default: the dtype of the

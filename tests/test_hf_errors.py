@@ -15,7 +15,7 @@ import pytest
 from helpers import compose_config
 
 import models
-from models import hf, llama
+from models import hf, hf_moe, llama
 from trainer.inference import export_hf
 from utils.config import validate
 from utils.errors import CheckpointError, ConfigError
@@ -203,13 +203,29 @@ TINY = {  # model_type -> (its family's model yaml, a tiny model's config)
     "mistral": ("llama_tiny", TINY_LLAMA),
     "qwen2": ("llama_tiny", {**TINY_LLAMA, "qkv_bias": True}),
     "qwen3": ("llama_tiny", {**TINY_LLAMA, "qk_norm": True, "head_size": 16}),
+    "mixtral": ("llama_tiny", {**TINY_LLAMA, "moe": {"num_experts": 4, "top_k": 2}}),
+    "qwen2_moe": ("llama_tiny", {**TINY_LLAMA, "qkv_bias": True,
+                                 "moe": {"num_experts": 4, "top_k": 2, "shared_expert_hidden": 16}}),
+    "qwen3_moe": ("llama_tiny", {**TINY_LLAMA, "qk_norm": True, "head_size": 16,
+                                 "moe": {"num_experts": 4, "top_k": 2}}),
+    "olmoe": ("llama_tiny", {**TINY_LLAMA, "qk_norm": True, "qk_norm_scope": "all",
+                             "moe": {"num_experts": 4, "top_k": 2}}),
 }
 # save_hf writes a Mistral without a window as the llama it is; its directory here is that llama's,
 # relabelled as transformers' MistralConfig saves one.
 RELABEL = {"mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": None}}
 FAMILIES = sorted(hf.hf_families())
-REQUIRED = [(t, k) for t in FAMILIES for k, key in hf.hf_families()[t].HF_KEYS.items() if key.required]
-DECLARED = [(t, k) for t in FAMILIES for k in hf.hf_families()[t].HF_KEYS]
+
+
+def key_table(model_type: str) -> dict:
+    """The keys walked on `model_type`'s directory: an MoE type's own (models/hf_moe.py: they come on top
+    of the llama table, which the dense llama types walk), else its family's HF_KEYS. Each table is
+    walked on every type that has it, no table twice on one type."""
+    return hf_moe.HF_KEYS[model_type] if model_type in hf_moe.HF_KEYS else hf.hf_families()[model_type].HF_KEYS
+
+
+REQUIRED = [(t, k) for t in FAMILIES for k, key in key_table(t).items() if key.required]
+DECLARED = [(t, k) for t in FAMILIES for k in key_table(t)]
 # A JSON value of each kind's wrong type or range (a string where a number goes, a number where a string goes, ...)
 WRONG = {
     "a positive integer": ["4", 0, -2, 2.5, True, [4]],
@@ -217,6 +233,8 @@ WRONG = {
     "a boolean": ["true", 1],
     "a string": [5, ["silu"]],
     "an object": ["default", [1]],
+    "a number >= 0": ["0.01", -0.5, True],
+    "a list": ["[]", 3, {"0": 1}],
 }
 
 
@@ -291,7 +309,7 @@ def test_the_header_names_the_rotary_scaling_a_directory_brings(family_dir):
 def test_a_required_key_missing_or_null(family_dir, model_type, key, how):
     path = family_dir(model_type)
     e = load_edited(path, model_type, drop=(key,)) if how == "missing" else load_edited(path, model_type, **{key: None})
-    kind = hf.hf_families()[model_type].HF_KEYS[key].kind
+    kind = key_table(model_type)[key].kind
     message = one_line(e)
     assert message.startswith("model.init_from=pretrained: ")
     assert f"{path / hf.CONFIG_FILE} {key} is {how}: eqtrain needs it" in message and f"as {kind}" in message
@@ -301,7 +319,7 @@ def test_a_required_key_missing_or_null(family_dir, model_type, key, how):
 def test_a_value_of_the_wrong_kind(family_dir, model_type, key):
     """Every declared key, required or not, refused with one line for each wrong value of its kind."""
     path = family_dir(model_type)
-    kind = hf.hf_families()[model_type].HF_KEYS[key].kind
+    kind = key_table(model_type)[key].kind
     for value in WRONG[kind]:
         message = one_line(load_edited(path, model_type, **{key: value}))
         assert f"{path / hf.CONFIG_FILE} {key}={json.dumps(value)}: expected {kind}" in message, message

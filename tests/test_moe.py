@@ -377,7 +377,9 @@ def test_llama_one_expert_top1_is_the_dense_llama(every):
 
 def test_llama_moe_flops_axes_and_hugging_face_refusals(tmp_path):
     """FLOPs: each MoE block counts top_k SwiGLU experts (3·d·f each) and the router (d·E). Axes: the
-    experts get `expert` after the stacked axes, the router its own. Export and init_from refuse MoE."""
+    experts get `expert` after the stacked axes, the router its own. Export refuses a llama MoE that no
+    Hugging Face MoE type holds (tests/test_hf_moe.py: the ones that do) and any GPT MoE; init_from
+    refuses MoE blocks from a dense directory."""
     cfg = dataclasses.replace(LCFG, moe=MoEConfig(num_experts=8, top_k=2, every=2))
     d, f = 32, 96
     assert models.flops_per_token(cfg, 16) == models.flops_per_token(LCFG, 16) + 6 * 2 * (3 * d * f + d * 8)
@@ -388,8 +390,11 @@ def test_llama_moe_flops_axes_and_hugging_face_refusals(tmp_path):
     assert axes.blocks.dense.up_proj.weight_IxO == ("layers", "layers", "embed", "mlp")
     assert axes.blocks.moe.q_proj.weight_IxO == ("layers", "embed", "heads")
     assert models.param_axes(models.abstract(LCFG)).blocks.gate_proj.weight_IxO == ("layers", "embed", "mlp")
-    with pytest.raises(ConfigError, match=r"model.moe.num_experts=8: MoE blocks cannot be exported"):
+    with pytest.raises(ConfigError, match=r"model.moe.every=2: mixtral \(no QK-norm, no shared expert\) has no dense"):
         hf.hf_dir_config(models.abstract(cfg))
+    gpt_moe = dataclasses.replace(CFG, moe=MoEConfig(num_experts=4))
+    with pytest.raises(ConfigError, match=r"model.moe.num_experts=4: this family's MoE blocks cannot be exported"):
+        hf.hf_dir_config(models.abstract(gpt_moe))
     hf.save_hf(str(tmp_path / "pretrained"), llama.Llama(LCFG, jax.random.PRNGKey(0)))
     with pytest.raises(ConfigError, match=r"model.moe.num_experts=4: a run cannot start its MoE blocks") as e:
         validate(compose_config(*LLAMA, f"model.init_from={tmp_path / 'pretrained'}", "model.moe.num_experts=4"))
