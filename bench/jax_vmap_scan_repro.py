@@ -1,6 +1,7 @@
-"""XLA:CPU bug (jaxlib 0.10.2): a vmapped backward pass through a LayerNorm in lax.scan gives wrong rows past
-32768 batched elements (here cotangents 128..255). Not eqtrain's: pure JAX. Prints the largest |vmap - loop|
-(rounding, ~1e-7, where correct); XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=-reduce fixes it (docs/performance.md)."""
+"""XLA:CPU bug (jaxlib 0.10.2): a vmapped backward pass through a LayerNorm in lax.scan gives wrong rows
+past 32768 batched elements (here cotangents 128..255). Pure JAX, no eqtrain. Prints the largest
+|vmap - loop| (rounding, ~1e-7, where correct). XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=-reduce
+fixes it (docs/performance.md, "Vmapped backward passes on XLA:CPU")."""
 import jax
 import jax.numpy as jnp
 
