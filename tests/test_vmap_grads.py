@@ -1,6 +1,7 @@
 """A vmapped backward pass (jax.jacrev's rows, per-example gradients, a vmapped train step) gives
 each cotangent the gradient its own vjp gives, for every model family (models.MODELS) and both
-`model.scan_blocks`: our custom rules (models/layers.py `_narrow_head`), remat and scan are vmap-safe.
+`model.scan_blocks`: our custom rules (models/layers.py `_narrow_head`), remat and scan are vmap-safe,
+and so are MoE blocks with capacity routing (dropless ones are not yet: JAX's ragged_dot, a strict xfail).
 
 Past 32768 batched elements XLA:CPU's YNNPACK reduce fusion (on by default in jaxlib 0.10.2)
 miscomputes such a backward pass; not our code: bench/jax_vmap_scan_repro.py reproduces it in pure
