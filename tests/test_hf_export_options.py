@@ -52,7 +52,8 @@ def rounding_sensitivity(model) -> np.ndarray:
     """Σ_w |w · ∂logit/∂w| for every logit (B, T, V) of a float32 transformers model: rounding each
     weight w to w(1 + ε_w), |ε_w| <= δ, moves a logit by Σ_w ∂logit/∂w · w·ε_w + O(δ²) (first-order
     Taylor expansion), at most δ times this. (torch.func's Jacobian agrees with central differences;
-    jax.jacrev of our scanned, rematerialised GPT did not, where its jvp and vjp do.)"""
+    jax.jacrev of our GPT did not, where its jvp and vjp do: jaxlib 0.10.2's XLA:CPU miscomputes vmapped
+    backward passes past 32768 elements, docs/performance.md "Vmapped backward passes on XLA:CPU".)"""
     from torch.func import functional_call, jacrev
 
     params = {k: v.detach() for k, v in model.named_parameters()}  # a tied head is wte, counted once
