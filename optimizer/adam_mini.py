@@ -40,7 +40,7 @@ import optax
 
 from optimizer.contract import Optimizer
 from optimizer.diagnostics import find_states, sqrt_v_stats
-from optimizer.groups import check_non_negative, check_positive, check_unit_interval
+from optimizer.groups import check_adam
 from utils.errors import ConfigError
 
 QK_PROJECTIONS = ("q_proj", "k_proj")  # Llama's separate projections (models/llama.py), columns (head, head_dim)
@@ -185,9 +185,7 @@ class AdamMini(Optimizer):
     MUP_HIDDEN_LR_POWER = 1.0  # model.mup: Adam-type (a block's shared v), hidden lr x base/width (optimizer/mup.py)
 
     def check(self, prefix: str) -> None:
-        check_unit_interval(prefix, self, "b1", "b2")
-        check_non_negative(prefix, self, "weight_decay")
-        check_positive(prefix, self, "eps")
+        check_adam(prefix, self)
 
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
         return optax.chain(

@@ -8,7 +8,7 @@ import optax
 
 from optimizer.contract import Optimizer
 from optimizer.diagnostics import adam_sqrt_v
-from optimizer.groups import check_non_negative, check_positive, check_unit_interval
+from optimizer.groups import check_adam
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,7 @@ class AdamW(Optimizer):
     MUP_HIDDEN_LR_POWER = 1.0  # model.mup: Adam-type, hidden lr x base/width (optimizer/mup.py)
 
     def check(self, prefix: str) -> None:
-        check_unit_interval(prefix, self, "b1", "b2")
-        check_non_negative(prefix, self, "weight_decay")
-        check_positive(prefix, self, "eps")
+        check_adam(prefix, self)
 
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
         return optax.adamw(schedule, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay,

@@ -26,7 +26,7 @@ from optax.contrib import scale_by_adopt
 
 from optimizer.contract import Optimizer
 from optimizer.diagnostics import array_leaves, find_states, sqrt_v_stats
-from optimizer.groups import check_non_negative, check_positive, check_unit_interval
+from optimizer.groups import check_adam
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,7 @@ class ADOPT(Optimizer):
     MUP_HIDDEN_LR_POWER = 1.0  # model.mup: Adam-type, hidden lr x base/width (optimizer/mup.py)
 
     def check(self, prefix: str) -> None:
-        check_unit_interval(prefix, self, "b1", "b2")
-        check_non_negative(prefix, self, "weight_decay")
-        check_positive(prefix, self, "eps")
+        check_adam(prefix, self)
 
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
         return optax.chain(

@@ -144,6 +144,13 @@ def check_unit_interval(prefix: str, hparams: Any, *knobs: str) -> None:
             raise ConfigError(f"{prefix}.{knob}={value} must be in [0, 1)")
 
 
+def check_adam(prefix: str, hparams: Any) -> None:
+    """An Adam-type optimizer's knobs: b1 and b2 in [0, 1), weight decay >= 0, eps > 0."""
+    check_unit_interval(prefix, hparams, "b1", "b2")
+    check_non_negative(prefix, hparams, "weight_decay")
+    check_positive(prefix, hparams, "eps")
+
+
 def check_non_negative(prefix: str, hparams: Any, *knobs: str) -> None:
     for knob in knobs:
         if getattr(hparams, knob) < 0:

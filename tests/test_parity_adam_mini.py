@@ -18,9 +18,8 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import numpy as np
-import optax
 import pytest
-from helpers import EPS32
+from helpers import EPS32, trained_params
 
 REASON = "parity tier: pip install -e '.[dev,parity]'"
 torch = pytest.importorskip("torch", reason=REASON)
@@ -92,17 +91,7 @@ def _problem(cfg, seed):
 
 
 def _ours(hp, params, grads, labels):
-    tx = make_optimizer(hp, cosine(), labels, None, BASE_LR, {})
-
-    @jax.jit
-    def run(p, grads):
-        state = tx.init(p)
-        for g in grads:
-            u, state = tx.update(g, state, p)
-            p = optax.apply_updates(p, u)
-        return p
-
-    return jax.tree.map(np.asarray, run(params, grads))
+    return trained_params(make_optimizer(hp, cosine(), labels, None, BASE_LR, {}), params, grads)
 
 
 def _reference(hp, named_params, named_grads, cfg):

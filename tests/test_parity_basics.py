@@ -19,11 +19,10 @@ compared. Muon, Shampoo and the optimizers added with their own parity tests are
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import optax
 import pytest
-from helpers import EPS32
+from helpers import EPS32, trained_params
 
 from optimizer import make_optimizer
 from optimizer.adafactor import Adafactor
@@ -68,16 +67,7 @@ def problem(shapes, seed=0):
 def ours(hp, shapes, params, grads, schedule, cautious=False) -> dict[str, np.ndarray]:
     labels = {k: label for k, (_, label) in shapes.items()}
     tx = make_optimizer(hp, schedule, labels, None, BASE_LR, OVERRIDES, cautious=cautious)
-
-    @jax.jit
-    def run(p, grads):
-        state = tx.init(p)
-        for g in grads:
-            u, state = tx.update(g, state, p)
-            p = optax.apply_updates(p, u)
-        return p
-
-    return {k: np.asarray(v, np.float64) for k, v in run(params, grads).items()}
+    return {k: np.asarray(v, np.float64) for k, v in trained_params(tx, params, grads).items()}
 
 
 def reference(build, shapes, params, grads, schedule, weight_decay, decay_by_hand=False) -> dict[str, np.ndarray]:
