@@ -35,7 +35,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -168,6 +168,13 @@ FIXED_KNOBS = ("budgets", "budget_unit", "warmup", "cooldown_fraction", "cooldow
                "seeds_vary_data", "val_every")
 
 
+def default_knobs() -> dict:
+    """Every comparison knob's default as compare.json records it (Plan.to_json's JSON forms: an empty
+    tuple default is the [] or {} a directory holds), less the two without one (optimizers, budgets)."""
+    knobs = Plan(CompareConfig((), ()), (), ()).to_json()["knobs"]
+    return {k: v for k, v in json.loads(json.dumps(knobs)).items() if k not in ("optimizers", "budgets")}
+
+
 def growth_refused(planned: dict, wanted: dict, evaluated: bool) -> str | None:
     """None when `wanted` (this command's plan, same_order'd) grows `planned` (the directory's): the
     same run overrides and fixed knobs, and every run planned before planned alike (more seeds,
@@ -176,7 +183,7 @@ def growth_refused(planned: dict, wanted: dict, evaluated: bool) -> str | None:
         return "its run_overrides differ from this command's"
     old_knobs, new_knobs = planned.get("knobs") or {}, wanted.get("knobs") or {}
     # a knob the directory does not record (older than the knob) had its default
-    default = {f.name: f.default for f in fields(CompareConfig) if f.default is not MISSING}
+    default = default_knobs()
     fixed = next((k for k in FIXED_KNOBS if old_knobs.get(k, default.get(k)) != new_knobs.get(k, default.get(k))), None)
     if fixed:
         return (f"its {fixed} differ from this command's, which would change the runs already made; a comparison "
@@ -207,12 +214,10 @@ def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) ->
         planned = same_order({k: v for k, v in have.items() if k in want})
         wanted = same_order(json.loads(json.dumps(want)))
         # a knob added to the harness after the directory was made, left at its default, changes nothing
-        defaults = {f.name: f.default for f in fields(CompareConfig) if f.default is not MISSING}
+        defaults = default_knobs()
         recorded = planned.get("knobs") or {}
-        # (an empty default, a tuple, is an empty list or mapping in compare.json)
-        unset = lambda k, v: v == defaults[k] or (v in ([], {}) and defaults[k] in ((), None))
         wanted["knobs"] = {k: v for k, v in wanted.get("knobs", {}).items()
-                           if k in recorded or k not in defaults or not unset(k, v)}
+                           if k in recorded or k not in defaults or v != defaults[k]}
         if planned != wanted:
             refused = growth_refused(planned, wanted, any(k in have for k in PHASE_RECORD.values()))
             if refused:

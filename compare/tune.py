@@ -108,11 +108,10 @@ def coordinate_path(space: Space, loss_of: Callable[[Cell], float | None], thres
             waiting = tuple(c for c in cells if losses[c] is None)
             if waiting:
                 return Path(tuple(steps), incumbent, len(tried), waiting, "")
-            order = sorted(values.index(c[i]) for c in cells)
             best = min(cells, key=lambda c: (losses[c], c != incumbent, values.index(c[i])))
             after = best if losses[best] < losses[incumbent] - threshold else incumbent
-            steps.append(Step(rnd, knob, tuple((values[j], losses[next(c for c in cells if c[i] == values[j])])
-                                               for j in order), incumbent, after))
+            listed = sorted(cells, key=lambda c: values.index(c[i]))  # the axis's order, not the trial order
+            steps.append(Step(rnd, knob, tuple((c[i], losses[c]) for c in listed), incumbent, after))
             moved |= after != incumbent
             incumbent = after
         if not moved:
