@@ -142,7 +142,8 @@ def test_transformers_moe_loads_with_equal_logits(tmp_path, case):
     assert_routing_decided(cfg, routers)
     want = hf_logits(theirs, toks)
     got = ours_logits(ours, toks)
-    # parity_atol: the longest float32 sums feeding a logit, both sides, margin 4 (its docstring)
+    # float32: a logit sums width·(num_blocks + 1) products, each rounding ≤ EPS32/2 of the logits' scale
+    # (sum_atol's worst case), width the widest MLP plus the top_k + 1 expert terms; both sides, margin 4
     np.testing.assert_allclose(got, want, rtol=0, atol=parity_atol(cfg, want))
 
 
@@ -166,7 +167,7 @@ def test_the_router_aux_loss_is_transformers(tmp_path, case):
     total, aux = add_router_losses(jnp.zeros(()), ours, stats["moe"])
     theirs_term = theirs.config.router_aux_loss_coef * float(out.aux_loss)
     n = int(mask.sum()) * len(routers)
-    # f is exact (same routing, counts over n rows); P is a mean of n softmax probabilities, each off by
+    # float32: f is exact (same routing, counts over n rows); P is a mean of n softmax probabilities, each off by
     # at most 2x its router logits' error (parity_atol) relatively, plus the n-term sum's and the E-term
     # product sum's roundings (n + E + 3 of EPS32/2); margin 4 for the two sides, twice
     rtol = 4 * (2 * max(parity_atol(cfg, r) for r in routers) + (n + E + 3) * EPS32 / 2)
@@ -207,7 +208,8 @@ def test_our_moe_loads_in_transformers_with_equal_logits(tmp_path, case):
     routers, _ = router_logits(theirs, toks)
     assert_routing_decided(cfg, routers)
     want = ours_logits(ours, toks)
-    # parity_atol: the longest float32 sums feeding a logit, both sides, margin 4 (its docstring)
+    # float32: a logit sums width·(num_blocks + 1) products, each rounding ≤ EPS32/2 of the logits' scale
+    # (sum_atol's worst case), width the widest MLP plus the top_k + 1 expert terms; both sides, margin 4
     np.testing.assert_allclose(hf_logits(theirs, toks), want, rtol=0, atol=parity_atol(cfg, want))
 
 
@@ -238,7 +240,8 @@ def test_a_run_from_a_mixtral_directory_exports_as_mixtral(tmp_path, monkeypatch
     toks = tokens(seed=3)
     assert_routing_decided(run.model, router_logits(theirs, toks)[0])
     want = ours_logits(ours, toks)
-    # parity_atol: the longest float32 sums feeding a logit, both sides, margin 4 (its docstring)
+    # float32: a logit sums width·(num_blocks + 1) products, each rounding ≤ EPS32/2 of the logits' scale
+    # (sum_atol's worst case), width the widest MLP plus the top_k + 1 expert terms; both sides, margin 4
     np.testing.assert_allclose(hf_logits(theirs, toks), want, rtol=0, atol=parity_atol(run.model, want))
 
 

@@ -83,6 +83,8 @@ def test_peft_loads_the_adapter_onto_the_base_with_the_merged_logits(tmp_path, c
     assert all(m.scaling["default"] == ALPHA / RANK for m in layers)  # PEFT's lora_alpha / r, ours alpha/rank
     got = hf_logits(adapted, TOKENS_BxT)
     want = hf_logits(load(tmp_path / "merged"), TOKENS_BxT)
+    # float32: per block the MLP's or the branch's sum (hidden + rank + 3 terms) at the logits' scale, EPS32/2 per
+    # rounding (sum_atol's worst case), the merged weight's extra rounding one term; both sides, margin 4
     np.testing.assert_allclose(got, want, rtol=0, atol=two_program_atol(model, want))
     # the factors matter: the base alone is far from the merged model (a silently skipped adapter fails)
     assert np.abs(hf_logits(load(tmp_path / "base"), TOKENS_BxT) - want).max() > 100 * two_program_atol(model, want)
