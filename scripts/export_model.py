@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse
 
 import models
-from models import export, hf_generation, hf_shards, objectives
+from models import hf_generation, hf_shards
 from trainer import inference
 from utils.cli import quiet_jax_probe
 from utils.errors import ConfigError, EqtrainError
@@ -108,13 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         generation = hf_generation.checked(saved, f"{source.path} manifest") if saved is not None else None
         dtype, why = inference.export_dtype(args.dtype, run, generation)
         print(f"dtype: {dtype} ({why})")
-        if args.format == "hf":
-            print(inference.export_hf(args.out, run, model, generation, dtype, shard_size))
-        elif args.format == "peft":
-            print(inference.export_peft(args.out, run, model, dtype))
-        else:
-            export.save_export(args.out, model, source.step, source.config.get("tokenizer", {}), run.context_length,
-                               objectives.as_dict(run.objective), dtype)
+        # the writer a run's own export (checkpoint.export) uses too
+        wrote = inference.write_export(args.out, args.format, run, model, source.step,
+                                       source.config.get("tokenizer", {}), generation, dtype, shard_size)
+        if wrote is not None:
+            print(wrote)
     except (EqtrainError, OSError) as e:
         return script_error(e, where=args.out, hint="check --out")
     print(f"exported {source.path} (step {source.step}) to {args.out}")
