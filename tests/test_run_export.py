@@ -55,6 +55,7 @@ def ckpt(tmp_path_factory, _cache_dir) -> Path:
     return tmp / "ck"
 
 
+@pytest.mark.slow  # the module's tiny run: ~9 s on 2 cores
 def test_the_runs_export_is_export_model_of_its_last_checkpoint(ckpt, tmp_path):
     """Same writer, same model, same metadata: every file equal byte for byte."""
     ours = ckpt / run_export.DIRECTORY
@@ -66,6 +67,7 @@ def test_the_runs_export_is_export_model_of_its_last_checkpoint(ckpt, tmp_path):
     assert not [p for p in ckpt.iterdir() if p.name.startswith(".")]  # no scratch directory left beside it
 
 
+@pytest.mark.slow  # the module's tiny run: ~9 s on 2 cores
 def test_the_export_is_the_evaluated_average_not_the_trained_point(ckpt):
     """The checkpoint's eval_model (the average) bit for bit; the trained weights (its `model`) differ."""
     tensors = load_file(str(ckpt / run_export.DIRECTORY / "model.safetensors"))
@@ -79,6 +81,7 @@ def test_the_export_is_the_evaluated_average_not_the_trained_point(ckpt):
     assert any(not np.array_equal(x, trained[key]) for key, x in tensors.items())
 
 
+@pytest.mark.slow  # the module's tiny run: ~9 s on 2 cores
 def test_hf_knobs_write_what_the_scripts_flags_write(ckpt, tmp_path):
     """export_run (the hook's body) with export=hf, bfloat16 and a shard size that splits the tiny model
     in 3+ files equals `export_model.py --format hf --dtype bfloat16 --max-shard-size N` byte for byte."""
