@@ -3,7 +3,8 @@ a multi-host job does with checkpoints. A SIGTERM that reaches only one of the p
 stops both at the same step with one checkpoint (the stop flag is agreed at a logging step; a
 save is collective), and checkpoint.resume=auto then continues bit-identically. The checkpoint
 also crosses topologies: saved by 2 processes and restored by 1 (holding both devices), and what
-that one saved restored by 2 processes again.
+that one saved restored by 2 processes again. A run whose weights are sharded across the two
+processes (parallel.fsdp=2) exports itself once, from process 0 (checkpoint.export, trainer/run_export.py).
 
 Time (2 cores): each process of a job compiles what the other compiles, ~10 s of CPU each. So only
 the stopped job compiles; the resume and the uninterrupted reference start once it has exited
