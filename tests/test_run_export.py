@@ -150,3 +150,36 @@ def test_bad_export_knobs_are_one_line_at_validation(overrides, says):
     with pytest.raises(ConfigError) as e:
         validate(compose_config(*overrides))
     assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("process,zero_wrote", [(0, False), (1, True), (1, False)])
+def test_only_process_0_writes_and_every_process_fails_with_it(process, zero_wrote, tmp_path, monkeypatch):
+    """The protocol on one process standing for each of two: process 0 writes (here its writer fails: it
+    raises its own error); another writes nothing and returns once process 0 says it wrote, or raises
+    a CheckpointError when process 0 says it failed. The collective is replaced by what process 0 sends."""
+    from jax.experimental import multihost_utils
+
+    import models
+    from utils.errors import CheckpointError
+
+    run = validate(compose_config("checkpoint.export=safetensors", f"checkpoint.export_path={tmp_path / 'out'}"))
+    model = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), models.abstract(run.model))  # the writer is stubbed
+    sent = []
+    monkeypatch.setattr(jax, "process_index", lambda: process)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all",
+                        lambda x: sent.append(int(x)) or (x if process == 0 else np.int32(zero_wrote)))
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(inference, "write_export", fail)
+    if process == 0:
+        with pytest.raises(OSError, match="No space left"):
+            run_export.export_run(run, model, 1, None, None)
+        assert sent == [0]  # it told the others it failed before raising
+    elif zero_wrote:
+        assert run_export.export_run(run, model, 1, None, None) == str(tmp_path / "out")
+    else:
+        with pytest.raises(CheckpointError, match="process 0 failed to write"):
+            run_export.export_run(run, model, 1, None, None)
+    assert not (tmp_path / "out").exists()  # the writer (failing) ran on process 0 alone
