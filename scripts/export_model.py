@@ -34,6 +34,10 @@ adapter_model.safetensors with PEFT's names) for the run's `model.init_from` bas
 --merge-lora or --format peft, the safetensors export holds the base and the factors (and the `lora`
 config) and `load_export` rebuilds the LoRA model; `--format hf` needs --merge-lora (a transformers
 model has no place for the factors).
+
+A run writes the same export itself at its last step with checkpoint.export=safetensors|hf|peft and
+checkpoint.export_dtype / export_max_shard_size / export_merge_lora for these flags (trainer/run_export.py,
+the same writer: trainer.inference.write_export; docs/checkpoints.md), on several processes too.
 """
 
 from __future__ import annotations
