@@ -40,6 +40,7 @@ from trainer.activations import ActivationNorms
 from trainer.flops import peak_flops
 from trainer.header import announce
 from trainer.resume import frozen_base, merge_config, restore_state, resume_source
+from trainer.run_export import Export as RunExport
 from trainer.step import TrainState, build_train_step, initial_keys
 from trainer.trainer import Trainer
 from utils import cli
@@ -209,10 +210,10 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
     # Opened last, so a hook that fails to build leaves no open file, bar or wandb run behind.
     sinks = open_sinks(run.logging, run_dir, t.max_steps, int(trainer.state.step), run.config_dict,
                        saved=resumed.get("sinks"))  # a resumed run continues its wandb run
+    # the ids and generation_config.json an hf export writes: the base's (model.init_from) or the tokenizer's
+    generation = hf_generation.for_run(run.model.init_from, trainer.tokenizer) if saver or ck.export else None
     if saver:
         saver.add_to_manifest("sinks", sinks.state_dict)
-        # the ids and generation_config.json an hf export writes: the base's (model.init_from) or the tokenizer's
-        generation = hf_generation.for_run(run.model.init_from, trainer.tokenizer)
         saver.add_to_manifest(hf_generation.MANIFEST_KEY, lambda: generation)
     if t.early_stopping.patience:  # after the evaluation, before the log and the saves
         hooks.append(early_stopping.EarlyStopping(t.early_stopping, resumed.get(early_stopping.MANIFEST_KEY), saver))
@@ -225,6 +226,8 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
     hooks.append(H.Divergence(vouchers))
     if saver:
         hooks += [H.Checkpoint(saver, ck.save_path, vouchers), H.StopOnSignal(stop_signals)]
+    if ck.export:  # after the last checkpoint: an export that fails leaves it saved
+        hooks.append(RunExport(run, trainer.tokenizer, generation))
     if t.sample_tokens:
         hooks.append(H.Sample(sample, t.sample_prompt, t.sample_tokens))
     return H.Hooks(hooks)

@@ -32,6 +32,7 @@ from optimizer import hyperball as hyperball_lib
 from optimizer import mup as mup_optim
 from optimizer.groups import GROUPS, group_hparams, group_knobs
 from optimizer.schedules import SCHEDULES, warmup_warning
+from trainer import run_export
 from trainer.early_stopping import EarlyStoppingConfig
 from trainer.loss_scale import LossScaleConfig
 from trainer.tasks import EvalConfig
@@ -328,6 +329,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         raise ConfigError(f"eval.tasks scores continuations left to right, but objective={run.objective.name} "
                           "attends both ways: set eval.tasks=[] or objective=ar")
     ck = run.checkpoint
+    run_export.check(run)  # checkpoint.export and its knobs
     if ck.keep_best and run.train.skip_validation:
         raise ConfigError("checkpoint.keep_best=true ranks checkpoints by val/loss: set train.skip_validation=false "
                           "or checkpoint.keep_best=false")
