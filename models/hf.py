@@ -43,7 +43,7 @@ import numpy as np
 
 import models
 from models import hf_generation, hf_shards, hf_tokenizer
-from models.contract import optional
+from models.contract import hf_support, optional
 from models.hf_keys import json_text
 from models.hf_moe import MOE_MODEL_TYPES
 from models.hf_tokenizer import hf_tokenizer_object
@@ -391,6 +391,9 @@ def hf_dir_config(model: eqx.Module, tokenizer=None, generation: dict | None = N
     """config.json: the family's model fields plus what transformers reads to load it offline (the
     weights' `dtype`, which `from_pretrained`'s default dtype="auto" loads them in), and the special
     ids of `generation` (models/hf_generation.py; None: the tokenizer's, if any)."""
+    if not hf_support(models.family(model)):
+        raise ConfigError(f"the {model.cfg.name} family has no Hugging Face layout (models/contract.py: it declares no "
+                          "HF_MODEL_TYPES): export with --format safetensors")
     if not optional(models.family(model), "HF_MOE"):  # the llama family writes its MoE types (models/hf_moe.py)
         refuse_moe(model.cfg, "this family's MoE blocks cannot be exported as a Hugging Face directory")
     hf = {**models.family(model).hf_config(model.cfg), "torch_dtype": dtype, "dtype": dtype}
