@@ -192,14 +192,20 @@ def test_forward_shapes_groups_axes_and_flops(name):
 
 
 def test_scan_unroll_and_block_causal_attention_give_the_same_logits(name):
-    """Execution knobs change how, not what: unrolled blocks, two per scan step, query blocks of 4,
-    and with dropout on the same key per block either way (so the same masks)."""
+    """Execution knobs change how, not what: unrolled blocks, two per scan step, query blocks of 4."""
     cfg, model = tiny(name)
     tokens_BxT = _tokens(cfg, (2, cfg.context_length))
     want = forward(model, tokens_BxT)
     for flags in ({"scan_blocks": False}, {"scan_unroll": 2}, {"attn_block_size": 4}):
         got = forward(with_cfg(model, dataclasses.replace(cfg, **flags)), tokens_BxT)
         np.testing.assert_allclose(got, want, rtol=0, atol=logits_atol(cfg, want), err_msg=str(flags))
+
+
+def test_scanned_and_unrolled_blocks_draw_the_same_dropout(name):
+    """With dropout on, block i gets the same key scanned or unrolled, so the same masks."""
+    cfg, model = tiny(name)
+    tokens_BxT = _tokens(cfg, (2, cfg.context_length))
+    want = forward(model, tokens_BxT)
     key, dropout = jax.random.PRNGKey(4), dataclasses.replace(cfg, dropout=0.5)
     dropped = forward(with_cfg(model, dropout), tokens_BxT, key)
     unrolled = forward(with_cfg(model, dataclasses.replace(dropout, scan_blocks=False)), tokens_BxT, key)
@@ -231,8 +237,8 @@ def test_a_resumed_run_is_bit_identical(name, tmp_path, monkeypatch):
     from test_checkpoint import assert_same_arrays, losses
 
     monkeypatch.chdir(tmp_path)
-    run = (*family_overrides(name), "model.vocab_size=null", "train.max_steps=6", "logging.log_every=1", "train.val_freq=6",
-           "train.max_val_steps=1", "model.dropout=0.1", "checkpoint.save=true")
+    run = (*family_overrides(name), "model.vocab_size=null", "train.max_steps=6", "logging.log_every=1",
+           "train.val_freq=6", "train.max_val_steps=1", "model.dropout=0.1", "checkpoint.save=true")
 
     def train(run_name, *overrides):
         (tmp_path / run_name).mkdir()
