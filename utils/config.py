@@ -344,8 +344,8 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         run = dataclasses.replace(run, optimizer=dataclasses.replace(run.optimizer, lr_scales=scales),
                                   warnings=run.warnings + (line,) * is_warning,
                                   notes=run.notes + (line,) * (not is_warning))
-    if hyperball and models.lora_config(m).on:
-        raise ConfigError(f"optimizer.hyperball=true with model.lora.rank={models.lora_config(m).rank}: only the LoRA "
+    if hyperball and m.lora.on:
+        raise ConfigError(f"optimizer.hyperball=true with model.lora.rank={m.lora.rank}: only the LoRA "
                           "factors train (B starts at norm 0, no sphere to keep); set optimizer.hyperball=false")
     if m.tie_embeddings and "head" in run.optimizer.group_overrides:
         knob = next(iter(run.optimizer.group_overrides["head"]))
@@ -365,7 +365,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
     if kv_heads is not None and kv_heads % run.parallel.tensor:
         raise ConfigError(f"parallel.tensor={run.parallel.tensor} must divide the model's {kv_heads} key/value heads "
                           "(model.num_kv_heads): pick a parallel.tensor that divides it")
-    experts = getattr(getattr(m, "moe", None), "num_experts", 0)  # models/moe.py: whole experts per device
+    experts = m.moe.num_experts  # models/moe.py: whole experts per device
     if run.parallel.expert > 1 and (not experts or experts % run.parallel.expert):
         raise ConfigError(f"parallel.expert={run.parallel.expert} must divide model.moe.num_experts={experts} (each "
                           "device holds whole experts): pick a divisor, or parallel.expert=1")
