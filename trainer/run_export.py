@@ -68,7 +68,7 @@ def check(run) -> None:
             raise ConfigError(f"checkpoint.export_max_shard_size applies to checkpoint.export=hf (transformers' "
                               f"shards), not {ck.export}: set checkpoint.export=hf or drop it")
         hf_shards.parse_size(ck.export_max_shard_size, "checkpoint.export_max_shard_size")
-    lora_on = models.lora_config(m).on
+    lora_on = m.lora.on
     if ck.export_merge_lora and not lora_on:
         raise ConfigError("checkpoint.export_merge_lora=true: this run has no LoRA factors (model.lora.rank=0): "
                           "drop checkpoint.export_merge_lora")
