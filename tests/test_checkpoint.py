@@ -139,7 +139,7 @@ def as_legacy_aux_checkpoint(step_dir: Path) -> None:
                                           (("optimizer=shampoo", "optimizer.precondition_every=3"), False),
                                           (("optimizer=nadamw",), False), (("optimizer=schedule_free_adamw",), False),
                                           (("optimizer=ademamix",), False),
-                                          (("optimizer=soap", "optimizer.precondition_frequency=3"), False),
+                                          (("optimizer=soap", "optimizer.precondition_every=3"), False),
                                           (("optimizer=mars",), False), (("optimizer=kron",), False),
                                           (("optimizer=adopt",), False), (("optimizer=prodigy",), False),
                                           (("optimizer=normuon",), False), (("optimizer=adam_mini",), False),
