@@ -109,7 +109,8 @@ class MARS(Optimizer):
 
     def group_knob_hint(self, group: str, knob: str) -> str:
         if group == "scalar":
-            return "the scalar group (biases, norm gains) runs AdamW under MARS; set adam_b1, adam_b2 or adam_eps instead"
+            return ("the scalar group (biases, norm gains) runs AdamW under MARS; set adam_b1, adam_b2 or adam_eps "
+                    "instead")
         return f"the {group} group runs MARS, not AdamW; set optimizer.groups.{group}.b1 or b2 instead"
 
     def check(self, prefix: str) -> None:

@@ -295,7 +295,8 @@ class Shampoo(Optimizer):
     CONSTANT_KNOBS = ("precondition_b2", "adam_b2")
 
     def group_knobs(self, group: str) -> tuple[str, ...]:
-        """`scalar` leaves take the diagonal path: no statistics, so precondition_b2 and precondition_eps would be ignored."""
+        """`scalar` leaves take the diagonal path: no statistics, so precondition_b2 and precondition_eps would
+        be ignored."""
         if group == "scalar":
             return tuple(k for k in self.GROUP_KNOBS if k not in ("precondition_b2", "precondition_eps"))
         return self.GROUP_KNOBS
@@ -315,8 +316,9 @@ class Shampoo(Optimizer):
             if not 0.0 < getattr(self, knob) <= 1.0:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be in (0, 1] (1 = plain sums)")
         if not 0.0 < self.precondition_eps < 1.0:
-            raise ConfigError(f"{prefix}.precondition_eps={self.precondition_eps} must be in (0, 1): it is relative to the "
-                              "largest eigenvalue of each statistic (try 1e-6 to 1e-4; float32 eigh noise is ~1e-7)")
+            raise ConfigError(f"{prefix}.precondition_eps={self.precondition_eps} must be in (0, 1): it is relative "
+                              "to the largest eigenvalue of each statistic (try 1e-6 to 1e-4; float32 eigh noise is "
+                              "~1e-7)")
         check_positive(prefix, self, "adam_eps")
         if self.graft not in GRAFTS:
             raise ConfigError(f"{prefix}.graft={self.graft!r} must be one of {', '.join(GRAFTS)}")

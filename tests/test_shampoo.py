@@ -129,8 +129,8 @@ def adam_rtol(b2: float, steps: int) -> float:
 
 
 @pytest.mark.parametrize(("shape", "beta2", "eps", "p"),
-                         [((6, 4), 0.9, 1e-4, None), ((6, 4), 1.0, 1e-4, None), ((5, 5), 0.9, Shampoo().precondition_eps, None),
-                          ((5, 5), 0.9, 1e-4, 2.0)],
+                         [((6, 4), 0.9, 1e-4, None), ((6, 4), 1.0, 1e-4, None),
+                          ((5, 5), 0.9, Shampoo().precondition_eps, None), ((5, 5), 0.9, 1e-4, 2.0)],
                          ids=["ema", "sum", "default-eps", "exponent-override"])
 def test_two_sided_matches_numpy(shape, beta2, eps, p):
     """A 6x4 gradient leaves L rank-deficient on step 1, where float32 eigh resolves the damped

@@ -225,6 +225,7 @@ def chosen_optimizers(overrides: list[str]) -> list[str] | None:
     """The optimizers a command line runs: its last `optimizer=` override's (every one of a sweep
     `optimizer=a,b` or `choice(a,b)`), else the default; None when Hydra's parser cannot list them."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
 
     chosen = [o for o in overrides if _OPTIMIZER_CHOICE.match(o)]
     if not chosen:
@@ -234,7 +235,7 @@ def chosen_optimizers(overrides: list[str]) -> list[str] | None:
         if override.is_sweep_override():
             return [str(v) for v in override.sweep_string_iterator()]
         return [str(override.get_value_element_as_str())]
-    except Exception:  # a glob or another sweep whose values need the config: leave the overrides to Hydra
+    except HydraException:  # a glob or another sweep whose values need the config: leave the overrides to Hydra
         return None
 
 
