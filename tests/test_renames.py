@@ -15,6 +15,9 @@ import os
 import pytest
 from helpers import TINY_OVERRIDES, compose_config, load_script, with_old_names
 
+from compare import launch
+from compare.launch import old_knob_names
+from compare.plan import compare_config, make_plan
 from optimizer import OPTIMIZERS
 from optimizer.renames import FILLS, RENAMES, rename_optimizer, renamed_pairs
 from trainer.resume import merge_config
@@ -142,6 +145,25 @@ def test_a_checkpoint_saved_with_old_names_resumes_under_the_new_ones():
     assert ("optimizer=shampoo (saved in /old/ck/iter_5): `optimizer.beta2` is now `optimizer.precondition_b2`"
             in lines[0])
     assert len(lines) == sum(1 for group, _, _ in renamed_pairs("shampoo") if group is None)
+
+
+def test_a_comparison_planned_with_old_names_refuses_the_new_names_saying_which(tmp_path):
+    """Its runs' ids hold the old name, so the new names plan other runs: refused, naming the old ones."""
+    knobs = {"optimizers": ["soap"], "budgets": [10], "lr": {"points": 1}, "warmup": 2}
+    old = make_plan(compare_config({**knobs, "sweep": {"soap": {"shampoo_beta": [0.9]}}}), RUN, {"soap": 3e-3})
+    new = make_plan(compare_config({**knobs, "sweep": {"soap": {"precondition_b2": [0.9]}}}), RUN, {"soap": 3e-3})
+    assert old_knob_names(old.to_json()) == ["optimizer.shampoo_beta"] and old_knob_names(new.to_json()) == []
+    launch.open_dir(old, str(tmp_path))
+    launch.open_dir(old, str(tmp_path))  # the same command continues it
+    with pytest.raises(ConfigError, match=r"holds another comparison .*planned with the old knob names "
+                                          r"optimizer\.shampoo_beta, which still work"):
+        launch.open_dir(new, str(tmp_path))
+
+
+def test_lr_find_takes_old_names():
+    """scripts/lr_find.py composes its run overrides through utils.config.compose_overrides, which renames."""
+    run = load_script("lr_find").compose_run([*TINY_OVERRIDES, "optimizer=kron", "optimizer.b1=0.8"])
+    assert run.optimizer.hparams.momentum == 0.8
 
 
 @pytest.mark.slow
