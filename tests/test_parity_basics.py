@@ -210,7 +210,7 @@ def test_cautious_adafactor_with_momentum_matches_pytorch_optimizer():
     constant = optax.constant_schedule(BASE_LR)
     got = ours(hp, FACTORED, params, grads, constant, cautious=True)
     want = reference(lambda groups: _CautiousAdaFactor(
-        groups, betas=(hp.momentum, 0.999), decay_rate=-hp.decay_rate, clip_threshold=hp.clipping_threshold,
+        groups, betas=(hp.b1, 0.999), decay_rate=-hp.decay_rate, clip_threshold=hp.clipping_threshold,
         scale_parameter=False, relative_step=False, momentum_dtype=torch.float64, foreach=False, cautious=True),
         FACTORED, params, grads, constant, hp.weight_decay)
     assert_same_weights(got, want, params, "cautious adafactor")

@@ -191,3 +191,19 @@ def test_a_comparison_planned_with_old_names_continues(tmp_path, monkeypatch):
     assert plan["knobs"]["sweep"] == {"soap.shampoo_beta": [0.9]}  # as planned, so a rerun plans it alike
     assert script.main(argv) == 0
     assert seen == [0.9, 0.9]  # both skipped: done before
+
+
+def test_train_jax_command_line_renames_before_hydra_and_refuses_both_names_in_one_line(capsys):
+    """train_jax.py's __main__ hands Hydra the renamed arguments (cli.renamed_argv): a warning line each
+    on stderr; both names given is one `error:` line and exit 2, as every user error."""
+    from utils import cli
+
+    argv = ["-m", "optimizer=shampoo", "optimizer.beta2=0.9,0.99", "model.dim=8"]
+    assert cli.renamed_argv(argv) == ["-m", "optimizer=shampoo", "optimizer.precondition_b2=0.9,0.99", "model.dim=8"]
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: optimizer=shampoo: `optimizer.beta2` is now `optimizer.precondition_b2` (the old name still works; "
+        "rename it)"]
+    with pytest.raises(SystemExit) as exit_:
+        cli.renamed_argv(["optimizer=shampoo", "optimizer.beta2=0.9", "optimizer.precondition_b2=0.9"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: optimizer.beta2 (an old name) and ")
