@@ -207,3 +207,19 @@ def test_train_jax_command_line_renames_before_hydra_and_refuses_both_names_in_o
         cli.renamed_argv(["optimizer=shampoo", "optimizer.beta2=0.9", "optimizer.precondition_b2=0.9"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith("error: optimizer.beta2 (an old name) and ")
+
+
+def test_setting_a_shared_knob_that_was_split_warns_on_the_command_line():
+    """MARS's eps no longer sets its scalar group's AdamW (adam_eps does): an old command line setting eps
+    is told, in one line, unless it sets the new knob too."""
+    for opt, fills in FILLS.items():
+        for new, shared in fills.items():
+            lines = []
+            renamed_overrides([f"optimizer={opt}", f"optimizer.{shared}=1e-6"], lines.append)
+            assert lines == [f"optimizer={opt}: `optimizer.{shared}` no longer also sets what `optimizer.{new}` sets "
+                             f"now (see conf/optimizer/{opt}.yaml); set `optimizer.{new}` too to keep the old "
+                             "behaviour"]
+            lines.clear()
+            both = [f"optimizer={opt}", f"optimizer.{shared}=1e-6", f"optimizer.{new}=1e-6"]
+            renamed_overrides(both, lines.append)
+            assert lines == []

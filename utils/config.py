@@ -33,7 +33,7 @@ from optimizer import cautious as cautious_mask
 from optimizer import hyperball as hyperball_lib
 from optimizer import mup as mup_optim
 from optimizer.groups import GROUPS, group_hparams, group_knobs
-from optimizer.renames import message, rename_config, resolve
+from optimizer.renames import FILLS, message, rename_config, resolve
 from optimizer.schedules import SCHEDULES, warmup_warning
 from trainer.early_stopping import EarlyStoppingConfig
 from trainer.loss_scale import LossScaleConfig
@@ -279,6 +279,11 @@ def renamed_overrides(overrides: list[str], warn: Callable[[str], None] | None =
         if len(names) > 1:
             old = sorted(names - {key})[0]
             raise ConfigError(f"{old} (an old name) and {key} both set {key}: keep only {key}")
+    for opt in optimizers:  # a knob split off a shared one: an old command line that set the shared one changed
+        for new, shared in FILLS.get(opt, {}).items():
+            if f"optimizer.{shared}" in typed and f"optimizer.{new}" not in typed:
+                warn(f"optimizer={opt}: `optimizer.{shared}` no longer also sets what `optimizer.{new}` sets now "
+                     f"(see conf/optimizer/{opt}.yaml); set `optimizer.{new}` too to keep the old behaviour")
     return out
 
 
