@@ -14,6 +14,7 @@ if __name__ == "__main__":  # XLA:CPU's step buffer on 2 MiB pages (re-executes:
 import contextlib
 import dataclasses
 import functools
+import sys
 from typing import Callable, Sequence
 
 import equinox as eqx
@@ -299,4 +300,5 @@ def main(cfg: DictConfig) -> dict[str, float] | float:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = cli.renamed_argv(sys.argv[1:])  # old optimizer knob names, before Hydra refuses them
     main()

@@ -18,7 +18,8 @@ from typing import ClassVar
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import compose_config, restore_item
+import yaml
+from helpers import compose_config, restore_item, with_old_names
 
 import train_jax
 from utils.checkpoint import integrity, storage
@@ -135,12 +136,20 @@ def as_legacy_aux_checkpoint(step_dir: Path) -> None:
     as_unhashed(step_dir)
 
 
+def as_old_names_checkpoint(step_dir: Path) -> None:
+    """Rewrite the config a checkpoint holds with the optimizer knob names it had before
+    optimizer/renames.py's renames (what an older eqtrain saved), its file hashes sealed anew."""
+    path = step_dir / "config" / storage.CONFIG_FILE
+    path.write_text(yaml.safe_dump(with_old_names(yaml.safe_load(path.read_text())), sort_keys=False))
+    integrity.seal(str(step_dir))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("extra,legacy", [((), False), (("dataset.total_batch_size=16",), True),
-                                          (("optimizer=shampoo", "optimizer.precondition_every=3"), False),
+                                          (("optimizer=shampoo", "optimizer.precondition_every=3"), "old-names"),
                                           (("optimizer=nadamw",), False), (("optimizer=schedule_free_adamw",), False),
                                           (("optimizer=ademamix",), False),
-                                          (("optimizer=soap", "optimizer.precondition_frequency=3"), False),
+                                          (("optimizer=soap", "optimizer.precondition_every=3"), "old-names"),
                                           (("optimizer=mars",), False), (("optimizer=kron",), False),
                                           (("optimizer=adopt",), False), (("optimizer=prodigy",), False),
                                           (("optimizer=normuon",), False), (("optimizer=adam_mini",), False),
@@ -159,9 +168,11 @@ def test_resume_is_bit_identical(tmp_path, extra, legacy):
     aux-state diagnostics, whose buffers and running sums the checkpoint carries. The second case
     resumes a checkpoint written before metric_states (the aux hook's state as the item `aux`); the
     third, Shampoo's, whose state holds zero-size placeholders (orbax refuses to save those: the
-    checkpoint leaves them out and the restore makes them anew). Schedule-Free evaluates x, not the
-    y it trains (its val/loss checks that point too); AdEMAMix's α/β3 warmup (over the 12 steps)
-    reads its step count from the optimizer state, so the resume at 5 lands mid-warmup. float16's loss
+    checkpoint leaves them out and the restore makes them anew), and whose saved config (as SOAP's)
+    is rewritten with the knob names of before optimizer/renames.py's renames: the resume renames
+    them. Schedule-Free evaluates x, not the y it trains (its val/loss checks that point too);
+    AdEMAMix's α/β3 warmup (over the 12 steps) reads its step count from the optimizer state, so the
+    resume at 5 lands mid-warmup. float16's loss
     scale grows every 2 finite steps: the resume at 5 lands mid-count (the item `loss_scale` holds both).
     SOAP refreshes its eigenbases on updates 4, 7 and 10 (frequency 3), across the resume; Kron draws
     its random probes from a key folded with the update count, so the resumed run draws the same.
@@ -189,7 +200,9 @@ def test_resume_is_bit_identical(tmp_path, extra, legacy):
         shutil.copytree(full_ck / "iter_5", seg_ck / "iter_5")
         first = tmp_path / "full"
     assert complete_steps(str(seg_ck)) == [5]
-    if legacy:
+    if legacy == "old-names":
+        as_old_names_checkpoint(tmp_path / seg_ck / "iter_5")
+    elif legacy:
         as_legacy_aux_checkpoint(tmp_path / seg_ck / "iter_5")
     _, second = train(tmp_path, "second", *extra, "checkpoint.save=true", f"checkpoint.save_path={seg_ck}",
                       "checkpoint.resume=auto")
