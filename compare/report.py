@@ -20,6 +20,8 @@ Reads only what the runs wrote (`runs/<id>/run.json`, `runs/<id>/metrics.jsonl`,
   without a final val/loss, or its trunk missing) or pending (classify); a missing result is
   never inf: it is left out and a mean over fewer seeds than planned says "(n=k of N)".
 - summary.json, beside report.md, holds every number the tables print (summary_of).
+- `metric=` (compare.json; compare/metric.py) names what a result is: val/loss, or a task's
+  accuracy read as its error 1 − acc, so every choice below still minimises; D_eff is left out then.
 - The best lr of an optimizer: the lowest mean final loss over seeds at the largest budget,
   on the tuning seeds (run.json "phase": "tune"); runs of phase "eval" (seeds.eval) are the
   chosen settings on fresh seeds, read only by the significance section.
