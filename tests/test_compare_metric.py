@@ -81,7 +81,7 @@ def ranked_by_accuracy(tmp_path_factory):
     return write_comparison(tmp_path_factory.mktemp("metric") / "c", ACC)
 
 
-@pytest.mark.slow  # build_report draws its PNGs: ~14 s on the shared 2-core machine under load
+@pytest.mark.slow  # build_report draws its PNGs: 3 s with matplotlib's first import (14 s under heavy load)
 def test_the_best_lr_and_the_tables_follow_the_tasks_accuracy(ranked_by_accuracy):
     """The best lr is the argmax of the mean final acc_norm (recomputed from metrics.jsonl), not val/loss's;
     the printed result is 1 − acc; D_eff is left out with its reason; results.csv keeps both."""
@@ -106,7 +106,7 @@ def test_the_best_lr_and_the_tables_follow_the_tasks_accuracy(ranked_by_accuracy
     assert float(branch["final_val_loss"]) == records[-1]["val/loss"]
 
 
-@pytest.mark.slow  # build_report: ~5 s on the shared 2-core machine under load
+@pytest.mark.slow  # build_report: 1 s after another report, 3 s with matplotlib's first import
 def test_the_same_runs_ranked_by_val_loss_choose_val_losss_lr(ranked_by_accuracy, tmp_path):
     """The report is a function of the directory: the same runs with metric=val/loss in compare.json
     choose val/loss's optimum, 0.003, and keep the D_eff section."""
