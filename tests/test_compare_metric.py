@@ -93,7 +93,8 @@ def test_the_best_lr_and_the_tables_follow_the_tasks_accuracy(ranked_by_accuracy
         means = {lr: float(np.mean(accs[(opt, lr)])) for lr in GRID}
         best = max(GRID, key=lambda lr: (means[lr], -lr))  # ties: the smaller lr, as the report breaks them
         assert best == 0.006 and summary["optimizers"][opt]["best_lr"] == best
-        # the mean of 2 float64 values then 1 − it: a few float64 roundings of O(1) numbers, margin 10
+        # both sides: the mean of 2 float64 values, then 1 − it: ~3 roundings each of O(1) numbers, so
+        # float64 eps 2.2e-16 × 6 roundings × margin 10 ≈ 1e-14
         assert summary["optimizers"][opt]["at_best"]["20"]["mean"] == pytest.approx(1 - means[best], abs=1e-14)
     assert "Metric: `eval/t/acc_norm`" in md and "Final 1 − eval/t/acc_norm at the best lr" in md
     assert "Left out: D_eff fits a loss's shape" in md and "d_eff_fit" not in summary
@@ -161,7 +162,7 @@ def test_a_tiny_comparison_trained_with_a_task_file_ranks_by_its_accuracy(tmp_pa
     assert len(accs) == 2 and all(len(v) == 1 for v in accs.values())
     best = max(accs, key=lambda k: (accs[k][0], -k[1]))[1]
     summary = json.loads((root / "summary.json").read_text())["workloads"]["default"]["optimizers"]["adamw"]
-    assert summary["best_lr"] == pytest.approx(best, rel=1e-12)  # the same float64 lr, through JSON
+    assert summary["best_lr"] == best  # the same float64 lr: run.json and summary.json round-trip it exactly
     # acc_norm over 4 examples is k/4, exact in binary; 1 − it is exact too
     assert summary["at_best"]["10"]["mean"] == 1 - accs[("adamw", best)][0]
     assert "Final 1 − eval/t/acc_norm at the best lr" in summary_md
