@@ -38,8 +38,15 @@ import optax
 from optimizer.contract import Optimizer
 from optimizer.diagnostics import array_leaves, find_states
 from optimizer.groups import check_non_negative, check_positive, check_unit_interval
-from optimizer.muon import (NS_COEFFICIENTS, POLAR_EXPRESS_ABC, POLAR_EXPRESS_EPS, POLAR_EXPRESS_SAFETY, STACKED_MATRIX,
-                            newton_schulz, polar_express_coefficients)
+from optimizer.muon import (
+    NS_COEFFICIENTS,
+    POLAR_EXPRESS_ABC,
+    POLAR_EXPRESS_EPS,
+    POLAR_EXPRESS_SAFETY,
+    STACKED_MATRIX,
+    newton_schulz,
+    polar_express_coefficients,
+)
 from utils.errors import ConfigError
 
 # Keller Jordan's quintic (a, b, c), the authors' zeropower_via_newtonschulz5 (and optax's default),
@@ -151,7 +158,8 @@ class Scion(Optimizer):
 
         def update_fn(updates, state, params=None):
             del params
-            return jax.tree.map(lambda m: (rho * self.lmo(group, m.astype(jnp.float32))).astype(m.dtype), updates), state
+            step = lambda m: (rho * self.lmo(group, m.astype(jnp.float32))).astype(m.dtype)
+            return jax.tree.map(step, updates), state
 
         return optax.GradientTransformation(lambda _params: optax.EmptyState(), update_fn)
 

@@ -31,13 +31,12 @@ REASON = "parity tier: pip install -e '.[dev,parity]'"
 torch = pytest.importorskip("torch", reason=REASON)
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer", reason=REASON)
 
+import jax  # noqa: E402
+import optax  # noqa: E402
 from pytorch_optimizer.optimizer import scion as scion_module  # noqa: E402
 from pytorch_optimizer.optimizer.scion import LMONorm  # noqa: E402
 from test_groups import newton_schulz_atol  # noqa: E402
 from test_parity_basics import BASE_LR, OVERRIDES, PEAKS, STEPS, cosine  # noqa: E402
-
-import jax  # noqa: E402
-import optax  # noqa: E402
 
 from optimizer import make_optimizer  # noqa: E402
 from optimizer.groups import group_hparams  # noqa: E402
