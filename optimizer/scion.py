@@ -19,9 +19,12 @@ transposed, so the authors' "column" of an out×in matrix is a row of ours):
   * head: `sign` (sign(m)/d_in, their nanoGPT head) or `spectral` (as hidden);
   * scalar (biases, norm gains): `bias_rms` (their BiasRMS, the Auto choice for vectors: m over its
     RMS along the vector), `sign` (sign(m)) or `none` (m itself: momentum SGD).
-Defaults are the authors' nanoGPT configuration (README and Appendix E): lr 2⁻¹², momentum 0.1
-(0.9 here), constrained, hidden radius 50, head (tied: the embedding) Sign at 50·60 = 3000, five
-quintic Newton–Schulz iterations with X/(‖X‖_F + 1e-7). Not taken from their code: its bfloat16
+Defaults are the authors' nanoGPT configuration (their README's; examples/modded-nanogpt/
+train_gpt_scion.py has the same radii and momentum at lr 3.6e-4): lr 2⁻¹², momentum 0.1 (0.9 here),
+constrained, hidden radius 50, head (tied: the embedding) Sign at 50·60 = 3000, five quintic
+Newton–Schulz iterations with X/(‖X‖_F + 1e-7); the yaml sets `decay_embeddings: true`, so the
+embeddings are constrained too, as the authors constrain every group they step. The scalars'
+`sign` is not theirs (their Sign takes matrices only). Not taken from their code: its bfloat16
 Newton–Schulz (float32 here, as Muon's) and its `init()`, which re-initialises the weights in each
 norm's ball (the model's own initialisation is kept).
 """
