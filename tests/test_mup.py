@@ -89,6 +89,7 @@ def test_lr_rules_per_optimizer():
     assert mup_optim.lr_scales(OPTIMIZERS["adamw"](), "adamw", r, 64, 16)[:1] == ({"hidden": 0.25},)
     assert mup_optim.lr_scales(OPTIMIZERS["lion"](), "lion", r, 64, 16)[0] == {"hidden": 0.25}
     assert mup_optim.lr_scales(OPTIMIZERS["muon"](), "muon", r, 64, 16)[0] == {}
+    assert mup_optim.lr_scales(OPTIMIZERS["scion"](), "scion", r, 64, 16)[0] == {}  # Spectral LMO: width-invariant
     assert mup_optim.lr_scales(OPTIMIZERS["muon"](shape_scale="adam_rms"), "muon", r, 64, 16)[0] == {"hidden": 0.5}
     scales, line, warning = mup_optim.lr_scales(OPTIMIZERS["sgdm"](), "sgdm", r, 64, 16)
     assert (scales, warning) == ({}, True) and "optimizer=sgdm has no known muP lr rule" in line
