@@ -114,6 +114,33 @@ def test_bad_variants_are_one_line_config_errors(change, run, words):
     assert "\n" not in str(e.value)
 
 
+def test_the_report_resolves_a_variants_optimizer_and_says_its_ranking_is_the_averages():
+    """section_special reads a variant's optimizer class through entry_of (Schedule-Free's: no cooldown);
+    section_variants names each variant and every averaging entry, from compare.json and run.json alone."""
+    from compare.report import Run, section_special, section_variants
+
+    def run(entry, overrides):
+        return Run({"id": entry, "optimizer": entry, "overrides": list(overrides)}, [])
+
+    variants = {"sf_ema": ["schedule_free_adamw", "train.grad_clip=0.5"], "adamw_ema": ["adamw", *EMA],
+                "unused": ["adamw", EMA[0]]}
+    runs = {r.id: r for r in (run("adamw", ["optimizer=adamw"]), run("sf_ema", ["optimizer=schedule_free_adamw"]),
+                              run("adamw_ema", ["optimizer=adamw", *EMA]))}
+    special = section_special(runs, variants)
+    assert "- sf_ema needs no cooldown (its averaging replaces the lr decay)" in "\n".join(special)
+    assert not any(line.startswith(("- adamw ", "- adamw_ema ")) for line in special)
+    lines = section_variants(runs, variants)
+    assert lines[2:5] == [
+        "- adamw_ema is adamw with `train.weight_average=ema` `train.weight_average_half_life=5`: an entry of its "
+        "own (its own lr grid, centred on its optimizer's yaml lr).",
+        "- sf_ema is schedule_free_adamw with `train.grad_clip=0.5`: an entry of its own (its own lr grid, centred "
+        "on its optimizer's yaml lr).",
+        "- adamw_ema averages its weights (train.weight_average=ema): its val/loss, and so every result and ranking "
+        "of it below, is the average's, what its runs evaluate and export; its trained weights' is val/loss_raw in "
+        "its metrics.jsonl."]
+    assert len(lines) == 6 and section_variants({"a": run("adamw", [])}, {}) == []  # no variant, no averaging
+
+
 def test_the_cli_passes_a_variant_as_one_shell_word():
     from helpers import load_script
 
@@ -124,7 +151,7 @@ def test_the_cli_passes_a_variant_as_one_shell_word():
     assert compare_config(script.compose_knobs(ours)).variants == (("adamw_ema", "adamw", EMA),)
 
 
-@pytest.mark.slow  # 6 tiny runs and a 20-step run from scratch: ~40 s on the 2-core CI VM
+@pytest.mark.slow  # 6 tiny runs and a 20-step run from scratch: 33 s measured on 2 shared cores
 def test_a_variant_comparison_trains_the_averaged_runs_and_reports_both(tmp_path):
     trained = {}
 
