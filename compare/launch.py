@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from compare.plan import CompareConfig, Plan, PlannedRun, override_key, phase_seeds, run_json
+from compare.plan import CompareConfig, Plan, PlannedRun, entry_of, override_key, phase_seeds, run_json
 from optimizer.renames import new_name
 from utils import compile_cache
 from utils.checkpoint.storage import complete_steps
@@ -203,12 +203,13 @@ def old_knob_names(plan_json: dict) -> list[str]:
     """The optimizer knobs a comparison's runs set under a name since renamed (optimizer/renames.py):
     such a directory continues with the command that made it (its run ids hold the old names)."""
     found = set()
+    variants = (plan_json.get("knobs") or {}).get("variants") or {}
     for run in plan_json.get("runs", []):
         for key in map(override_key, run.get("overrides", [])):
             parts = key.split(".")
             if parts[0] == "optimizer" and len(parts) in (2, 4):
                 group = parts[2] if len(parts) == 4 and parts[1] == "groups" else None
-                if new_name(run.get("optimizer", ""), parts[-1], group):
+                if new_name(entry_of(variants, run.get("optimizer", ""))[0], parts[-1], group):
                     found.add(key)
     return sorted(found)
 

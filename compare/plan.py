@@ -11,7 +11,10 @@ from scratch with the whole warmup-stable-decay schedule would (tests/test_compa
 The cost is b_max + Σ (S_k - b_k) steps instead of Σ S_k.
 
 Per workload (`workloads.<name>=[overrides]`, default: one named `default` with none), per
-optimizer, every lr of its grid is crossed with every combination of the `sweep.<knob>` values
+entry (an optimizer, or a variant `variants.<label>="<optimizer> <run overrides>"`: that optimizer
+with fixed overrides, e.g. weight averaging, compared as an entry of its own under its label;
+`entry_of` is the one place a label becomes its optimizer and overrides), every lr of its grid
+is crossed with every combination of the `sweep.<knob>` values
 (optimizer knobs, e.g. `sweep.weight_decay=[0,0.1]`) and every seed.
 
 `make_plan` is a pure function of the knobs, the run overrides and each optimizer's yaml lr per
@@ -112,11 +115,22 @@ class CompareConfig:
     budget_unit: str = "steps"  # steps | tokens | chinchilla (multiples of 20 tokens per parameter)
     workload_budgets: tuple[tuple[str, tuple[int, ...]], ...] = ()  # tokens|chinchilla: each workload's steps
     metric: str = metric_lib.LOSS  # what the best settings and the ranking minimise: val/loss or a task's accuracy
+    variants: tuple[tuple[str, str, tuple[str, ...]], ...] = ()  # (label, its optimizer, its fixed run overrides);
+    # each label is also one of `optimizers` (the compared entries)
+
+    def optimizer_of(self, entry: str) -> str:
+        """The optimizer an entry (an optimizer's name or a variant's label) trains with."""
+        return entry_of(self.variants, entry)[0]
+
+    def overrides_of(self, entry: str) -> tuple[str, ...]:
+        """A variant's fixed run overrides; () for a plain optimizer."""
+        return entry_of(self.variants, entry)[1]
 
     def sweep_of(self, optimizer: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
         """The sweep an optimizer's lrs are crossed with: the shared `sweep.<knob>` values and its own
         `sweep.<optimizer>.<knob>` ones (held in `sweep` under the qualified name), sorted by knob."""
-        shared = [(k, v) for k, v in self.sweep if k.split(".")[0] not in OPTIMIZERS]
+        owners = {*OPTIMIZERS, *(label for label, _, _ in self.variants)}
+        shared = [(k, v) for k, v in self.sweep if k.split(".")[0] not in owners]
         own = [(k.split(".", 1)[1], v) for k, v in self.sweep if k.split(".")[0] == optimizer]
         return tuple(sorted(shared + own))
 
@@ -170,6 +184,7 @@ class Plan:
         for key in ("optimizers", "budgets"):
             knobs[key] = list(knobs[key])
         knobs["workload_budgets"] = {name: list(steps) for name, steps in self.knobs.workload_budgets}
+        knobs["variants"] = {label: [opt, *overrides] for label, opt, overrides in self.knobs.variants}
         runs = [run_json(r) for r in self.runs]
         out = {"knobs": knobs, "run_overrides": list(self.run_overrides), "runs": runs}
         if self.spaces:  # where each coordinate search starts and what it varies (the report replays it)
@@ -217,13 +232,17 @@ def compare_config(node: dict) -> CompareConfig:
     """conf/compare.yaml's composed knobs -> CompareConfig, or one ConfigError line naming the knob."""
     node = dict(node)
     known = {"optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
-             "val_every", "baseline", "tune", "coordinate", "target", "budget_unit", "metric", *EXECUTION}
+             "val_every", "baseline", "tune", "coordinate", "target", "budget_unit", "metric", "variants", *EXECUTION}
     unknown = sorted(set(node) - known)
     if unknown:
         raise ConfigError(f"unknown comparison knob {unknown[0]!r}: the knobs are {', '.join(sorted(known))}")
-    optimizers = [_optimizer(o, "optimizers") for o in _list(node.get("optimizers"), "optimizers", "[adamw,muon]")]
+    variants = _variants(node.get("variants") or {})
+    labels = [label for label, _, _ in variants]
+    optimizers = [o if o in labels else _optimizer(o, "optimizers")
+                  for o in _list(node.get("optimizers"), "optimizers", "[adamw,muon]")]
     if len(set(optimizers)) != len(optimizers):
         raise ConfigError(f"optimizers={optimizers} lists an optimizer twice: name each once")
+    optimizers += [label for label in labels if label not in optimizers]  # every variant is an entry of its own
     unit = node.get("budget_unit", "steps")
     if unit not in UNITS:
         raise ConfigError(f"budget_unit={unit!r} must be one of {', '.join(UNITS)}: what the numbers of budgets count")
@@ -325,7 +344,7 @@ def compare_config(node: dict) -> CompareConfig:
         warmup=_int(node.get("warmup", 0), "warmup", 0, "linear warmup steps of every run"),
         cooldown_fraction=fraction, cooldown_shape=shape, lr_extend=extend,
         lr_extend_max=_int(lr.get("extend_max", 2), "lr.extend_max", 1, "lrs lr.extend may add per optimizer"),
-        sweep=_sweep(node.get("sweep") or {}, optimizers), workloads=workloads,
+        sweep=_sweep(node.get("sweep") or {}, optimizers, variants), workloads=workloads, variants=variants,
         workload_lr=tuple(c for c in centres if isinstance(c[2], float)),
         workload_lr_grid=tuple(c for c in centres if isinstance(c[2], tuple)),
         baseline=_baseline(node.get("baseline"), optimizers),
@@ -333,7 +352,73 @@ def compare_config(node: dict) -> CompareConfig:
             node["val_every"], "val_every", 1, "evaluate every N steps besides the branch points and budgets"))
     if unit == "steps":
         check_steps(knobs, knobs.budgets_of(WORKLOAD))
+    for label, _, overrides in variants:
+        keys = {override_key(o) for o in overrides}
+        if knobs.val_every is not None and "train.val_freq" in keys:
+            raise ConfigError(f"variants.{label} sets train.val_freq and val_every={knobs.val_every} sets how often "
+                              "every run evaluates: give only val_every")
+        swept = next((k for k, _ in knobs.sweep_of(label) if f"optimizer.{k}" in keys), None)
+        if swept:
+            raise ConfigError(f"variants.{label} fixes optimizer.{swept}, which sweep.{swept} (or "
+                              f"sweep.{label}.{swept}) sweeps: drop one")
     return knobs
+
+
+def entry_of(variants, entry: str) -> tuple[str, tuple[str, ...]]:
+    """A compared entry's (optimizer, fixed run overrides): a variant's label -> its own, an optimizer's
+    name -> (it, ()). The one place a label is resolved; `variants`: CompareConfig.variants, or
+    compare.json's `variants` mapping (label -> [optimizer, *overrides]; absent before variants existed)."""
+    if isinstance(variants, dict):
+        value = variants.get(entry)
+        return (str(value[0]), tuple(value[1:])) if value else (entry, ())
+    return next(((opt, tuple(overrides)) for label, opt, overrides in variants if label == entry), (entry, ()))
+
+
+def _variants(node: dict) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """variants.<label>="<optimizer> <run override> ..." (one string, or a list) -> ((label, optimizer,
+    overrides), ...), sorted by label; one ConfigError line for a label that is an optimizer's name or
+    not a run-directory name, an unknown optimizer, or an override the comparison sets itself."""
+    out = []
+    for label, value in sorted(dict(node).items()):
+        knob = f"variants.{label}"
+        if label in OPTIMIZERS:
+            raise ConfigError(f"{knob}: {label!r} is an optimizer's name; give the variant a label of its own, e.g. "
+                              f"variants.{label}_ema")
+        if not WORKLOAD_NAME.fullmatch(str(label)):
+            raise ConfigError(f"{knob}: a variant's label is letters, digits, '.', '-' and single '_' (it is part of "
+                              "every run's id), e.g. variants.adamw_ema")
+        words = shlex.split(value) if isinstance(value, str) else list(value or [])
+        if not words or any(not isinstance(w, str) for w in words) or any("=" not in w for w in words[1:]):
+            raise ConfigError(f"{knob}={value!r} must be an optimizer then run overrides, e.g. "
+                              f"'{knob}=adamw train.weight_average=ema train.weight_average_half_life=50'")
+        opt, overrides = _optimizer(words[0], knob), tuple(words[1:])
+        check_run_overrides(overrides, knob)
+        keys = [override_key(o) for o in overrides]
+        if len(set(keys)) != len(keys):
+            raise ConfigError(f"{knob}: sets {next(k for k in keys if keys.count(k) > 1)} twice: give it once")
+        out.append((str(label), opt, overrides))
+    return tuple(out)
+
+
+def check_variants(knobs: CompareConfig, run_overrides: tuple[str, ...]) -> None:
+    """Refuse a variant override that the run overrides or a workload also set (which one wins would
+    depend on their order), and tail averaging anywhere (see below); one ConfigError line."""
+    for name, extra in knobs.workloads:
+        shared = {override_key(o): "the run overrides" for o in run_overrides}
+        shared.update({override_key(o): f"workloads.{name}" for o in extra})
+        for label, _, overrides in knobs.variants:
+            clash = next((override_key(o) for o in overrides if override_key(o) in shared), None)
+            if clash:
+                raise ConfigError(f"variants.{label} sets {clash}, which {shared[clash]} also set: give it in one "
+                                  "place")
+        for entry in knobs.optimizers:
+            for o in (*run_overrides, *extra, *knobs.overrides_of(entry)):
+                if override_key(o) == "train.weight_average" and o.split("=", 1)[1].strip() == "tail":
+                    # its window starts at round((1-f)·train.max_steps), which differs between a trunk and its
+                    # branches: a branch would not equal its run from scratch (ema reads no run length)
+                    raise ConfigError(f"{o} (for {entry}): tail averaging's window depends on train.max_steps, "
+                                      "which differs between a trunk and its branches; compare "
+                                      "train.weight_average=ema instead")
 
 
 def check_steps(knobs: CompareConfig, steps: tuple[int, ...], where: str = "") -> None:
@@ -440,35 +525,37 @@ def current_name(optimizer: str, knob: str) -> str:
     return ".".join([*parts[:-1], new]) if new else knob
 
 
-def _sweep(node: dict, optimizers: list[str]) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+def _sweep(node: dict, optimizers: list[str], variants=()) -> tuple[tuple[str, tuple[Any, ...]], ...]:
     """sweep.<optimizer knob>=[values] (every optimizer) and sweep.<optimizer>.<knob>=[values] (that
     one's own search space) -> ((knob, values), ...), sorted by knob, an optimizer's own knobs under
     their qualified name. A knob an optimizer lacks is refused, naming the optimizer and its knobs."""
     out = []
+    entries = {*OPTIMIZERS, *(label for label, _, _ in variants)}  # what sweep.<entry>.<knob> may name
     for knob, values in sorted(_flatten(dict(node)).items()):
         name = f"sweep.{knob}"
         owner, _, own = knob.partition(".")
-        owners, plain = ([owner], own) if owner in OPTIMIZERS else (optimizers, knob)
-        if owner in OPTIMIZERS and owner not in optimizers:
+        owners, plain = ([owner], own) if owner in entries else (optimizers, knob)
+        if owner in entries and owner not in optimizers:
             raise ConfigError(f"{name}: {owner} is not in optimizers={optimizers}; add it there or drop its sweep")
         if plain == "name" or plain.split(".")[0] == "lr_config" or plain.split(".")[-1] == "lr":
             raise ConfigError(f"{name}: the comparison sets the optimizer and its lr itself; sweep lrs with "
                               "lr.points/lr.factor/lr.grid.<optimizer>, other optimizer knobs with sweep.<knob> "
                               "or sweep.<optimizer>.<knob>")
-        for opt in owners:
+        for entry in owners:
+            opt = entry_of(variants, entry)[0]
             fields = optimizer_knobs(opt)
             # an old knob name (optimizer/renames.py) is accepted: the runs' composition renames it
             if plain.split(".")[0] not in fields and new_name(opt, plain) not in fields:
                 raise ConfigError(f"{name}: {opt} has no knob {plain.split('.')[0]!r}; its knobs are "
-                                  f"{', '.join(fields)}" + ("" if owner in OPTIMIZERS else
+                                  f"{', '.join(fields)}" + ("" if owner in entries else
                                                             " (sweep.<optimizer>.<knob> sweeps one optimizer's own)"))
         values = _list(values, name, "[0.0,0.1]")
         if any(isinstance(v, (dict, list)) for v in values) or len({repr(v) for v in values}) != len(values):
             raise ConfigError(f"{name}={values} must be distinct plain values (numbers, true/false or names)")
         out.append((knob, tuple(values)))
-    shared = {k for k, _ in out if k.split(".")[0] not in OPTIMIZERS}
+    shared = {k for k, _ in out if k.split(".")[0] not in entries}
     for k, _ in out:
-        if k.split(".")[0] in OPTIMIZERS and k.split(".", 1)[1] in shared:
+        if k.split(".")[0] in entries and k.split(".", 1)[1] in shared:
             raise ConfigError(f"sweep.{k} and sweep.{k.split('.', 1)[1]} both sweep it for "
                               f"{k.split('.')[0]}: give one")
     return tuple(out)
@@ -541,21 +628,24 @@ def check_run_overrides(overrides: list[str] | tuple[str, ...], where: str = "")
                 raise ConfigError(f"{override}{at}: the comparison sets {knob} itself; use {instead}")
 
 
-def base_lrs(optimizers: tuple[str, ...], run_overrides: tuple[str, ...] = ()) -> dict[str, float]:
-    """Each optimizer's yaml lr (optimizer.lr_config.lr), as a run with these overrides composes it."""
+def base_lrs(optimizers: tuple[str, ...], run_overrides: tuple[str, ...] = (), variants=()) -> dict[str, float]:
+    """Each entry's yaml lr (its optimizer's optimizer.lr_config.lr), as a run with these overrides
+    (and a variant's own) composes it."""
     from utils.config import compose_overrides
 
     out = {}
-    for opt in optimizers:
-        cfg = compose_overrides([*run_overrides, f"optimizer={opt}"], job_name="compare")
-        out[opt] = float(cfg.optimizer.lr_config.lr)
+    for entry in optimizers:
+        opt, fixed = entry_of(variants, entry)
+        cfg = compose_overrides([*run_overrides, *fixed, f"optimizer={opt}"], job_name="compare")
+        out[entry] = float(cfg.optimizer.lr_config.lr)
     return out
 
 
 def workload_lrs(knobs: CompareConfig, run_overrides: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
     """base_lrs per workload (a workload's overrides may change an optimizer's yaml lr), or the
     workload's own `lr.<optimizer>=X` centre."""
-    out = {name: base_lrs(knobs.optimizers, (*run_overrides, *extra)) for name, extra in knobs.workloads}
+    out = {name: base_lrs(knobs.optimizers, (*run_overrides, *extra), knobs.variants)
+           for name, extra in knobs.workloads}
     for name, opt, lr in knobs.workload_lr:
         out[name][opt] = lr
     return out
@@ -571,11 +661,12 @@ def start_values(knobs: CompareConfig, run_overrides: tuple[str, ...] = ()) -> d
     out = {}
     for name, extra in knobs.workloads:
         for opt in knobs.optimizers:
-            cfg = compose_overrides([*run_overrides, *extra, f"optimizer={opt}"], job_name="compare")
+            cfg = compose_overrides([*run_overrides, *extra, *knobs.overrides_of(opt),
+                                     f"optimizer={knobs.optimizer_of(opt)}"], job_name="compare")
             values = {"lr": dict(((w, o), lr) for w, o, lr in knobs.workload_lr).get(
                 (name, opt), float(cfg.optimizer.lr_config.lr))}
             for knob, _ in knobs.sweep_of(opt):
-                values[knob] = OmegaConf.select(cfg.optimizer, current_name(opt, knob))
+                values[knob] = OmegaConf.select(cfg.optimizer, current_name(knobs.optimizer_of(opt), knob))
             out[(name, opt)] = values
     return out
 
@@ -630,19 +721,23 @@ def _setting_runs(knobs: CompareConfig, workload: str, optimizer: str, lr: float
     seeds = range(knobs.seeds) if seeds is None else seeds
     steps = sorted({knobs.branch_step(b) for b in budgets})
     runs: list[PlannedRun] = []
+    # `optimizer` is the entry (a variant's label names its runs); its own optimizer and overrides train
+    real, fixed = knobs.optimizer_of(optimizer), knobs.overrides_of(optimizer)
+    overrides = (*fixed, *overrides)  # check_variants: no key of a variant's is among the others
+    defaults = [o for o in defaults if override_key(o) not in {override_key(f) for f in fixed}]
     given = {override_key(o) for o in overrides}
     # An optimizer whose state depends on the run's length (a knob that defaults to it) gets the
     # largest budget for every run, trunk and branches alike, so a branch stays exact.
-    horizon = OPTIMIZERS[optimizer].RUN_LENGTH_KNOB
+    horizon = OPTIMIZERS[real].RUN_LENGTH_KNOB
     horizon = [f"optimizer.{horizon}={max(knobs.budgets_of(workload))}"] \
         if horizon and f"optimizer.{horizon}" not in given else []
     # One that needs no cooldown (its own averaging) has branches that keep the trunk's constant lr.
-    cooldown = OPTIMIZERS[optimizer].COOLDOWN
+    cooldown = OPTIMIZERS[real].COOLDOWN
     combos = itertools.product(*[[(knob, v) for v in values] for knob, values in knobs.sweep_of(optimizer)])
     for sweep in (tuple(c) for c in combos) if sweeps is None else sweeps:
         swept = [f"optimizer.{knob}={_value(v)}" for knob, v in sweep]
         for seed in seeds:
-            common = [f"optimizer={optimizer}", f"optimizer.lr_config.lr={lr!r}",
+            common = [f"optimizer={real}", f"optimizer.lr_config.lr={lr!r}",
                       f"optimizer.lr_config.warmup={knobs.warmup}", *horizon, *swept, f"random_seed={seed}",
                       f"data_seed={data_seed(knobs, seed)}", *defaults, *overrides]
             trunk = run_id(optimizer, lr, seed, None, workload, sweep, phase)
@@ -694,6 +789,7 @@ def make_plan(knobs: CompareConfig, run_overrides: list[str] | tuple[str, ...],
     results come (coordinate_runs)."""
     run_overrides = tuple(run_overrides)
     check_run_overrides(run_overrides)
+    check_variants(knobs, run_overrides)
     metric_lib.check_logged(metric_lib.parse(knobs.metric), knobs.workloads, run_overrides)
     runs: list[PlannedRun] = []
     spaces = []

@@ -731,14 +731,32 @@ def section_target(w: Workload, h: str, loss: float, runs: int) -> list[str]:
                         "final val/loss", "p(final < target)"], rows)
 
 
-def section_special(runs: dict[str, Run]) -> list[str]:
+def section_variants(runs: dict[str, Run], variants: dict) -> list[str]:
+    """What each variant (compare.json's `variants`: label -> [optimizer, *overrides]) is, and, for every
+    entry whose runs average their weights, that its val/loss (what ranks it) is the average's."""
+    lines = [f"- {label} is {opt} with {' '.join(f'`{o}`' for o in overrides) or 'no overrides'}: an entry of its "
+             "own (its own lr grid, centred on its optimizer's yaml lr)." for label, (opt, *overrides) in
+             sorted(variants.items()) if any(r.optimizer == label for r in runs.values())]
+    for name in _order(r.optimizer for r in runs.values()):
+        kinds = sorted({o.split("=", 1)[1] for r in runs.values() if r.optimizer == name
+                        for o in (r.info.get("overrides") or []) if o.startswith("train.weight_average=")} - {"none"})
+        if kinds:
+            lines.append(f"- {name} averages its weights (train.weight_average={', '.join(kinds)}): its val/loss, and "
+                         "so every result and ranking of it below, is the average's, what its runs evaluate and "
+                         "export; its trained weights' is val/loss_raw in its metrics.jsonl.")
+    return ["Variants and weight averaging:", "", *lines, ""] if lines else []
+
+
+def section_special(runs: dict[str, Run], variants: dict | None = None) -> list[str]:
     """How optimizers that need no cooldown or read the run's length were run (plan.py), from
-    their optimizer classes and what their runs' overrides say."""
+    their optimizer classes (a variant's: its optimizer's, plan.entry_of) and what their runs'
+    overrides say."""
+    from compare.plan import entry_of
     from optimizer import OPTIMIZERS
 
     notes = []
     for name in _order(r.optimizer for r in runs.values()):
-        cls = OPTIMIZERS.get(name)
+        cls = OPTIMIZERS.get(entry_of(variants or {}, name)[0])
         if cls is not None and not cls.COOLDOWN:
             notes.append(f"- {name} needs no cooldown (its averaging replaces the lr decay): its branches keep the "
                          "trunk's constant lr to each budget.")
@@ -1401,7 +1419,8 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
     lines += on_metric(["A result is a cooldown branch's final val/loss; failed and diverged runs count as ∞, missing "
                         "ones are left out (n=k of N). Every number of the tables: `summary.json`. "
                         "Every run: `results.csv`. What each number means: docs/compare.md.", ""], metric)
-    lines += section_special(runs)
+    lines += section_special(runs, knobs.get("variants") or {})
+    lines += section_variants(runs, knobs.get("variants") or {})
     for w in workloads:
         h = "###" if len(workloads) > 1 else "##"
         suffix = f"_{w.name}" if len(workloads) > 1 else ""

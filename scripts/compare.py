@@ -43,9 +43,9 @@ from utils.script_errors import script_error
 # conf/compare.yaml's top-level keys: an argument whose key starts with one is a comparison knob.
 COMPARE_KEYS = ("optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
                 "val_every", "baseline", "tune", "coordinate", "target", "budget_unit", "dir", "save_every", "parallel",
-                "keep_checkpoints", "metric")
+                "keep_checkpoints", "metric", "variants")
 # Keys of mappings that are empty in conf/compare.yaml: a new key there needs Hydra's `++`.
-OPEN_MAPPINGS = ("lr.grid.", "sweep.", "workloads.")
+OPEN_MAPPINGS = ("lr.grid.", "sweep.", "workloads.", "variants.")
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
@@ -65,8 +65,9 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
             value = arg.split("=", 1)[1] if "=" in arg else ""
             if key == "seeds":  # seeds=K: an alias of seeds.tune=K (so seeds.eval=M may come before or after)
                 arg = f"seeds.tune={value}"
-            if key.startswith("workloads.") and not value.startswith(("[", "'", '"')):
-                # `workloads.small=model.dim=32 dataset.batch_size=8` (one shell word): a string to Hydra
+            if key.startswith(("workloads.", "variants.")) and not value.startswith(("[", "'", '"')):
+                # `workloads.small=model.dim=32 dataset.batch_size=8` or `variants.adamw_ema=adamw
+                # train.weight_average=ema` (one shell word): a string to Hydra
                 arg = f"{arg.split('=', 1)[0]}='{value.replace(chr(39), chr(92) + chr(39))}'"
             ours.append(f"++{arg.lstrip('+')}" if key.startswith(OPEN_MAPPINGS) else arg)
         else:
