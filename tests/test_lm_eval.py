@@ -99,13 +99,16 @@ def ours(ckpt: Path, data: str):
     reqs = scorer.requests[0]
     loglik, _ = scorer.scores(model, reqs)
     atols = []
-    for tokens, n in reqs:  # max|logits| and logsumexp of each request's own forward set its scale
+    # A sum of n tokens' log-probabilities from two float32 programs: n × helpers.mean_loss_atol (each
+    # token's two logits' error, its logsumexp's rounding, the sum's; margin 4 = two sides × 2), at the
+    # scale of the request's own logits (its forward alone, the scored positions).
+    for tokens, n in reqs:
         logits_TxV = np.asarray(model(jnp.asarray(tokens[None, :-1]), key=None, compute_dtype="float32"))[0]
         atols.append(n * mean_loss_atol(run.model, logits_TxV[-n:], abs(loglik[len(atols)]) / n, n))
     return scorer(model), loglik, np.asarray(atols), scorer.tasks[0]
 
 
-@pytest.mark.slow  # a 12-step run, its export, lm-eval's import and evaluation: ~45 s on 2 shared cores
+@pytest.mark.slow  # a 12-step run, its export, lm-eval's import and evaluation: 32-51 s measured on 2 shared cores
 def test_the_docs_lm_eval_command_on_the_export_gives_our_scorers_accuracies(export, tmp_path, monkeypatch):
     import datasets
     from lm_eval.tasks import TaskManager
