@@ -180,6 +180,10 @@ COVERED_ELSEWHERE = {
         "tests/test_cli.py::test_train_lm_script_smoke_forwards_the_slurm_signal_and_resumes",
     "tensorboard --logdir outputs": "tests/test_sinks.py::test_tensorboard_events_read_back",
     "sudo bash scripts/slurm/local_cluster.sh": "tests/test_slurm.py::test_local_cluster_script_second_run_is_quick",
+    # parsed by lm-eval's own command line and run through lm_eval.simple_evaluate on a tiny export
+    "lm_eval --model hf --model_args pretrained=hf_model,dtype=float32 --include_path my_tasks/ --tasks my_task "
+    "--device cpu --batch_size 4":
+        "tests/test_lm_eval.py::test_the_docs_lm_eval_command_on_the_export_gives_our_scorers_accuracies",
 }
 
 
