@@ -1192,19 +1192,38 @@ def f_iv(iv) -> str:
     return ladder.f_interval(iv, ".3f") if iv else "–"
 
 
-def section_sizes(lad: dict | None, compare_dir: str) -> list[str]:
-    """The workloads as a model-size ladder (compare/sizes.py): speedup against parameters, its trend, the best lrs."""
-    if lad is None:
-        return []
+def section_sizes(ladders: list[tuple[str | None, dict]], compare_dir: str) -> list[str]:
+    """The workloads as model-size ladders (compare/sizes.py), one per parametrisation when the workloads
+    hold both (model.mup): each with its speedups, trends and best lrs, then the lr exponents side by side."""
+    out: list[str] = []
+    for name, lad in ladders:
+        out += section_size_ladder(lad, compare_dir, name)
+    if len(ladders) > 1:
+        names = [name for name, _ in ladders]
+        opts = [o for o in ladders[0][1]["optimizers"] if all(o in lad["optimizers"] for _, lad in ladders)]
+        out += ["### The lr's transfer, per parametrisation", "",
+                "The exponent e of the best lr's fit lr ∝ N^e in each ladder above: e ≈ 0 where an optimizer's lr "
+                "transfers across sizes (muP's aim), negative where it must shrink as the model grows.", ""]
+        out += table(["optimizer", *(f"e ({n})" for n in names)],
+                     [[o, *(f_num(lad["optimizers"][o]["lr_exponent"], "+.3f") for _, lad in ladders)] for o in opts])
+    return out
+
+
+def section_size_ladder(lad: dict, compare_dir: str, parametrisation: str | None) -> list[str]:
+    """One model-size ladder: speedup against parameters, its trend, the best lrs (and its PNG)."""
     ref, sized = lad["reference"], lad["workloads"]
-    out = ["## Across model sizes", "",
-           f"The workloads as model sizes (their runs' `model/params`). Per optimizer and size, the speedup over {ref} "
+    title = "## Across model sizes" + (f" ({parametrisation})" if parametrisation else "")
+    png = "speedup_vs_size.png" if parametrisation in (None, "SP") else f"speedup_vs_size_{parametrisation.lower()}.png"
+    scope = (f"The {parametrisation} workloads (model.mup={'true' if parametrisation == 'muP' else 'false'}) "
+             if parametrisation else "The workloads ")
+    out = [title, "",
+           f"{scope}as model sizes (their runs' `model/params`). Per optimizer and size, the speedup over {ref} "
            "the workload's sections print: time to target on the budget ladder, and D_eff/D at the largest budget, "
            f"each with its {ladder.LEVEL:.0%} bootstrap interval; then the trend: the least-squares line of the "
            "speedup against log10(parameters), its slope the change per 10× parameters, with an interval from the "
            "sizes' resamples joined draw by draw (a draw where a size's value is a bound has no slope, and is "
            "counted).", "",
-           "![speedup against model size](speedup_vs_size.png)", ""]
+           f"![speedup against model size]({png})", ""]
     rows = []
     for o, row in lad["optimizers"].items():
         for key, label in (("ttt", "time-to-target speedup"), ("deff", "D_eff/D at S_max")):
@@ -1218,7 +1237,7 @@ def section_sizes(lad: dict | None, compare_dir: str) -> list[str]:
     out += table(["optimizer", *(name for name, _ in sized), "e"],
                  [[o, *(f_lr(row["lr"][name]) for name, _ in sized), f_num(row["lr_exponent"], "+.3f")]
                   for o, row in lad["optimizers"].items()])
-    plot_sizes(lad, os.path.join(compare_dir, "speedup_vs_size.png"))
+    plot_sizes(lad, os.path.join(compare_dir, png))
     return out
 
 
@@ -1447,11 +1466,12 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
         lines += section_cost(w, h)
     profiles: dict = {}
     lines += on_metric(section_profiles(workloads, compare_dir, profiles), metric)
-    size_ladder = sizes.ladder_of(workloads)
-    lines += on_metric(section_sizes(size_ladder, compare_dir), metric)
+    size_ladders = sizes.ladders_of(workloads)
+    lines += on_metric(section_sizes(size_ladders, compare_dir), metric)
     write_summary(compare_dir, {**summary_of(runs, workloads, tests, planned, profiles),
                                 "metric": {"name": metric.name, "reported_as": metric.label},
-                                **({"sizes": sizes_json(size_ladder)} if size_ladder else {})})
+                                **{"sizes" if name in (None, "SP") else f"sizes_{name.lower()}": sizes_json(lad)
+                                   for name, lad in size_ladders}})
     path = os.path.join(compare_dir, "report.md")
     with atomic_write(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:

@@ -10,6 +10,11 @@ log10(parameters), whose slope (the change per 10x parameters) gets an interval 
 per-size bootstrap resamples joined draw by draw (the sizes' runs are independent, so draw k of
 every size is one joint resample). A draw in which a size's value is a bound or unknown has no
 slope; the report counts those. And the best lr per size, with the exponent of lr ∝ N^e.
+
+A width ladder run both ways (issue: hyperparameter transfer): workloads whose runs train with
+`model.mup=true` and workloads without form two ladders, one per parametrisation, so each
+optimizer's best lr against size under muP (flat where it transfers: e ≈ 0) stands next to the
+standard parametrisation's, instead of two workloads of one size mixing in one fit.
 """
 
 from __future__ import annotations
@@ -32,6 +37,30 @@ def workload_params(w) -> int | None:
         if isinstance(found, (int, float)) and math.isfinite(found):
             counts.append(found)
     return int(np.median(counts)) if counts else None
+
+
+def parametrisation(w) -> str:
+    """"muP" when the workload's runs train with model.mup=true (the last `model.mup=` of a run's
+    overrides, which hold the workload's), else "SP" (the standard parametrisation, the default)."""
+    for run in w.runs:
+        said = [o.split("=", 1)[1].strip().lower() for o in run.info.get("overrides") or []
+                if o.lstrip("+").startswith("model.mup=")]
+        if said:
+            return "muP" if said[-1] == "true" else "SP"
+    return "SP"
+
+
+def ladders_of(workloads: list) -> list[tuple[str | None, dict]]:
+    """[(parametrisation, ladder)]: one ladder (parametrisation None) when every workload shares one,
+    else one per parametrisation that makes a ladder (SP first)."""
+    groups: dict[str, list] = {}
+    for w in workloads:
+        groups.setdefault(parametrisation(w), []).append(w)
+    if len(groups) == 1:
+        lad = ladder_of(workloads)
+        return [(None, lad)] if lad else []
+    return [(name, lad) for name in sorted(groups, key=lambda n: n != "SP")
+            if (lad := ladder_of(groups[name])) is not None]
 
 
 def _exact(value: tuple[float, str]) -> bool:

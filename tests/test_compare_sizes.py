@@ -104,3 +104,49 @@ def test_workloads_without_parameter_counts_or_of_one_size_are_no_ladder():
     assert sizes.workload_params(workload("a", 1_000, 3_000, 2_000)) == 2_000  # the median
     lad = sizes.ladder_of([workload("b", 2_000), workload("a", 1_000)])
     assert lad["workloads"] == [("a", 1_000), ("b", 2_000)]  # ordered by size
+
+
+def _with_overrides(root: Path, workload: str, *overrides: str) -> None:
+    """Add run overrides to each of the workload's run.json, as a workload's `model.mup=true` puts them there."""
+    for info_path in (root / "runs").glob(f"{workload}-*/run.json"):
+        info = json.loads(info_path.read_text())
+        info_path.write_text(json.dumps({**info, "overrides": [*info["overrides"], *overrides]}))
+
+
+def test_a_width_ladder_run_with_and_without_mup_is_two_ladders_side_by_side(tmp_path, monkeypatch):
+    """Four workloads, two sizes each way: under SP both optimizers' best lr halves over a decade of
+    parameters (e = log10 1/2), under muP it stays (e = 0). Mixed into one ladder, two workloads of one
+    size would make one fit of both; split by each run's model.mup, each ladder has its own exponent,
+    and a table sets them side by side."""
+    best = {"sp_small": (1_000_000, 2e-3), "sp_large": (10_000_000, 1e-3),
+            "mup_small": (1_000_000, 2e-3), "mup_large": (10_000_000, 2e-3)}
+    adamw = tcr.OPTS["adamw"]
+    for name, (params, lr) in best.items():
+        for o in ("adamw", "muon"):  # both optimizers' losses are adamw's curve at the workload's best lr
+            monkeypatch.setitem(tcr.OPTS, o, (LRS, lr, *adamw[2:]))
+        tcr.make_comparison(tmp_path, workload=name, opts={o: tcr.OPTS[o] for o in ("adamw", "muon")},
+                            diverged=(), failed_trunk=())
+        _with_params(tmp_path, name, params)
+        if name.startswith("mup"):
+            _with_overrides(tmp_path, name, "model.dim=64", "model.mup=true")
+    md = Path(build_report(str(tmp_path))).read_text()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["sizes"]["params"] == {"sp_small": 1_000_000, "sp_large": 10_000_000}
+    assert summary["sizes_mup"]["params"] == {"mup_small": 1_000_000, "mup_large": 10_000_000}
+    for o in ("adamw", "muon"):
+        # log10 of exact grid lrs and params in float64: ~1e-16 relative each; 1e-12 is far above it
+        assert summary["sizes"]["optimizers"][o]["lr_exponent"] == pytest.approx(math.log10(0.5), rel=1e-12)
+        assert summary["sizes_mup"]["optimizers"][o]["lr_exponent"] == pytest.approx(0.0, abs=1e-12)
+    assert "## Across model sizes (SP)" in md and "## Across model sizes (muP)" in md
+    side_by_side = md.split("### The lr's transfer, per parametrisation")[1]
+    assert "| optimizer | e (SP) | e (muP) |" in side_by_side and "| adamw | -0.301 | +0.000 |" in side_by_side
+    assert (tmp_path / "speedup_vs_size.png").stat().st_size > 0 and (tmp_path / "speedup_vs_size_mup.png").is_file()
+
+
+def test_a_workloads_parametrisation_is_its_runs_last_word_on_model_mup():
+    run = lambda *overrides: SimpleNamespace(info={"overrides": list(overrides)})
+    w = lambda *runs: SimpleNamespace(runs=list(runs))
+    assert sizes.parametrisation(w(run("model.dim=64"))) == "SP"
+    assert sizes.parametrisation(w(run("model.mup=true"))) == "muP"
+    assert sizes.parametrisation(w(run("model.mup=true", "model.mup=false"))) == "SP"
+    assert sizes.parametrisation(w(run("++model.mup=True"))) == "muP"
