@@ -122,7 +122,7 @@ class OptimizerConfig:
     group_overrides: dict  # {"hidden": {"lr": 0.02}, ...}: only the knobs set (non-null)
     cautious: bool = False  # optimizer.cautious, beside `name`: every optimizer takes it (optimizer/cautious.py)
     hyperball: bool = False  # optimizer.hyperball, beside `name`: every optimizer takes it (optimizer/hyperball.py)
-    qk_clip_tau: float | None = None  # optimizer.qk_clip_tau, beside `name`: QK-clip on any optimizer (trainer/qk_clip.py)
+    qk_clip_tau: float | None = None  # optimizer.qk_clip_tau, beside `name`: QK-clip (trainer/qk_clip.py)
     lr_scales: dict = dataclasses.field(default_factory=dict)  # {group: lr factor}: model.mup's (optimizer/mup.py)
 
 
