@@ -8,12 +8,15 @@ A family's module exposes:
                                  `num_blocks`, `context_length`, `vocab_size`, `vocab_multiple`,
                                  `dropout`, `tie_embeddings`, `attn_block_size`
     Model(cfg, key)              an Equinox module: `model(tokens_BxT, *, key, compute_dtype,
-                                 segment_ids_BxT, causal, collect)` -> float32 logits (and, with
-                                 `collect`, per-block activation RMS); its blocks stacked under
-                                 `.blocks` (the per-block view of the per-layer metrics and the aux hook)
+                                 segment_ids_BxT, causal, collect, max_logits)` -> float32 logits (and,
+                                 with `collect`, per-block activation RMS; with `max_logits`, "max_logit"
+                                 (num_blocks, num_heads)); its blocks stacked under `.blocks` (the
+                                 per-block view of the per-layer metrics and the aux hook)
     param_labels(model)          the optimizer groups: hidden | embed | head | scalar per array
     param_axes(model)            logical dimension names for the sharding layout (utils/parallel/layout.py)
     flops_per_token(cfg, T)      training FLOPs per token (6N + attention), for MFU
+    scale_query_key(block, q, k) optional: a stacked block with each query head's (kv head's) q (k)
+                                 projection scaled, for optimizer.qk_clip_tau (refused without it)
 
 The loss and evaluation sums are the family-independent `models.losses`.
 """
