@@ -14,6 +14,7 @@ if __name__ == "__main__":  # XLA:CPU's step buffer on 2 MiB pages (re-executes:
 import contextlib
 import dataclasses
 import functools
+import sys
 from typing import Callable, Sequence
 
 import equinox as eqx
@@ -40,6 +41,7 @@ from trainer.activations import ActivationNorms
 from trainer.flops import peak_flops
 from trainer.header import announce
 from trainer.resume import frozen_base, merge_config, restore_state, resume_source
+from trainer.run_export import Export as RunExport
 from trainer.step import TrainState, build_train_step, initial_keys
 from trainer.trainer import Trainer
 from utils import cli
@@ -211,10 +213,10 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
     # Opened last, so a hook that fails to build leaves no open file, bar or wandb run behind.
     sinks = open_sinks(run.logging, run_dir, t.max_steps, int(trainer.state.step), run.config_dict,
                        saved=resumed.get("sinks"))  # a resumed run continues its wandb run
+    # the ids and generation_config.json an hf export writes: the base's (model.init_from) or the tokenizer's
+    generation = hf_generation.for_run(run.model.init_from, trainer.tokenizer) if saver or ck.export else None
     if saver:
         saver.add_to_manifest("sinks", sinks.state_dict)
-        # the ids and generation_config.json an hf export writes: the base's (model.init_from) or the tokenizer's
-        generation = hf_generation.for_run(run.model.init_from, trainer.tokenizer)
         saver.add_to_manifest(hf_generation.MANIFEST_KEY, lambda: generation)
     if t.early_stopping.patience:  # after the evaluation, before the log and the saves
         hooks.append(early_stopping.EarlyStopping(t.early_stopping, resumed.get(early_stopping.MANIFEST_KEY), saver))
@@ -227,6 +229,8 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
     hooks.append(H.Divergence(vouchers))
     if saver:
         hooks += [H.Checkpoint(saver, ck.save_path, vouchers), H.StopOnSignal(stop_signals)]
+    if ck.export:  # after the last checkpoint: an export that fails leaves it saved
+        hooks.append(RunExport(run, trainer.tokenizer, generation))
     if t.sample_tokens:
         hooks.append(H.Sample(sample, t.sample_prompt, t.sample_tokens))
     return H.Hooks(hooks)
@@ -298,4 +302,5 @@ def main(cfg: DictConfig) -> dict[str, float] | float:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = cli.renamed_argv(sys.argv[1:])  # old optimizer knob names, before Hydra refuses them
     main()

@@ -50,6 +50,7 @@ from hydra import compose, initialize_config_dir
 import train_jax as T
 from models import count_params, flops_per_token
 from trainer.flops import peak_flops
+from utils import versions
 from utils.config import validate
 from utils.parallel import mesh as meshlib
 
@@ -107,6 +108,7 @@ def main() -> None:
     # CPU: XLA's measured matmul speed in the compute dtype; accelerators: the bf16 data-sheet peak,
     # the usual MFU denominator (llm.c, PaLM) whatever dtype the step runs in.
     peak = peak_flops(run.train.compute_dtype if on_cpu else "bfloat16", run.cache_dir, fresh=True) or float("nan")
+    print(f"machine: {versions.describe()}")  # the CPU model of every figure (docs/performance.md)
     print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind} | peak {peak / 1e9:,.0f} GFLOP/s "
           f"({'XLA matmul, measured' if on_cpu else 'bf16 data sheet; nan = unknown device'}) "
           f"| params {count_params(state.model) / 1e6:.2f}M | tokens/step {data.tokens_per_step:,} "

@@ -41,6 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 from compare.plan import CompareConfig, Plan, PlannedRun, override_key, phase_seeds, run_json
+from optimizer.renames import new_name
 from utils import compile_cache
 from utils.checkpoint.storage import complete_steps
 from utils.config import to_dict
@@ -198,6 +199,20 @@ def growth_refused(planned: dict, wanted: dict, evaluated: bool) -> str | None:
     return None
 
 
+def old_knob_names(plan_json: dict) -> list[str]:
+    """The optimizer knobs a comparison's runs set under a name since renamed (optimizer/renames.py):
+    such a directory continues with the command that made it (its run ids hold the old names)."""
+    found = set()
+    for run in plan_json.get("runs", []):
+        for key in map(override_key, run.get("overrides", [])):
+            parts = key.split(".")
+            if parts[0] == "optimizer" and len(parts) in (2, 4):
+                group = parts[2] if len(parts) == 4 and parts[1] == "groups" else None
+                if new_name(run.get("optimizer", ""), parts[-1], group):
+                    found.add(key)
+    return sorted(found)
+
+
 def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) -> None:
     """Write compare.json, or check that the one there is this plan's; then a run.json for every
     run of the plan (and of `runs`, lr.extend's) not there yet."""
@@ -221,6 +236,10 @@ def open_dir(plan: Plan, compare_dir: str, runs: tuple[PlannedRun, ...] = ()) ->
         if planned != wanted:
             refused = growth_refused(planned, wanted, any(k in have for k in PHASE_RECORD.values()))
             if refused:
+                old = [k for k in old_knob_names(planned) if k not in old_knob_names(wanted)]
+                if old:
+                    refused += (f"; it was planned with the old knob names {', '.join(old)}, which still work: give "
+                                "them as it did")
                 raise ConfigError(f"{path} holds another comparison ({refused}): rerun the command that made it to "
                                   "continue it, or choose a new dir=")
             # it grows: every run planned before is planned alike; the new plan (with the old runs) replaces it

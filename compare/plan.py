@@ -41,6 +41,7 @@ from typing import Any
 from compare.budgets import UNITS, to_steps, workload_scale
 from compare.tune import TUNE, Space, coordinate_path, start_value
 from optimizer import OPTIMIZERS
+from optimizer.renames import new_name
 from optimizer.schedules import DECAY_SHAPES
 from utils.errors import ConfigError
 
@@ -423,6 +424,15 @@ def optimizer_knobs(name: str) -> list[str]:
     return sorted(k for k in node if k not in ("defaults", "name", "lr_config"))
 
 
+def current_name(optimizer: str, knob: str) -> str:
+    """A swept knob (`b1`, `groups.hidden.beta2`) under its current name: a comparison planned with
+    an old name (optimizer/renames.py) keeps it in its runs' overrides and ids, which compose renames."""
+    parts = knob.split(".")
+    group = parts[1] if len(parts) == 3 and parts[0] == "groups" else None
+    new = new_name(optimizer, parts[-1], group)
+    return ".".join([*parts[:-1], new]) if new else knob
+
+
 def _sweep(node: dict, optimizers: list[str]) -> tuple[tuple[str, tuple[Any, ...]], ...]:
     """sweep.<optimizer knob>=[values] (every optimizer) and sweep.<optimizer>.<knob>=[values] (that
     one's own search space) -> ((knob, values), ...), sorted by knob, an optimizer's own knobs under
@@ -440,7 +450,8 @@ def _sweep(node: dict, optimizers: list[str]) -> tuple[tuple[str, tuple[Any, ...
                               "or sweep.<optimizer>.<knob>")
         for opt in owners:
             fields = optimizer_knobs(opt)
-            if plain.split(".")[0] not in fields:
+            # an old knob name (optimizer/renames.py) is accepted: the runs' composition renames it
+            if plain.split(".")[0] not in fields and new_name(opt, plain) not in fields:
                 raise ConfigError(f"{name}: {opt} has no knob {plain.split('.')[0]!r}; its knobs are "
                                   f"{', '.join(fields)}" + ("" if owner in OPTIMIZERS else
                                                             " (sweep.<optimizer>.<knob> sweeps one optimizer's own)"))
@@ -557,7 +568,7 @@ def start_values(knobs: CompareConfig, run_overrides: tuple[str, ...] = ()) -> d
             values = {"lr": dict(((w, o), lr) for w, o, lr in knobs.workload_lr).get(
                 (name, opt), float(cfg.optimizer.lr_config.lr))}
             for knob, _ in knobs.sweep_of(opt):
-                values[knob] = OmegaConf.select(cfg.optimizer, knob)
+                values[knob] = OmegaConf.select(cfg.optimizer, current_name(opt, knob))
             out[(name, opt)] = values
     return out
 

@@ -2,23 +2,12 @@
 builds it. The rest of the pipeline (train_jax.py, utils/, scripts/, bench/) reaches a model only
 through the functions here, so adding a family is one module and one line in MODELS.
 
-A family's module exposes:
-
-    Config                       frozen dataclass of its yaml's knobs, with `name`, `check(prefix)`,
-                                 `num_blocks`, `context_length`, `vocab_size`, `vocab_multiple`,
-                                 `dropout`, `tie_embeddings`, `attn_block_size`
-    Model(cfg, key)              an Equinox module: `model(tokens_BxT, *, key, compute_dtype,
-                                 segment_ids_BxT, causal, collect, max_logits)` -> float32 logits (and,
-                                 with `collect`, per-block activation RMS; with `max_logits`, "max_logit"
-                                 (num_blocks, num_heads)); its blocks stacked under `.blocks` (the
-                                 per-block view of the per-layer metrics and the aux hook)
-    param_labels(model)          the optimizer groups: hidden | embed | head | scalar per array
-    param_axes(model)            logical dimension names for the sharding layout (utils/parallel/layout.py)
-    flops_per_token(cfg, T)      training FLOPs per token (6N + attention), for MFU
-    scale_query_key(block, q, k) optional: a stacked block with each query head's (kv head's) q (k)
-                                 projection scaled, for optimizer.qk_clip_tau (refused without it)
-
-The loss and evaluation sums are the family-independent `models.losses`.
+What a family's module exposes, required and optional (with the defaults), is the model contract,
+models/contract.py: a `Config` subclassing `ModelConfig` (the shared knobs and their checks), a
+`Model(cfg, key)` whose call is `ModelCall`, `param_labels`, `PARAM_AXES`/`param_axes` and
+`flops_per_token`. Every family is checked against it here, at import, and
+tests/test_model_contract.py runs each through the model matrix; docs/extending.md ("A model
+family") is the guide. The loss and evaluation sums are the family-independent `models.losses`.
 """
 
 from __future__ import annotations
@@ -31,14 +20,16 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from models import gpt, llama, lora, moe
+from models import contract, gpt, llama, lora, moe
 from models.layers import count_params  # noqa: F401 - the registry's one-stop import
 from utils.errors import ConfigError
 from utils.sections import build_section
 
 MODELS: dict[str, ModuleType] = {"gpt": gpt, "llama": llama}
-# The knobs of conf/model_common.yaml: fields every family's Config has, with the same meaning.
-SHARED_KNOBS = ("init_from", "lora", "moe", "attention", "mup", "mup_base_dim")
+for _name, _family in MODELS.items():
+    contract.check_family_module(_name, _family)
+# The knobs of conf/model_common.yaml: fields of the contract's ModelConfig, merged into every model yaml.
+SHARED_KNOBS = contract.COMMON_KNOBS
 
 
 def family(cfg_or_model: Any) -> ModuleType:
@@ -55,10 +46,10 @@ def config_from_dict(raw: dict, prefix: str = "model"):
         raise ConfigError(f"{prefix}.name={name!r} is not a model family: use one of {', '.join(MODELS)} "
                           "(conf/model/*.yaml name theirs)")
     cfg = build_section(MODELS[name].Config, {**raw, "name": name}, prefix)
-    targets = getattr(MODELS[name], "LORA_TARGETS", None)  # else checked when the factors attach
-    if lora_config(cfg).on and targets is not None:
+    targets = contract.optional(MODELS[name], "LORA_TARGETS")  # None: checked when the factors attach
+    if cfg.lora.on and targets is not None:
         cfg.lora.check_targets(targets, f"{prefix}.lora")
-    if lora_config(cfg).on and getattr(cfg, "moe", moe.MoEConfig()).on:  # docs/models.md "Mixture-of-Experts"
+    if cfg.lora.on and cfg.moe.on:  # docs/models.md "Mixture-of-Experts"
         raise ConfigError(f"{prefix}.lora.rank={cfg.lora.rank} with {prefix}.moe.num_experts={cfg.moe.num_experts}: "
                           "LoRA factors on Mixture-of-Experts models are not supported (factors take one stacked "
                           f"axis; experts and grouped blocks have two): set {prefix}.lora.rank=0 or "
@@ -70,12 +61,12 @@ def build(cfg, key: jax.Array, param_dtype=None):
     """A freshly initialised model of `cfg` (vocab_size resolved), or with `model.init_from` the
     weights of that Hugging Face directory (models/hf.py; read lazily, never under eval_shape);
     its float arrays cast to `param_dtype` (train.param_dtype) when given."""
-    if getattr(cfg, "init_from", None):
+    if cfg.init_from:
         from models import hf  # here: models.hf imports this registry
 
-        model = lora.attach(hf.build_from_hf(cfg, key, param_dtype), lora_config(cfg), key)  # read in param_dtype
+        model = lora.attach(hf.build_from_hf(cfg, key, param_dtype), cfg.lora, key)  # read in param_dtype
     else:
-        model = lora.attach(family(cfg).Model(cfg, key), lora_config(cfg), key)  # model.lora: factors on a frozen base
+        model = lora.attach(family(cfg).Model(cfg, key), cfg.lora, key)  # model.lora: factors on a frozen base
     if param_dtype is None:
         return model
     return jax.tree.map(lambda x: x.astype(param_dtype) if eqx.is_inexact_array(x) else x, model)
@@ -95,17 +86,12 @@ def param_axes(model):
     return lora.factor_axes(family(model).param_axes(model))
 
 
-def lora_config(cfg) -> lora.LoraConfig:
-    """`model.lora` (rank 0 for a family whose Config does not carry the shared field yet)."""
-    return getattr(cfg, "lora", lora.LoraConfig())
-
-
 def train_loss(cfg, objective, max_logits: bool = False):
     """The objective's loss as the train step differentiates it: with LoRA, the base under
     stop_gradient (models/lora.py), so only the factors get a gradient. `max_logits`
     (optimizer.qk_clip_tau): its aux also holds "max_logit", each block's per-head largest attention logit."""
     loss_fn = functools.partial(objective.loss_fn, max_logits=True) if max_logits else objective.loss_fn
-    if not lora_config(cfg).on:
+    if not cfg.lora.on:
         return loss_fn
     return lambda model, *args, **kwargs: loss_fn(lora.stop_base(model), *args, **kwargs)
 
@@ -117,7 +103,7 @@ def for_export(model, merge_lora: bool, fmt: str):
 
 def uses_key(cfg, objective) -> bool:
     """Whether a train step draws randomness: dropout (LoRA's too), or an objective's (mdlm's masks)."""
-    return cfg.dropout > 0 or (lora_config(cfg).on and cfg.lora.dropout > 0) or objective.needs_key
+    return cfg.dropout > 0 or (cfg.lora.on and cfg.lora.dropout > 0) or objective.needs_key
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
@@ -125,7 +111,7 @@ def flops_per_token(cfg, seq_len: int) -> float:
     (its matmuls cost 4·N: forward, and the input gradient the earlier factors need), and each factor
     value costs 6 (x·A and h·B forward, both gradients backward)."""
     flops = family(cfg).flops_per_token(cfg, seq_len)
-    if not lora_config(cfg).on:
+    if not cfg.lora.on:
         return flops
     n_matmul = family(cfg).flops_per_token(cfg, 0) / 6.0  # the attention term is the part linear in seq_len
     return flops - 2.0 * n_matmul + 6.0 * lora.factor_count(abstract(cfg))

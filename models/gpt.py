@@ -20,11 +20,11 @@ import numpy as np
 
 from models import attention, hf_keys
 from models import mup as mup_lib
+from models.contract import ModelConfig
 from models.layers import (
     LayerNorm,
     Linear,
     apply_blocks,
-    check_run_knobs,
     document_positions,
     dropout,
     layer_norm,
@@ -33,59 +33,32 @@ from models.layers import (
     rms,
     split_heads,
 )
-from models.lora import LoraConfig, LoraLinear, branch_keys
-from models.moe import MoE, MoEConfig, init_blocks, logical_axes, run_blocks
+from models.lora import LoraLinear, branch_keys
+from models.moe import MoE, init_blocks, logical_axes, run_blocks
 from models.moe import flops_per_token as moe_flops
 from utils.errors import ConfigError
 
 
-@dataclass(frozen=True)
-class GPTConfig:
-    """Shape and behaviour of the model; `vocab_size=None` means "the tokenizer's, rounded up"."""
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig(ModelConfig):
+    """GPT-2's shape: the shared knobs (models/contract.py ModelConfig) plus its MLP width and biases."""
 
-    dim: int
-    num_heads: int
-    num_blocks: int
-    context_length: int
-    vocab_size: int | None = None
-    vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (fast matmuls)
-    mlp_ratio: int = 4
-    dropout: float = 0.0
-    tie_embeddings: bool = True
-    bias: bool = True
-    scan_blocks: bool = True
-    remat: str = "dots"  # what the backward pass keeps of each block: dots | full | none (see REMAT_POLICIES)
-    scan_unroll: int = 1  # blocks per scan iteration (num_blocks = fully unrolled inside the scan)
-    attn_block_size: int | None = None  # query block size of block-causal attention; null = one block
-    attention: str = "auto"  # auto | xla | cudnn | blocked (models/attention.py); conf/model_common.yaml
+    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * dim
+    bias: bool = True  # biases in linear layers and layer norms
     name: str = "gpt"  # the registry's key (models/__init__.py): every model yaml names its family
-    init_from: str | None = None  # a local Hugging Face directory (models/hf.py); conf/model_common.yaml
-    lora: LoraConfig = LoraConfig()  # model.lora: low-rank factors on a frozen base (models/lora.py); model_common
-    moe: MoEConfig = MoEConfig()  # model.moe: Mixture-of-Experts blocks (models/moe.py); conf/model_common.yaml
-    mup: bool = False  # model.mup: the maximal-update parametrisation (models/mup.py); conf/model_common.yaml
-    mup_base_dim: int = 256  # model.mup_base_dim: the width muP's factors are 1 at (models/mup.py)
 
-    def check(self, prefix: str = "model") -> None:
-        for knob in ("dim", "num_heads", "num_blocks", "context_length", "mlp_ratio", "vocab_multiple"):
-            if getattr(self, knob) <= 0:
-                raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be a positive integer")
+    def check_family(self, prefix: str) -> None:
+        if self.mlp_ratio <= 0:
+            raise ConfigError(f"{prefix}.mlp_ratio={self.mlp_ratio} must be a positive integer")
         if self.dim % self.num_heads:
             raise ConfigError(
                 f"{prefix}.dim={self.dim} is not divisible by {prefix}.num_heads={self.num_heads}: "
                 "pick a head count that divides dim"
             )
-        self.moe.check_blocks(self.num_blocks, prefix)
         if self.moe.on and self.moe.shared_expert_hidden:
             raise ConfigError(f"{prefix}.moe.shared_expert_hidden={self.moe.shared_expert_hidden}: the shared expert "
                               "is a SwiGLU MLP (Qwen2-MoE's), which the gpt family lacks: set it to 0, or use "
                               "model=llama_tiny (or another llama yaml)")
-        check_run_knobs(self, prefix)
-        attention.check_config(self, prefix)
-        mup_lib.check(self, prefix)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
 
 
 def _head_major(qkv: Linear, num_heads: int) -> Linear:

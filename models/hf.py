@@ -17,6 +17,8 @@ module's `HF_MODEL_TYPES`; the family converts config and tensors both ways:
     HF_MOE (optional, default False)   whether hf_config writes MoE blocks (the llama family: mixtral,
                                        qwen2_moe, qwen3_moe, olmoe; models/hf_moe.py); else they are refused
 
+(models/contract.py: OPTIONAL holds these members' defaults, HF_HOOKS the ones HF_MODEL_TYPES requires.)
+
 This module owns only the files: JSON, safetensors (one file or a sharded index), the tokenizer
 files, atomic writes. Torch is never imported: safetensors' numpy reader and writer suffice.
 """
@@ -41,6 +43,7 @@ import numpy as np
 
 import models
 from models import hf_generation, hf_shards, hf_tokenizer
+from models.contract import hf_support, optional
 from models.hf_keys import json_text
 from models.hf_moe import MOE_MODEL_TYPES
 from models.hf_tokenizer import hf_tokenizer_object
@@ -60,7 +63,7 @@ EXECUTION_KNOBS = ("dropout", "scan_blocks", "remat", "scan_unroll", "attn_block
 
 def hf_families() -> dict[str, ModuleType]:
     """model_type -> family module, for every registered family that has a Hugging Face form."""
-    return {t: m for m in models.MODELS.values() for t in getattr(m, "HF_MODEL_TYPES", ())}
+    return {t: m for m in models.MODELS.values() for t in optional(m, "HF_MODEL_TYPES")}
 
 
 def read_hf_config(path: str) -> dict:
@@ -388,7 +391,10 @@ def hf_dir_config(model: eqx.Module, tokenizer=None, generation: dict | None = N
     """config.json: the family's model fields plus what transformers reads to load it offline (the
     weights' `dtype`, which `from_pretrained`'s default dtype="auto" loads them in), and the special
     ids of `generation` (models/hf_generation.py; None: the tokenizer's, if any)."""
-    if not getattr(models.family(model), "HF_MOE", False):  # the llama family writes its MoE types (models/hf_moe.py)
+    if not hf_support(models.family(model)):
+        raise ConfigError(f"the {model.cfg.name} family has no Hugging Face layout (models/contract.py: it declares no "
+                          "HF_MODEL_TYPES): export with --format safetensors")
+    if not optional(models.family(model), "HF_MOE"):  # the llama family writes its MoE types (models/hf_moe.py)
         refuse_moe(model.cfg, "this family's MoE blocks cannot be exported as a Hugging Face directory")
     hf = {**models.family(model).hf_config(model.cfg), "torch_dtype": dtype, "dtype": dtype}
     if generation is None and tokenizer is not None:

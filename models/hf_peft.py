@@ -24,6 +24,7 @@ import equinox as eqx
 
 import models
 from models import hf, hf_shards
+from models.contract import optional
 from utils import files
 from utils.errors import CheckpointError
 
@@ -38,7 +39,8 @@ def adapter_config(model: eqx.Module, base: str | None) -> dict:
     modules = sorted({_module(name) for name in models.family(model).hf_lora_tensors(model)})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "revision": None,
             "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules,
-            "fan_in_fan_out": models.family(model).HF_LORA_FAN_IN_FAN_OUT, "bias": "none", "use_rslora": False,
+            "fan_in_fan_out": optional(models.family(model), "HF_LORA_FAN_IN_FAN_OUT"), "bias": "none",
+            "use_rslora": False,
             "use_dora": False, "lora_bias": False, "init_lora_weights": True, "inference_mode": True,
             "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
             "alpha_pattern": {}}
@@ -58,7 +60,7 @@ def save_peft(out_dir: str, model: eqx.Module, base: str | None, dtype: str = "f
     from safetensors.numpy import save_file
 
     family = models.family(model)
-    if not hasattr(family, "hf_lora_tensors"):
+    if optional(family, "hf_lora_tensors") is None:
         raise CheckpointError(f"--format peft: the {model.cfg.name} family has no PEFT names for its factors: "
                               "use --merge-lora --format hf")
     hf.refuse_moe(model.cfg, "MoE blocks cannot be exported as a PEFT adapter")

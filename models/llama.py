@@ -23,19 +23,19 @@ import numpy as np
 
 from models import attention, hf_keys, hf_moe
 from models import mup as mup_lib
+from models.contract import ModelConfig
 from models.layers import (
     Linear,
     RMSNorm,
     apply_blocks,
-    check_run_knobs,
     document_positions,
     dropout,
     linear,
     output_logits,
     rms,
 )
-from models.lora import LoraConfig, LoraLinear, branch, branch_keys
-from models.moe import MoE, MoEConfig, init_blocks, logical_axes, run_blocks
+from models.lora import LoraLinear, branch, branch_keys
+from models.moe import MoE, init_blocks, logical_axes, run_blocks
 from models.moe import flops_per_token as moe_flops
 from utils.errors import CheckpointError, ConfigError
 
@@ -74,16 +74,11 @@ class RopeScaling:
                                   "positive integer, or null for model.context_length")
 
 
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Shape and behaviour of the model; `vocab_size=None` means "the tokenizer's, rounded up"."""
+@dataclass(frozen=True, kw_only=True)
+class LlamaConfig(ModelConfig):
+    """Llama's shape: the shared knobs (models/contract.py ModelConfig) plus grouped-query attention,
+    rotary positions, RMSNorm and the SwiGLU MLP (and the variants Qwen2/3 and OLMoE take)."""
 
-    dim: int
-    num_heads: int
-    num_blocks: int
-    context_length: int
-    vocab_size: int | None = None
-    vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (fast matmuls)
     num_kv_heads: int | None = None  # key/value heads (grouped-query attention); null = num_heads
     head_size: int | None = None  # each head's size (config.json's head_dim); null = dim/num_heads
     mlp_hidden: int | None = None  # SwiGLU width; null = 8/3·dim rounded up to mlp_multiple (Llama's rule)
@@ -91,27 +86,14 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # long-context rotary frequencies (Llama 3.1+); null = plain rotary
     norm_eps: float = 1e-5
-    dropout: float = 0.0
-    tie_embeddings: bool = True
     qkv_bias: bool = False  # biases on q, k, v (Qwen2)
     qk_norm: bool = False  # RMSNorm on each head's q and k before rotary (Qwen3, OLMo2)
     qk_norm_scope: str = "head"  # head: each head's q, k normalised alone (Qwen3); all: all heads' together (OLMoE)
-    scan_blocks: bool = True
-    remat: str = "dots"  # dots | full | none (see REMAT_POLICIES)
-    scan_unroll: int = 1
-    attn_block_size: int | None = None
-    attention: str = "auto"  # auto | xla | cudnn | blocked (models/attention.py); conf/model_common.yaml
     name: str = "llama"  # the registry's key (models/__init__.py)
-    init_from: str | None = None  # a local Hugging Face directory (models/hf.py); conf/model_common.yaml
-    lora: LoraConfig = LoraConfig()  # model.lora: low-rank factors on a frozen base (models/lora.py); model_common
-    moe: MoEConfig = MoEConfig()  # model.moe: Mixture-of-Experts blocks (models/moe.py); conf/model_common.yaml
-    mup: bool = False  # model.mup: the maximal-update parametrisation (models/mup.py); conf/model_common.yaml
-    mup_base_dim: int = 256  # model.mup_base_dim: the width muP's factors are 1 at (models/mup.py)
 
-    def check(self, prefix: str = "model") -> None:
-        for knob in ("dim", "num_heads", "num_blocks", "context_length", "vocab_multiple", "mlp_multiple"):
-            if getattr(self, knob) <= 0:
-                raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be a positive integer")
+    def check_family(self, prefix: str) -> None:
+        if self.mlp_multiple <= 0:
+            raise ConfigError(f"{prefix}.mlp_multiple={self.mlp_multiple} must be a positive integer")
         if self.head_size is not None and self.head_size <= 0:
             raise ConfigError(f"{prefix}.head_size={self.head_size} must be a positive integer, or null for "
                               f"{prefix}.dim/{prefix}.num_heads")
@@ -136,10 +118,6 @@ class LlamaConfig:
                               f"{', '.join(QK_NORM_SCOPES)} (head: Qwen3's per-head norm; all: OLMoE's over all heads)")
         if self.rope_scaling is not None:
             self.rope_scaling.check(f"{prefix}.rope_scaling")
-        check_run_knobs(self, prefix)
-        attention.check_config(self, prefix)
-        self.moe.check_blocks(self.num_blocks, prefix)
-        mup_lib.check(self, prefix)
 
     @property
     def head_dim(self) -> int:

@@ -42,7 +42,7 @@ def implied_v(v_row: jax.Array, v_col: jax.Array, v: jax.Array, shape: tuple[int
 @dataclass(frozen=True)
 class Adafactor(Optimizer):
     decay_rate: float = 0.8  # second-moment decay exponent: beta2_t = 1 - t^(-decay_rate)
-    momentum: float | None = None  # null = no first moment (the memory-saving original)
+    b1: float | None = None  # the first moment's decay (optax's momentum); null = none (the memory-saving original)
     clipping_threshold: float | None = 1.0  # update-RMS clipping; null = off
     multiply_by_parameter_scale: bool = False  # relative step sizes (off: lr means what it says)
     weight_decay: float = 0.0
@@ -57,7 +57,7 @@ class Adafactor(Optimizer):
     def check(self, prefix: str) -> None:
         if not 0.0 < self.decay_rate <= 1.0:
             raise ConfigError(f"{prefix}.decay_rate={self.decay_rate} must be in (0, 1]")
-        check_unit_interval(prefix, self, "momentum")
+        check_unit_interval(prefix, self, "b1")
         check_non_negative(prefix, self, "weight_decay")
         if self.clipping_threshold is not None and self.clipping_threshold <= 0:
             raise ConfigError(f"{prefix}.clipping_threshold={self.clipping_threshold} must be positive, or null for "
@@ -69,7 +69,7 @@ class Adafactor(Optimizer):
             (optax.clip_by_block_rms(self.clipping_threshold) if self.clipping_threshold is not None
              else optax.identity()),
             optax.scale_by_param_block_rms() if self.multiply_by_parameter_scale else optax.identity(),
-            optax.ema(self.momentum, debias=False) if self.momentum is not None else optax.identity(),
+            optax.ema(self.b1, debias=False) if self.b1 is not None else optax.identity(),
             optax.add_decayed_weights(self.weight_decay),
             optax.scale_by_learning_rate(schedule),
         )

@@ -13,8 +13,8 @@ What is lifted (`lift`) and put back (`bind`):
   * `optimizer`: every field of the optimizer's dataclass annotated `float` (b1, b2, eps,
     weight_decay, adam_lr, ...) and its `RUN_LENGTH_KNOB` (an int that follows train.max_steps),
     except those it names in `CONSTANT_KNOBS` (used in Python arithmetic at trace time, e.g.
-    AdEMAMix's float64 half-life of b3, or whose value changes the algorithm, e.g. Shampoo's beta2
-    of 1, a sum instead of an EMA);
+    AdEMAMix's float64 half-life of b3, or whose value changes the algorithm, e.g. Shampoo's
+    precondition_b2 of 1, a sum instead of an EMA);
   * `groups`: the float overrides of `optimizer.groups.<group>.<knob>`, with the same exception;
   * `clip`: train.gradient_clip_val when set (None and 0 stay "no clipping": a structural choice).
 Zeros stay constants (code may skip a zero knob's work: no weight decay, no warmup), and so do

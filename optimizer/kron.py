@@ -334,10 +334,10 @@ def preconditioner_norms(plan: _Plan, q_left, q_right) -> jax.Array:
 class Kron(Optimizer):
     """Kron direction -> decoupled weight decay -> learning rate, on every group."""
 
-    b1: float = 0.9
+    momentum: float = 0.9  # scale_by_kron's b1 (bias-corrected)
     weight_decay: float = 0.0
-    preconditioner_lr: float = 0.1
-    preconditioner_init_scale: float = 1.0
+    precondition_lr: float = 0.1  # scale_by_kron's preconditioner_lr
+    precondition_init_scale: float = 1.0  # scale_by_kron's preconditioner_init_scale
     max_size_triangular: int = 8192
     memory_save_mode: str | None = None
     update_prob_max: float = 1.0
@@ -345,12 +345,12 @@ class Kron(Optimizer):
     update_prob_decay: float = 0.001
     update_prob_flat_start: int = 500
 
-    GROUP_KNOBS = ("lr", "weight_decay", "b1")
+    GROUP_KNOBS = ("lr", "weight_decay", "momentum")
 
     def check(self, prefix: str) -> None:
-        check_unit_interval(prefix, self, "b1")
+        check_unit_interval(prefix, self, "momentum")
         check_non_negative(prefix, self, "weight_decay", "update_prob_decay", "update_prob_flat_start")
-        for knob in ("preconditioner_lr", "preconditioner_init_scale"):
+        for knob in ("precondition_lr", "precondition_init_scale"):
             if getattr(self, knob) <= 0:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be positive")
         if isinstance(self.max_size_triangular, bool) or self.max_size_triangular < 1:
@@ -365,8 +365,8 @@ class Kron(Optimizer):
 
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
         return optax.chain(
-            scale_by_kron(b1=self.b1, preconditioner_lr=self.preconditioner_lr,
-                          preconditioner_init_scale=self.preconditioner_init_scale,
+            scale_by_kron(b1=self.momentum, preconditioner_lr=self.precondition_lr,
+                          preconditioner_init_scale=self.precondition_init_scale,
                           max_size_triangular=self.max_size_triangular, memory_save_mode=self.memory_save_mode,
                           update_prob_max=self.update_prob_max, update_prob_min=self.update_prob_min,
                           update_prob_decay=self.update_prob_decay, update_prob_flat_start=self.update_prob_flat_start,

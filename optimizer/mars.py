@@ -97,24 +97,26 @@ class MARS(Optimizer):
     adam_lr: float = 3e-3  # peak lr of the scalar group (the reference's lr_1d)
     adam_b1: float = 0.9
     adam_b2: float = 0.95
+    adam_eps: float = 1e-8  # the scalar group's AdamW eps (before issue 36 it shared `eps`)
 
     MARS_KNOBS = ("lr", "weight_decay", "b1", "b2", "gamma", "eps")
-    ADAM_KNOBS = ("lr", "weight_decay", "adam_b1", "adam_b2", "eps")
+    ADAM_KNOBS = ("lr", "weight_decay", "adam_b1", "adam_b2", "adam_eps")
     MUP_HIDDEN_LR_POWER = 1.0  # model.mup: Adam-type, hidden lr x base/width (optimizer/mup.py)
 
     def group_knobs(self, group: str) -> tuple[str, ...]:
-        """`scalar` runs AdamW (adam_b1/adam_b2, no gamma), the others MARS (b1/b2, gamma)."""
+        """`scalar` runs AdamW (adam_b1/adam_b2/adam_eps, no gamma), the others MARS (b1/b2/eps, gamma)."""
         return self.ADAM_KNOBS if group == "scalar" else self.MARS_KNOBS
 
     def group_knob_hint(self, group: str, knob: str) -> str:
         if group == "scalar":
-            return "the scalar group (biases, norm gains) runs AdamW under MARS; set adam_b1, adam_b2 or eps instead"
+            return ("the scalar group (biases, norm gains) runs AdamW under MARS; set adam_b1, adam_b2 or adam_eps "
+                    "instead")
         return f"the {group} group runs MARS, not AdamW; set optimizer.groups.{group}.b1 or b2 instead"
 
     def check(self, prefix: str) -> None:
         check_unit_interval(prefix, self, "b1", "b2", "adam_b1", "adam_b2")
         check_non_negative(prefix, self, "weight_decay", "gamma")
-        check_positive(prefix, self, "eps")
+        check_positive(prefix, self, "eps", "adam_eps")
         check_positive(prefix, self, "adam_lr")
 
     def default_group_lr(self, group: str, base_lr: float) -> float:
@@ -122,7 +124,7 @@ class MARS(Optimizer):
 
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
         if group == "scalar":
-            return optax.adamw(schedule, b1=self.adam_b1, b2=self.adam_b2, eps=self.eps,
+            return optax.adamw(schedule, b1=self.adam_b1, b2=self.adam_b2, eps=self.adam_eps,
                                weight_decay=self.weight_decay)
         return optax.chain(
             scale_by_mars(b1=self.b1, b2=self.b2, gamma=self.gamma, eps=self.eps),

@@ -75,14 +75,14 @@ def scale_by_neuron_norm(beta2: float, eps: float, shape_scale: str) -> optax.Gr
 
 @dataclass(frozen=True)
 class NorMuon(Muon):
-    beta2: float = 0.95
+    b2: float = 0.95  # the neurons' second moment (scale_by_neuron_norm's beta2)
     eps: float = 1e-10
 
-    MUON_KNOBS = ("lr", "weight_decay", "momentum", "beta2")
+    MUON_KNOBS = ("lr", "weight_decay", "momentum", "b2")
 
     def check(self, prefix: str) -> None:
         super().check(prefix)
-        check_unit_interval(prefix, self, "beta2")
+        check_unit_interval(prefix, self, "b2")
         check_positive(prefix, self, "eps")
 
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
@@ -90,7 +90,7 @@ class NorMuon(Muon):
             return super().transform(group, schedule)
         return optax.chain(
             self.orthogonalise(),
-            scale_by_neuron_norm(self.beta2, self.eps, self.shape_scale),
+            scale_by_neuron_norm(self.b2, self.eps, self.shape_scale),
             scale_by_shape("reference") if self.shape_scale == "reference" else optax.identity(),
             optax.add_decayed_weights(self.weight_decay),
             optax.scale_by_learning_rate(schedule),

@@ -85,26 +85,26 @@ def prodigy(schedule: optax.Schedule, b1: float, b2: float, beta3: float | None,
 class Prodigy(Optimizer):
     b1: float = 0.9
     b2: float = 0.999
-    beta3: float | None = None  # None: √b2
+    b3: float | None = None  # the d estimate's EMAs (optax's beta3); None: √b2
     eps: float = 1e-8
     d0: float = 1e-6
     d_coef: float = 1.0
     safeguard_warmup: bool = False
     weight_decay: float = 0.0
 
-    GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "beta3", "eps", "d0", "d_coef")
+    GROUP_KNOBS = ("lr", "weight_decay", "b1", "b2", "b3", "eps", "d0", "d_coef")
     CAUTIOUS_UNSUPPORTED = ("Prodigy's weight decay is times its learned step d·lr, not the lr, so the mask cannot "
                             "split it off the direction")
     # optimizer.hyperball normalises each update to lr·‖W‖: the step size d·lr Prodigy learns would be discarded.
     HYPERBALL_UNSUPPORTED = "the hyperball fixes each step at lr·‖W‖, discarding the step size d·lr Prodigy learns"
 
     def check(self, prefix: str) -> None:
-        check_unit_interval(prefix, self, "b1", "b2", "beta3")
+        check_unit_interval(prefix, self, "b1", "b2", "b3")
         check_non_negative(prefix, self, "weight_decay")
         check_positive(prefix, self, "eps", "d0", "d_coef")
 
     def transform(self, group: str, schedule: optax.Schedule) -> optax.GradientTransformation:
-        return prodigy(schedule, self.b1, self.b2, self.beta3, self.eps, self.d0, self.d_coef, self.weight_decay,
+        return prodigy(schedule, self.b1, self.b2, self.b3, self.eps, self.d0, self.d_coef, self.weight_decay,
                        self.safeguard_warmup)
 
     def diagnostics(self, group: str, group_state, params) -> dict:

@@ -2,6 +2,9 @@
 
 `scale_by_shampoo` returns only the preconditioned direction; momentum, weight decay and the
 learning rate are chained after it (see `Shampoo.transform`), as for the other optimizers here.
+The `Shampoo` dataclass's knobs use the shared vocabulary (optimizer/renames.py); this module's
+names are the paper's: precondition_b2 = beta2, precondition_eps = epsilon, max_precondition_dim =
+max_preconditioner_dim, adam_b2 / adam_eps = graft_b2 / graft_eps.
 
 For a gradient matrix G (m×n) it keeps a left statistic L (m×m) and a right one R (n×n),
     L <- beta2·L + (1-beta2)·G Gᵀ,   R <- beta2·R + (1-beta2)·Gᵀ G   (beta2 = 1: plain sums),
@@ -278,43 +281,45 @@ class Shampoo(Optimizer):
     nesterov: bool = False
     weight_decay: float = 0.0
     block_size: int = 256
-    beta2: float = 0.999
-    epsilon: float = 1e-6  # relative to λmax, as Google's distributed Shampoo; see _inverse_root
+    precondition_b2: float = 0.999  # scale_by_shampoo's beta2
+    precondition_eps: float = 1e-6  # scale_by_shampoo's epsilon: relative to λmax, as Google's distributed Shampoo
     precondition_every: int = 10
     start_preconditioning_step: int = 1
-    max_preconditioner_dim: int = 4096
+    max_precondition_dim: int = 4096
     graft: str = "adam"
-    graft_b2: float = 0.999
-    graft_eps: float = 1e-8
+    adam_b2: float = 0.999  # the Adam graft's and the diagonal path's (scale_by_shampoo's graft_b2)
+    adam_eps: float = 1e-8  # likewise (graft_eps)
 
-    GROUP_KNOBS = ("lr", "weight_decay", "momentum", "beta2", "epsilon", "graft_b2", "graft_eps")
+    GROUP_KNOBS = ("lr", "weight_decay", "momentum", "precondition_b2", "precondition_eps", "adam_b2", "adam_eps")
     # constants of the step (optimizer/arguments.py): a value of 1 turns their EMA into a plain sum
-    CONSTANT_KNOBS = ("beta2", "graft_b2")
+    CONSTANT_KNOBS = ("precondition_b2", "adam_b2")
 
     def group_knobs(self, group: str) -> tuple[str, ...]:
-        """`scalar` leaves take the diagonal path: no statistics, so beta2 and epsilon would be ignored."""
+        """`scalar` leaves take the diagonal path: no statistics, so precondition_b2 and precondition_eps would
+        be ignored."""
         if group == "scalar":
-            return tuple(k for k in self.GROUP_KNOBS if k not in ("beta2", "epsilon"))
+            return tuple(k for k in self.GROUP_KNOBS if k not in ("precondition_b2", "precondition_eps"))
         return self.GROUP_KNOBS
 
     def group_knob_hint(self, group: str, knob: str) -> str:
         return ("the scalar group (biases, norm gains) takes Shampoo's diagonal Adam-style path, which has no "
-                "preconditioner statistics; set optimizer.groups.scalar.graft_b2 or graft_eps instead")
+                "preconditioner statistics; set optimizer.groups.scalar.adam_b2 or adam_eps instead")
 
     def check(self, prefix: str) -> None:
         check_unit_interval(prefix, self, "momentum")
         check_non_negative(prefix, self, "weight_decay")
-        for knob in ("block_size", "precondition_every", "start_preconditioning_step", "max_preconditioner_dim"):
+        for knob in ("block_size", "precondition_every", "start_preconditioning_step", "max_precondition_dim"):
             value = getattr(self, knob)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{prefix}.{knob}={value!r} must be a positive integer")
-        for knob in ("beta2", "graft_b2"):
+        for knob in ("precondition_b2", "adam_b2"):
             if not 0.0 < getattr(self, knob) <= 1.0:
                 raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be in (0, 1] (1 = plain sums)")
-        if not 0.0 < self.epsilon < 1.0:
-            raise ConfigError(f"{prefix}.epsilon={self.epsilon} must be in (0, 1): it is relative to the "
-                              "largest eigenvalue of each statistic (try 1e-6 to 1e-4; float32 eigh noise is ~1e-7)")
-        check_positive(prefix, self, "graft_eps")
+        if not 0.0 < self.precondition_eps < 1.0:
+            raise ConfigError(f"{prefix}.precondition_eps={self.precondition_eps} must be in (0, 1): it is relative "
+                              "to the largest eigenvalue of each statistic (try 1e-6 to 1e-4; float32 eigh noise is "
+                              "~1e-7)")
+        check_positive(prefix, self, "adam_eps")
         if self.graft not in GRAFTS:
             raise ConfigError(f"{prefix}.graft={self.graft!r} must be one of {', '.join(GRAFTS)}")
 
@@ -324,14 +329,14 @@ class Shampoo(Optimizer):
         return optax.chain(
             scale_by_shampoo(
                 block_size=self.block_size,
-                beta2=self.beta2,
-                epsilon=self.epsilon,
+                beta2=self.precondition_b2,
+                epsilon=self.precondition_eps,
                 precondition_every=self.precondition_every,
                 start_preconditioning_step=self.start_preconditioning_step,
-                max_preconditioner_dim=self.max_preconditioner_dim,
+                max_preconditioner_dim=self.max_precondition_dim,
                 graft=self.graft,
-                graft_b2=self.graft_b2,
-                graft_eps=self.graft_eps,
+                graft_b2=self.adam_b2,
+                graft_eps=self.adam_eps,
                 labels=lambda tree: jax.tree.map(lambda _: group, tree),
             ),
             optax.trace(decay=self.momentum, nesterov=self.nesterov),
@@ -360,7 +365,7 @@ class Shampoo(Optimizer):
         def collect(side, stats, param):
             if is_array(stats) and stats.size and is_array(param):
                 true_len = param.shape[-2] if side == "left" else param.shape[-1]
-                found.append(statistics_spectrum(stats, side, true_len, self.epsilon))
+                found.append(statistics_spectrum(stats, side, true_len, self.precondition_eps))
 
         for side, tree in (("left", state.left_stats), ("right", state.right_stats)):
             jax.tree.map(lambda stats, param, side=side: collect(side, stats, param), tree, params, is_leaf=is_masked)

@@ -307,15 +307,15 @@ class SOAP(Optimizer):
 
     b1: float = 0.95
     b2: float = 0.95
-    shampoo_beta: float | None = None  # the statistics' EMA rate; None: b2
+    precondition_b2: float | None = None  # the statistics' EMA rate (scale_by_soap's shampoo_beta); None: b2
     eps: float = 1e-8
     weight_decay: float = 0.01
-    precondition_frequency: int = 10
+    precondition_every: int = 10  # scale_by_soap's precondition_frequency
     max_precondition_dim: int = 10000
     block_size: int | None = None
     precondition_embed_head: bool = True
 
-    SOAP_KNOBS = ("lr", "weight_decay", "b1", "b2", "eps", "shampoo_beta")
+    SOAP_KNOBS = ("lr", "weight_decay", "b1", "b2", "eps", "precondition_b2")
     ADAM_KNOBS = ("lr", "weight_decay", "b1", "b2", "eps")
 
     def rotates(self, group: str) -> bool:
@@ -323,7 +323,7 @@ class SOAP(Optimizer):
         return group == "hidden" or (group in ("embed", "head") and self.precondition_embed_head)
 
     def group_knobs(self, group: str) -> tuple[str, ...]:
-        """Groups that run Adam have no statistics, so no shampoo_beta."""
+        """Groups that run Adam have no statistics, so no precondition_b2."""
         return self.SOAP_KNOBS if self.rotates(group) else self.ADAM_KNOBS
 
     def group_knob_hint(self, group: str, knob: str) -> str:
@@ -331,10 +331,10 @@ class SOAP(Optimizer):
                 "optimizer.precondition_embed_head=false): it has no statistics; set b1, b2 or eps instead")
 
     def check(self, prefix: str) -> None:
-        check_unit_interval(prefix, self, "b1", "b2", "shampoo_beta")
+        check_unit_interval(prefix, self, "b1", "b2", "precondition_b2")
         check_non_negative(prefix, self, "weight_decay")
         check_positive(prefix, self, "eps")
-        for knob in ("precondition_frequency", "max_precondition_dim", "block_size"):
+        for knob in ("precondition_every", "max_precondition_dim", "block_size"):
             value = getattr(self, knob)
             if value is None and knob == "block_size":
                 continue
@@ -346,8 +346,8 @@ class SOAP(Optimizer):
         if not self.rotates(group):
             return optax.adamw(schedule, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
         return optax.chain(
-            scale_by_soap(b1=self.b1, b2=self.b2, shampoo_beta=self.shampoo_beta, eps=self.eps,
-                          precondition_frequency=self.precondition_frequency,
+            scale_by_soap(b1=self.b1, b2=self.b2, shampoo_beta=self.precondition_b2, eps=self.eps,
+                          precondition_frequency=self.precondition_every,
                           max_precondition_dim=self.max_precondition_dim, block_size=self.block_size,
                           labels=lambda tree: jax.tree.map(lambda _: group, tree)),
             optax.add_decayed_weights(self.weight_decay),
@@ -378,4 +378,4 @@ class SOAP(Optimizer):
             return {}
         cond = jnp.concatenate(conds)
         return {"precond_cond_max": jnp.max(cond), "precond_cond_median": median_nonneg(cond),
-                "eigenbasis_refreshes": refreshes(state.count, self.precondition_frequency)}
+                "eigenbasis_refreshes": refreshes(state.count, self.precondition_every)}

@@ -34,6 +34,10 @@ adapter_model.safetensors with PEFT's names) for the run's `model.init_from` bas
 --merge-lora or --format peft, the safetensors export holds the base and the factors (and the `lora`
 config) and `load_export` rebuilds the LoRA model; `--format hf` needs --merge-lora (a transformers
 model has no place for the factors).
+
+A run writes the same export itself at its last step with checkpoint.export=safetensors|hf|peft and
+checkpoint.export_dtype / export_max_shard_size / export_merge_lora for these flags (trainer/run_export.py,
+the same writer: trainer.inference.write_export; docs/checkpoints.md), on several processes too.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse
 
 import models
-from models import export, hf_generation, hf_shards, objectives
+from models import hf_generation, hf_shards
 from trainer import inference
 from utils.cli import quiet_jax_probe
 from utils.errors import ConfigError, EqtrainError
@@ -108,13 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         generation = hf_generation.checked(saved, f"{source.path} manifest") if saved is not None else None
         dtype, why = inference.export_dtype(args.dtype, run, generation)
         print(f"dtype: {dtype} ({why})")
-        if args.format == "hf":
-            print(inference.export_hf(args.out, run, model, generation, dtype, shard_size))
-        elif args.format == "peft":
-            print(inference.export_peft(args.out, run, model, dtype))
-        else:
-            export.save_export(args.out, model, source.step, source.config.get("tokenizer", {}), run.context_length,
-                               objectives.as_dict(run.objective), dtype)
+        # the writer a run's own export (checkpoint.export) uses too
+        wrote = inference.write_export(args.out, args.format, run, model, source.step,
+                                       source.config.get("tokenizer", {}), generation, dtype, shard_size)
+        if wrote is not None:
+            print(wrote)
     except (EqtrainError, OSError) as e:
         return script_error(e, where=args.out, hint="check --out")
     print(f"exported {source.path} (step {source.step}) to {args.out}")

@@ -423,3 +423,22 @@ def check_bool_knob(tiny_run, knob: str, optimizer: str) -> None:
     raw = to_dict(compose_config())
     del raw["optimizer"][knob]  # a checkpoint's config saved before the knob existed
     assert getattr(validate(raw).optimizer, knob) is False
+
+
+def with_old_names(config: dict) -> dict:
+    """`config` (a plain config dict) as an eqtrain from before optimizer/renames.py's renames saved it:
+    its optimizer's knobs (and group overrides) under their old names, and a knob split off a shared
+    one (FILLS: MARS's adam_eps) absent. Derived from the table, so a new rename is covered at once."""
+    from optimizer.renames import FILLS, renamed_pairs
+
+    node = copy.deepcopy(config["optimizer"])
+    name = node["name"]
+    for new in FILLS.get(name, {}):
+        node.pop(new, None)
+    for group, old, new in renamed_pairs(name):
+        if group is None and new in node:
+            node[old] = node.pop(new)
+        for g, knobs in (node.get("groups") or {}).items():
+            if knobs and new in knobs and group in (None, g):
+                knobs[old] = knobs.pop(new)
+    return {**config, "optimizer": node}

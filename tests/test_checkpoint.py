@@ -18,7 +18,8 @@ from typing import ClassVar
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import compose_config, restore_item
+import yaml
+from helpers import compose_config, restore_item, with_old_names
 
 import train_jax
 from utils.checkpoint import integrity, storage
@@ -46,9 +47,10 @@ def train(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, Path]:
     return train_jax.train(cfg, str(run_dir)), run_dir
 
 
-def losses(run_dir: Path, name: str = "train/loss") -> dict[int, float]:
+def losses(run_dir: Path, name: str = "train/loss", upto: int | None = None) -> dict[int, float]:
+    """{step: the metric `name`} of a run's metrics.jsonl, of steps <= `upto` when given."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r[name] for r in records if name in r}
+    return {r["step"]: r[name] for r in records if name in r and (upto is None or r["step"] <= upto)}
 
 
 def arrays(ckpt_dir: Path, item: str) -> list[np.ndarray]:
@@ -134,12 +136,20 @@ def as_legacy_aux_checkpoint(step_dir: Path) -> None:
     as_unhashed(step_dir)
 
 
+def as_old_names_checkpoint(step_dir: Path) -> None:
+    """Rewrite the config a checkpoint holds with the optimizer knob names it had before
+    optimizer/renames.py's renames (what an older eqtrain saved), its file hashes sealed anew."""
+    path = step_dir / "config" / storage.CONFIG_FILE
+    path.write_text(yaml.safe_dump(with_old_names(yaml.safe_load(path.read_text())), sort_keys=False))
+    integrity.seal(str(step_dir))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("extra,legacy", [((), False), (("dataset.total_batch_size=16",), True),
-                                          (("optimizer=shampoo", "optimizer.precondition_every=3"), False),
+                                          (("optimizer=shampoo", "optimizer.precondition_every=3"), "old-names"),
                                           (("optimizer=nadamw",), False), (("optimizer=schedule_free_adamw",), False),
                                           (("optimizer=ademamix",), False),
-                                          (("optimizer=soap", "optimizer.precondition_frequency=3"), False),
+                                          (("optimizer=soap", "optimizer.precondition_every=3"), "old-names"),
                                           (("optimizer=mars",), False), (("optimizer=kron",), False),
                                           (("optimizer=adopt",), False), (("optimizer=prodigy",), False),
                                           (("optimizer=normuon",), False), (("optimizer=adam_mini",), False),
@@ -161,9 +171,11 @@ def test_resume_is_bit_identical(tmp_path, extra, legacy):
     aux-state diagnostics, whose buffers and running sums the checkpoint carries. The second case
     resumes a checkpoint written before metric_states (the aux hook's state as the item `aux`); the
     third, Shampoo's, whose state holds zero-size placeholders (orbax refuses to save those: the
-    checkpoint leaves them out and the restore makes them anew). Schedule-Free evaluates x, not the
-    y it trains (its val/loss checks that point too); AdEMAMix's α/β3 warmup (over the 12 steps)
-    reads its step count from the optimizer state, so the resume at 5 lands mid-warmup. float16's loss
+    checkpoint leaves them out and the restore makes them anew), and whose saved config (as SOAP's)
+    is rewritten with the knob names of before optimizer/renames.py's renames: the resume renames
+    them. Schedule-Free evaluates x, not the y it trains (its val/loss checks that point too);
+    AdEMAMix's α/β3 warmup (over the 12 steps) reads its step count from the optimizer state, so the
+    resume at 5 lands mid-warmup. float16's loss
     scale grows every 2 finite steps: the resume at 5 lands mid-count (the item `loss_scale` holds both).
     SOAP refreshes its eigenbases on updates 4, 7 and 10 (frequency 3), across the resume; Kron draws
     its random probes from a key folded with the update count, so the resumed run draws the same.
@@ -176,18 +188,30 @@ def test_resume_is_bit_identical(tmp_path, extra, legacy):
     full_ck, seg_ck = Path("ckpt/full"), Path("ckpt/seg")  # relative, as in the docs
     # The aux diagnostics' buffers must resume exactly too; the optimizer's own diagnostics carry no
     # state (and double the compile), so they stay off.
+    # Every case but the plain one resumes the uninterrupted run's own step-5 save: one run less per case,
+    # and a mid-run save is the harder one (its data prefetched past step 5). The plain case stops a
+    # second run at step 5 with checkpoint.num_steps.
+    stopped_run = not extra
     extra = (*extra, "logging.log_callback_data=true", "logging.optim_diagnostics=false")
-    train(tmp_path, "full", *extra, "checkpoint.save=true", f"checkpoint.save_path={full_ck}")
-    _, first = train(tmp_path, "first", *extra, "checkpoint.save=true", f"checkpoint.save_path={seg_ck}",
-                     "checkpoint.num_steps=5")
+    if stopped_run:
+        train(tmp_path, "full", *extra, "checkpoint.save=true", f"checkpoint.save_path={full_ck}")
+        _, first = train(tmp_path, "first", *extra, "checkpoint.save=true", f"checkpoint.save_path={seg_ck}",
+                         "checkpoint.num_steps=5")
+    else:
+        train(tmp_path, "full", *extra, "checkpoint.save=true", f"checkpoint.save_path={full_ck}",
+              "checkpoint.save_steps=[5]")
+        shutil.copytree(full_ck / "iter_5", seg_ck / "iter_5")
+        first = tmp_path / "full"
     assert complete_steps(str(seg_ck)) == [5]
-    if legacy:
+    if legacy == "old-names":
+        as_old_names_checkpoint(tmp_path / seg_ck / "iter_5")
+    elif legacy:
         as_legacy_aux_checkpoint(tmp_path / seg_ck / "iter_5")
     _, second = train(tmp_path, "second", *extra, "checkpoint.save=true", f"checkpoint.save_path={seg_ck}",
                       "checkpoint.resume=auto")
 
     full = losses(tmp_path / "full")
-    resumed = {**losses(first), **losses(second)}
+    resumed = {**losses(first, upto=5), **losses(second)}
     assert sorted(resumed) == list(range(1, 13))
     assert resumed == full  # exact float equality, step by step
     assert 0 not in losses(second) and min(losses(second)) == 6
@@ -200,11 +224,11 @@ def test_resume_is_bit_identical(tmp_path, extra, legacy):
         assert_same_arrays(full_ck / "iter_12", seg_ck / "iter_12", item)
     if scaled:
         assert len(set(losses(second, "train/loss_scale").values())) > 1  # it grew after the resume
-        assert {**losses(first, "train/loss_scale"), **losses(second, "train/loss_scale")} == losses(
+        assert {**losses(first, "train/loss_scale", upto=5), **losses(second, "train/loss_scale")} == losses(
             tmp_path / "full", "train/loss_scale")
     for name in ("update/<gn, Delta(n)>_sum", "grads/cos(gn, g(n-1))", "grads/cos(gn, g(1:n-1))",
                  "update/cos(Delta(n+1), Delta(n))", "val/loss"):
-        assert {**losses(first, name), **losses(second, name)} == losses(tmp_path / "full", name), name
+        assert {**losses(first, name, upto=5), **losses(second, name)} == losses(tmp_path / "full", name), name
 
 
 def test_resume_auto_without_checkpoint_starts_fresh_and_finished_run_is_a_no_op(tmp_path, capsys):

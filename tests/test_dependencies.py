@@ -70,3 +70,17 @@ def test_a_test_run_prints_the_versions_it_ran_with(pytestconfig):
     for name, version in versions.core_versions().items():
         assert f"{name} {version}" in header
     assert versions.cpu_model() in header
+
+
+def test_the_cpu_is_named_with_its_model_numbers_and_vector_units(tmp_path):
+    """A VM's generic "Intel(R) Xeon(R) Processor" gains its family/model and the vector units XLA's
+    kernels pick by, read from the first processor's block of /proc/cpuinfo's format."""
+    block = ("processor\t: {n}\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n"
+             "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu {flags}\n\n")
+    info = tmp_path / "cpuinfo"
+    info.write_text(block.format(n=0, flags="avx2 avx512f amx_tile") + block.format(n=1, flags="sse"))
+    assert versions.cpu_model(str(info)) == "Intel(R) Xeon(R) Processor [family 6 model 143; AVX2, AVX-512, AMX]"
+    info.write_text(block.format(n=0, flags="avx2"))
+    assert versions.cpu_model(str(info)) == "Intel(R) Xeon(R) Processor [family 6 model 143; AVX2]"
+    info.write_text("Processor\t: AArch64\nmodel name\t: Neoverse\n")  # no numbers, no x86 units: the name
+    assert versions.cpu_model(str(info)) == "Neoverse"

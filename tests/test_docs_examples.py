@@ -46,6 +46,10 @@ def test_extending_examples_are_verbatim_copies():
         assert block in examples, f"docs/extending.md block not in docs/examples.py:\n{block}"
     (lion,) = _python_blocks("## An optimizer")
     assert lion in (ROOT / "optimizer" / "lion.py").read_text()
+    # the model family's block: docs/example_family.py, which tests/test_model_contract.py runs through
+    # every family's matrix (registered as `tiny`)
+    (family,) = _python_blocks("## A model family")
+    assert family in (ROOT / "docs" / "example_family.py").read_text()
 
 
 def test_lines_source_registered_gives_its_documents(tmp_path, monkeypatch):

@@ -200,14 +200,14 @@ def test_muon_accepts_the_group_knobs_it_uses_and_nulls_anywhere():
 
 
 def test_shampoo_scalar_group_refuses_preconditioner_knobs():
-    """Shampoo's scalar leaves take the diagonal path: beta2 and epsilon would be ignored there."""
-    with pytest.raises(ConfigError, match=r"^optimizer\.groups\.scalar\.beta2: the scalar group .*graft_b2"):
-        validate(compose_config("optimizer=shampoo", "+optimizer.groups.scalar.beta2=0.99"))
-    with pytest.raises(ConfigError, match=r"^optimizer\.groups\.scalar\.epsilon: "):
-        validate(compose_config("optimizer=shampoo", "+optimizer.groups.scalar.epsilon=1e-4"))
-    run = validate(compose_config("optimizer=shampoo", "optimizer.groups.hidden.beta2=0.99",
-                                  "optimizer.groups.scalar.graft_b2=0.99"))
-    assert run.optimizer.group_overrides == {"hidden": {"beta2": 0.99}, "scalar": {"graft_b2": 0.99}}
+    """Shampoo's scalar leaves take the diagonal path: precondition_b2 and precondition_eps would be ignored there."""
+    with pytest.raises(ConfigError, match=r"^optimizer\.groups\.scalar\.precondition_b2: the scalar group .*adam_b2"):
+        validate(compose_config("optimizer=shampoo", "+optimizer.groups.scalar.precondition_b2=0.99"))
+    with pytest.raises(ConfigError, match=r"^optimizer\.groups\.scalar\.precondition_eps: "):
+        validate(compose_config("optimizer=shampoo", "+optimizer.groups.scalar.precondition_eps=1e-4"))
+    run = validate(compose_config("optimizer=shampoo", "optimizer.groups.hidden.precondition_b2=0.99",
+                                  "optimizer.groups.scalar.adam_b2=0.99"))
+    assert run.optimizer.group_overrides == {"hidden": {"precondition_b2": 0.99}, "scalar": {"adam_b2": 0.99}}
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

@@ -299,7 +299,7 @@ def test_groups_state_and_preconditioner_norm_diagnostic():
 
 
 @pytest.mark.parametrize(("knob", "value"), [
-    ("b1", 1.0), ("weight_decay", -0.1), ("preconditioner_lr", 0.0), ("preconditioner_init_scale", -1.0),
+    ("momentum", 1.0), ("weight_decay", -0.1), ("precondition_lr", 0.0), ("precondition_init_scale", -1.0),
     ("max_size_triangular", 0), ("memory_save_mode", "smart_one_diag"), ("update_prob_min", 0.0),
     ("update_prob_max", 1.5), ("update_prob_decay", -1.0), ("update_prob_flat_start", -1),
 ])

@@ -1,7 +1,8 @@
 """models/llama.py: the forward pass against a float64 NumPy re-derivation (grouped-query attention
 as explicit repeat-kv multi-head attention, rotary as complex rotation), causality, packed documents,
-equivalent execution paths, dropout, parameter groups, FLOPs, bad knobs, the Hugging Face tensor
-mapping's round trip, a short run through train_jax.train, golden losses, and 8 devices == 1.
+remat equivalence, dropout, parameter groups, FLOPs, bad knobs, the Hugging Face tensor mapping's round
+trip, a short run through train_jax.train, golden losses, and 8 devices == 1. (Scan = unrolled =
+block-causal runs for every family in tests/test_model_contract.py.)
 
 Tolerances: the models are 2 blocks of dim 32 (dot products of <= 96 terms) with O(0.1-1) logits, so
 float32 rounding is ~sqrt(96)·EPS32 ≈ 1.2e-6 of the values' scale (ROUNDING); logits_atol, 8 ROUNDING ≈
@@ -267,15 +268,6 @@ def test_packed_documents_give_each_document_its_standalone_logits():
 
 
 # --- equivalent execution paths, dropout ------------------------------------------------------------
-
-
-def test_scan_unroll_and_block_causal_attention_give_the_same_logits():
-    tokens_BxT = jnp.asarray(_tokens((2, T_)))
-    model = build(CFG)
-    want = forward(model, tokens_BxT)
-    for flags in ({"scan_blocks": False}, {"scan_unroll": 2}, {"attn_block_size": 4}):
-        got = forward(with_cfg(model, dataclasses.replace(CFG, **flags)), tokens_BxT)
-        np.testing.assert_allclose(got, want, rtol=0, atol=logits_atol(want), err_msg=str(flags))
 
 
 def test_remat_policies_give_the_same_loss_and_gradients():

@@ -3,7 +3,8 @@ a multi-host job does with checkpoints. A SIGTERM that reaches only one of the p
 stops both at the same step with one checkpoint (the stop flag is agreed at a logging step; a
 save is collective), and checkpoint.resume=auto then continues bit-identically. The checkpoint
 also crosses topologies: saved by 2 processes and restored by 1 (holding both devices), and what
-that one saved restored by 2 processes again.
+that one saved restored by 2 processes again. A run whose weights are sharded across the two
+processes (parallel.fsdp=2) exports itself once, from process 0 (checkpoint.export, trainer/run_export.py).
 
 Time (2 cores): each process of a job compiles what the other compiles, ~10 s of CPU each. So only
 the stopped job compiles; the resume and the uninterrupted reference start once it has exited
@@ -210,6 +211,81 @@ def test_sigterm_to_one_process_stops_both_and_the_resume_is_bit_identical(jobs)
     back = losses(where, "back")
     assert sorted(back) == [n + 3, n + 4]
     assert back == {k: full[k] for k in (n + 3, n + 4)}, (back, full)  # exact: the same premise
+
+
+# A two-process run whose weights are sharded across the processes (fsdp=2: one device each), so
+# neither holds them all, that exports itself as a sharded transformers directory at its end.
+EXPORT_STEPS = 3
+EXPORT_RUN = ("parallel.fsdp=2", f"train.max_steps={EXPORT_STEPS}", "train.skip_validation=true",
+              "checkpoint.save=true", "checkpoint.export=hf", "checkpoint.export_max_shard_size=50KB")
+
+
+@dataclass
+class ExportJob(Jobs):
+    """The export run alone (Jobs' launching, its own job)."""
+    exited: list[int] | None = None
+
+    def _jobs(self) -> None:
+        self.exited = finish(self.launch("export", *EXPORT_RUN, f"checkpoint.save_path={self.where / 'ck'}"))
+
+
+@background.setup
+def export_job(ctx) -> ExportJob:
+    return ExportJob(ctx.tmp_path_factory.mktemp("two_process_export"), offline_env(ctx.cache_dir))
+
+
+@pytest.mark.slow
+def test_a_two_process_fsdp_run_exports_once_from_process_0(export_job, tmp_path):
+    """checkpoint.export=hf in a two-process run with fsdp sharding across the processes: both exit 0,
+    process 0 gathered sharded arrays and wrote the directory once (no scratch directory left), with
+    the tensors (and files) of `export_model.py` of the run's checkpoint in one process; it loads in
+    transformers with our logits."""
+    import re
+
+    import equinox as eqx
+    import jax
+    import numpy as np
+    from helpers import hf_logits, load_script, logits_atol
+    from safetensors.numpy import load_file
+
+    from trainer import inference
+
+    export_job.wait()
+    where, ck = export_job.where, export_job.where / "ck"
+    assert export_job.error is None, export_job.error
+    assert export_job.exited == [0, 0], output(where, "export") + output(where, "export", 1)
+    said = re.findall(r"export: hf of step (\d+) to (\S+) \(.*; (\d+) arrays gathered", output(where, "export"))
+    assert len(said) == 1, output(where, "export")
+    step, path, gathered = said[0]
+    assert (int(step), path) == (EXPORT_STEPS, str(ck / "export")) and int(gathered) > 0  # fsdp: not addressable
+    assert complete_steps(str(ck)) == [EXPORT_STEPS]
+    assert not [p.name for p in ck.iterdir() if p.name.startswith(".")]  # the scratch directory was renamed
+
+    single = tmp_path / "single"
+    flags = ["--format", "hf", "--max-shard-size", "50KB"]
+    assert load_script("export_model").main([str(ck), "--out", str(single), *flags]) == 0
+    names = sorted(p.name for p in (ck / "export").iterdir())
+    assert names == sorted(p.name for p in single.iterdir())
+    shards = [n for n in names if n.endswith(".safetensors")]
+    assert len(shards) >= 2, names  # the 50KB limit split the ~150 KB of float32 weights
+    ours = {k: v for n in shards for k, v in load_file(str(ck / "export" / n)).items()}
+    theirs = {k: v for n in shards for k, v in load_file(str(single / n)).items()}
+    assert set(ours) == set(theirs)
+    for k in ours:
+        np.testing.assert_array_equal(ours[k], theirs[k], err_msg=k)  # exact: the same arrays, gathered or read
+    for n in names:
+        assert (ck / "export" / n).read_bytes() == (single / n).read_bytes(), n
+
+    pytest.importorskip("torch", reason="parity tier (transformers + torch): pip install -e '.[dev,parity]'")
+    transformers = pytest.importorskip("transformers", reason="parity tier: pip install -e '.[dev,parity]'")
+    _, _, model = inference.restore_for_inference(str(ck), "latest")
+    tokens_BxT = np.array(jax.random.randint(jax.random.PRNGKey(1), (2, 32), 0, 257))  # writable: torch takes it
+    want_BxTxV = np.asarray(eqx.filter_jit(lambda m, t: m(t))(model, tokens_BxT))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(ck / "export").eval()
+    got_BxTxV = hf_logits(loaded, tokens_BxT)
+    # helpers.logits_atol: the longest float32 sums feeding a logit (MLP width × (blocks + 1)) at the
+    # logits' scale, both sides' worst case, margin 4
+    np.testing.assert_allclose(got_BxTxV, want_BxTxV, rtol=0, atol=logits_atol(model.cfg, want_BxTxV))
 
 
 class ImportCheck(BackgroundProcess):

@@ -47,7 +47,7 @@ OVERRIDES = {
     "adopt": {"hidden": {"lr": 2e-2}, "embed": {"b1": 0.8}, "head": {"weight_decay": 0.05},
               "scalar": {"lr": 5e-3, "eps": 1e-4, "b2": 0.99}},
     "prodigy": {"hidden": {"lr": 2e-2}, "embed": {"b1": 0.8, "d_coef": 0.5},
-                "head": {"weight_decay": 0.05, "beta3": 0.9}, "scalar": {"lr": 5e-3, "d0": 0.5, "eps": 1e-6}},
+                "head": {"weight_decay": 0.05, "b3": 0.9}, "scalar": {"lr": 5e-3, "d0": 0.5, "eps": 1e-6}},
 }
 
 
@@ -74,7 +74,7 @@ def _reference_tx(name: str, group: str) -> optax.GradientTransformation:
         return optax.chain(optax.contrib.scale_by_adopt(b1=k("b1"), b2=k("b2"), eps=k("eps"), use_clipping=k("clip")),
                            optax.add_decayed_weights(wd), optax.scale_by_learning_rate(lr))
     if name == "prodigy":
-        return optax.contrib.prodigy(lr, betas=(k("b1"), k("b2")), beta3=k("beta3"), eps=k("eps"), estim_lr0=k("d0"),
+        return optax.contrib.prodigy(lr, betas=(k("b1"), k("b2")), beta3=k("b3"), eps=k("eps"), estim_lr0=k("d0"),
                                      estim_lr_coef=k("d_coef"), weight_decay=wd, safeguard_warmup=k("safeguard_warmup"))
     if name == "schedule_free_adamw":
         return optax.contrib.schedule_free_adamw(lr, b1=k("b1"), b2=k("b2"), eps=k("eps"), weight_decay=wd,

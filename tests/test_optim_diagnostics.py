@@ -447,8 +447,8 @@ def test_shampoo_eigenvalues_match_numpy_eigvalsh_of_the_statistics():
     # block 16: 20 = 16 + 4 and 30 = 16 + 14, so padded blocks on both sides (the padding's zero
     # eigenvalues must be left out). epsilon 1e-3: a condition number checkable against float64
     # (at 1e-6 float32 eigh noise on λmin, ~1e-7·λmax, moves it by ~10%); one group overrides it.
-    overrides = {"head": {"epsilon": 1e-2}}
-    hp = Shampoo(block_size=16, epsilon=1e-3)
+    overrides = {"head": {"precondition_eps": 1e-2}}
+    hp = Shampoo(block_size=16, precondition_eps=1e-3)
     shapes = {"w": ((2, 20, 30), "hidden"), "w2": ((2, 30, 12), "hidden"), "head": ((30, 20), "head"),
               "wte": ((40, 20), "embed"), "b": ((20,), "scalar")}
     # 6 updates: every true sub-block has full rank (a 16-row block of a gradient with 4 columns
@@ -460,7 +460,7 @@ def test_shampoo_eigenvalues_match_numpy_eigvalsh_of_the_statistics():
     for group in ("embed", "head", "hidden"):
         shampoo = _group_state(states[-1], group)[0]
         assert isinstance(shampoo, ShampooState)
-        eps = overrides.get(group, {}).get("epsilon", hp.epsilon)
+        eps = overrides.get(group, {}).get("precondition_eps", hp.precondition_eps)
         blocks = []
         for side, tree in (("left", shampoo.left_stats), ("right", shampoo.right_stats)):
             for stats, param, label in _aligned(tree, params, labels):

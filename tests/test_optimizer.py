@@ -109,7 +109,7 @@ def test_adafactor_without_decay_is_optax_adafactor(momentum):
     rng = np.random.default_rng(5)
     params = {"w": jnp.asarray(rng.normal(size=(2, 130, 140)), jnp.float32), "b": jnp.ones((7,), jnp.float32)}
     grads_seq = [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params) for _ in range(3)]
-    ours = Adafactor(momentum=momentum).transform("hidden", optax.constant_schedule(0.01))
+    ours = Adafactor(b1=momentum).transform("hidden", optax.constant_schedule(0.01))
     reference = optax.adafactor(0.01, momentum=momentum, multiply_by_parameter_scale=False)
 
     def three_updates(tx):

@@ -238,7 +238,7 @@ def test_normuon_matches_pytorch_optimizer_normuon(monkeypatch, shape_scale, upd
 
     monkeypatch.setattr(module, "zero_power_via_newton_schulz_5", newton_schulz)
     wd, beta, beta2 = 0.1, 0.9, 0.9
-    hp = NorMuon(momentum=beta, nesterov=nesterov, beta2=beta2, shape_scale=shape_scale, weight_decay=wd)
+    hp = NorMuon(momentum=beta, nesterov=nesterov, b2=beta2, shape_scale=shape_scale, weight_decay=wd)
     rng = np.random.default_rng(9)
     params = {k: (NORMUON_LR * rng.normal(size=s)).astype(np.float32) for k, s in NORMUON_SHAPES.items()}
     # Columns of unequal sizes, so the neurons' second moments differ and the normalisation matters.

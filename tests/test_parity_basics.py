@@ -205,12 +205,12 @@ def test_cautious_adafactor_with_momentum_matches_pytorch_optimizer():
     """C-AdaFactor with momentum 0.9 under a constant lr: the mask on the momentum of the clipped
     factored update against g, the decay unmasked. pytorch_optimizer's β2_t is capped at 0.999,
     which 1 − t^-0.8 reaches only after ~5,600 steps; relative_step and scale_parameter off."""
-    hp = Adafactor(momentum=0.9, weight_decay=0.1)
+    hp = Adafactor(b1=0.9, weight_decay=0.1)
     params, grads = problem(FACTORED, seed=5)
     constant = optax.constant_schedule(BASE_LR)
     got = ours(hp, FACTORED, params, grads, constant, cautious=True)
     want = reference(lambda groups: _CautiousAdaFactor(
-        groups, betas=(hp.momentum, 0.999), decay_rate=-hp.decay_rate, clip_threshold=hp.clipping_threshold,
+        groups, betas=(hp.b1, 0.999), decay_rate=-hp.decay_rate, clip_threshold=hp.clipping_threshold,
         scale_parameter=False, relative_step=False, momentum_dtype=torch.float64, foreach=False, cautious=True),
         FACTORED, params, grads, constant, hp.weight_decay)
     assert_same_weights(got, want, params, "cautious adafactor")

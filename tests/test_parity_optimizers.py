@@ -172,10 +172,10 @@ def test_kron_matches_kron_torch(monkeypatch):
     grads = [{"w": rng.normal(size=(5, 4)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
              for _ in range(STEPS)]
     # Ours: the matrix group (hidden) decays, the vector (scalar) does not, as kron_torch (p.dim() >= 2).
-    hp = Kron(b1=0.9, weight_decay=wd)
+    hp = Kron(momentum=0.9, weight_decay=wd)
     labels = {"w": "hidden", "b": "scalar"}
     tx = optax.multi_transform({"hidden": hp.transform("hidden", optax.constant_schedule(LR)),
-                                "scalar": Kron(b1=0.9, weight_decay=0.0).transform("scalar",
+                                "scalar": Kron(momentum=0.9, weight_decay=0.0).transform("scalar",
                                                                                     optax.constant_schedule(LR))},
                                labels)
     ours, state = jax_run(tx, {"w": w0, "b": b0}, grads)

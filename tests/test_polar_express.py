@@ -178,7 +178,7 @@ def test_quintic_default_is_exactly_the_update_before_the_knob(cls):
     before = scale_by_muon(ns_steps=hp.ns_steps, beta=hp.momentum, nesterov=hp.nesterov,
                            weight_dimension_numbers=_stacked_dims)
     if cls is NorMuon:
-        stages = (scale_by_neuron_norm(hp.beta2, hp.eps, hp.shape_scale), scale_by_shape("reference"))
+        stages = (scale_by_neuron_norm(hp.b2, hp.eps, hp.shape_scale), scale_by_shape("reference"))
     else:
         stages = (scale_by_shape(hp.shape_scale),)
     old = optax.chain(before, *stages, optax.add_decayed_weights(hp.weight_decay),

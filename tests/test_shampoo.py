@@ -129,8 +129,8 @@ def adam_rtol(b2: float, steps: int) -> float:
 
 
 @pytest.mark.parametrize(("shape", "beta2", "eps", "p"),
-                         [((6, 4), 0.9, 1e-4, None), ((6, 4), 1.0, 1e-4, None), ((5, 5), 0.9, Shampoo().epsilon, None),
-                          ((5, 5), 0.9, 1e-4, 2.0)],
+                         [((6, 4), 0.9, 1e-4, None), ((6, 4), 1.0, 1e-4, None),
+                          ((5, 5), 0.9, Shampoo().precondition_eps, None), ((5, 5), 0.9, 1e-4, 2.0)],
                          ids=["ema", "sum", "default-eps", "exponent-override"])
 def test_two_sided_matches_numpy(shape, beta2, eps, p):
     """A 6x4 gradient leaves L rank-deficient on step 1, where float32 eigh resolves the damped
@@ -202,7 +202,7 @@ def test_default_epsilon_is_above_float32_eigh_noise_on_rank_deficient_statistic
     damping is below float32 eigh's ~1e-7·λmax noise, so the noise picked the result: step 2
     came out ~3,700x the gradient's norm and 55% away from the float64 computation of the same
     formula. The default gives what the formula says (~146x here) to within 0.5%."""
-    eps = Shampoo().epsilon
+    eps = Shampoo().precondition_eps
     assert inspect.signature(scale_by_shampoo).parameters["epsilon"].default == eps
     grads = random_grads({"w": (8, 32)}, 2, seed=14)
     tx = scale_by_shampoo(block_size=NO_BLOCKS, beta2=0.999, epsilon=eps, precondition_every=10, graft="none")
@@ -465,8 +465,8 @@ def test_per_group_optimizer_matches_one_whole_model_chain():
 
 @pytest.mark.parametrize(("knob", "value"), [
     ("momentum", 1.0), ("block_size", 0), ("precondition_every", 0), ("start_preconditioning_step", 0),
-    ("max_preconditioner_dim", 2.5), ("beta2", 0.0), ("beta2", 1.5), ("graft_b2", 0.0), ("epsilon", 0.0),
-    ("graft_eps", 0.0), ("graft", "adagrad"), ("weight_decay", -0.1),
+    ("max_precondition_dim", 2.5), ("precondition_b2", 0.0), ("precondition_b2", 1.5), ("adam_b2", 0.0),
+    ("precondition_eps", 0.0), ("adam_eps", 0.0), ("graft", "adagrad"), ("weight_decay", -0.1),
 ])
 def test_bad_knobs_are_config_errors(knob, value):
     Shampoo().check("optimizer")  # the defaults pass

@@ -364,7 +364,7 @@ def test_diagnostics_are_the_denominators_spread_and_the_bases_computed_so_far()
     entries, from the state's V by NumPy (the padding, exactly zero, left out); eigenbasis_refreshes:
     how many times the bases have changed so far, counted from the states (frequency 2: updates
     1, 3, 5). The scalar group logs Adam's sqrt_v_*."""
-    hp = SOAP(block_size=4, precondition_frequency=2)
+    hp = SOAP(block_size=4, precondition_every=2)
     shapes = {"w": ((2, 6, 7), "hidden"), "e": ((5, 5), "embed"), "b": ((4,), "scalar")}
     rng = np.random.default_rng(12)
     params = {k: jnp.asarray(rng.normal(size=shape), jnp.float32) for k, (shape, _) in shapes.items()}
@@ -400,17 +400,17 @@ def test_diagnostics_are_the_denominators_spread_and_the_bases_computed_so_far()
 
 
 @pytest.mark.parametrize(("knob", "value"), [
-    ("b1", 1.0), ("b2", -0.1), ("shampoo_beta", 1.0), ("eps", 0.0), ("weight_decay", -0.1),
-    ("precondition_frequency", 0), ("max_precondition_dim", 2.5), ("block_size", 0), ("block_size", True),
+    ("b1", 1.0), ("b2", -0.1), ("precondition_b2", 1.0), ("eps", 0.0), ("weight_decay", -0.1),
+    ("precondition_every", 0), ("max_precondition_dim", 2.5), ("block_size", 0), ("block_size", True),
 ])
 def test_bad_knobs_are_config_errors(knob, value):
     SOAP().check("optimizer")  # the defaults pass
-    dataclasses.replace(SOAP(), block_size=None, shampoo_beta=None).check("optimizer")  # nulls are allowed
+    dataclasses.replace(SOAP(), block_size=None, precondition_b2=None).check("optimizer")  # nulls are allowed
     with pytest.raises(ConfigError, match=rf"^optimizer\.{knob}="):
         dataclasses.replace(SOAP(), **{knob: value}).check("optimizer")
 
 
 def test_group_knobs_follow_what_each_group_runs():
-    assert "shampoo_beta" in SOAP().group_knobs("hidden") and "shampoo_beta" in SOAP().group_knobs("embed")
-    assert "shampoo_beta" not in SOAP().group_knobs("scalar")
-    assert "shampoo_beta" not in SOAP(precondition_embed_head=False).group_knobs("head")
+    assert "precondition_b2" in SOAP().group_knobs("hidden") and "precondition_b2" in SOAP().group_knobs("embed")
+    assert "precondition_b2" not in SOAP().group_knobs("scalar")
+    assert "precondition_b2" not in SOAP(precondition_embed_head=False).group_knobs("head")

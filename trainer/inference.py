@@ -18,7 +18,7 @@ import equinox as eqx
 from omegaconf import OmegaConf
 
 import models
-from models import attention
+from models import attention, export, objectives
 from models.export import abstract_model
 from trainer.step import initial_keys
 from utils import files
@@ -116,17 +116,34 @@ def refuse_non_causal(run: RunConfig, flag: str) -> None:
                               "attention); a Hugging Face causal LM would run it causally: use --format safetensors")
 
 
+def write_export(out_dir: str, fmt: str, run: RunConfig, model, step: int, tokenizer_section: dict,
+                 generation: dict | None, dtype: str, max_shard_size: int | None = None, tokenizer=None) -> str | None:
+    """The one export writer, behind scripts/export_model.py and a run's own export (checkpoint.export,
+    trainer/run_export.py), so the two write the same files: `fmt` safetensors (models.export), hf or peft
+    (below). `model` is what models.for_export made of the one the run evaluates; `tokenizer_section` the
+    run's saved `tokenizer` config; `tokenizer` the run's built tokenizer (None: rebuilt here, for hf).
+    Returns a line saying what hf/peft wrote (None for safetensors)."""
+    if fmt == "hf":
+        return export_hf(out_dir, run, model, generation, dtype, max_shard_size, tokenizer)
+    if fmt == "peft":
+        return export_peft(out_dir, run, model, dtype)
+    export.save_export(out_dir, model, step, tokenizer_section, run.context_length, objectives.as_dict(run.objective),
+                       dtype)
+    return None
+
+
 def export_hf(out_dir: str, run: RunConfig, model, generation: dict | None = None, dtype: str = "float32",
-              max_shard_size: int | None = None) -> str:
+              max_shard_size: int | None = None, tokenizer=None) -> str:
     """A run's model as a transformers directory (models.hf.save_hf), its tokenizer included where it
     can be rebuilt here (AutoTokenizer then encodes as the run did). Refuses a masked-diffusion model:
     transformers' causal LM would run it causally, not as trained. Returns a line saying which
     tokenizer files were (not) written. `generation`: the checkpoint manifest's entry (models/hf_generation.py),
-    None for a checkpoint from before it (the tokenizer's ids then). `dtype`, `max_shard_size`: models.hf.save_hf's."""
+    None for a checkpoint from before it (the tokenizer's ids then). `dtype`, `max_shard_size`: models.hf.save_hf's.
+    `tokenizer`: the run's, built (None: rebuilt from the run's config)."""
     from models import hf
 
     refuse_non_causal(run, "--format hf")
-    tokenizer, why = run_tokenizer(run)
+    tokenizer, why = (tokenizer, None) if tokenizer is not None else run_tokenizer(run)
     names = hf.save_hf(out_dir, model, tokenizer, generation, dtype, max_shard_size)
     if hf.hf_tokenizer_object(tokenizer) is not None:
         return f"tokenizer files: {', '.join(n for n in names if n.startswith(('tokenizer', 'special')))}"

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import jax
 
 from models import lora
+from optimizer.renames import rename_config
 from trainer.step import TrainState
 from utils.checkpoint import remote
 from utils.checkpoint.frozen import MANIFEST_KEY, FrozenPart
@@ -90,9 +91,11 @@ def merge_config(source: Source, current: dict, cfg: CheckpointConfig, warn: Cal
       that no longer fits fails at restore).
 
     A resumed segment's own checkpoint already holds the config its run settled on at the start
-    (the merged one), so a requeue of the same command trains on with exactly that."""
+    (the merged one), so a requeue of the same command trains on with exactly that. A saved config
+    with old optimizer knob names (optimizer/renames.py) is read under the new ones, one warning each."""
+    saved = rename_config(source.config, warn, f" (saved in {source.path})")
     if cfg.overwrite_config:
-        diffs = config_differences(source.config, current)
+        diffs = config_differences(saved, current)
         if diffs:
             warn(f"checkpoint.overwrite_config=true: applying this command line over the config saved in "
                  f"{source.path}: " + "; ".join(f"{k}: {a} -> {b}" for k, a, b in diffs))
@@ -100,7 +103,7 @@ def merge_config(source: Source, current: dict, cfg: CheckpointConfig, warn: Cal
     loaded = not source.resuming  # a load's own switches; a requeued segment trains on with what its run settled on
     kept = (set(LOCAL_KEYS) | ({"optimizer"} if cfg.overwrite_optimizer and loaded else set())
             | ({"dataset"} if cfg.overwrite_data and loaded else set()))
-    merged = {k: v for k, v in source.config.items() if k not in kept}
+    merged = {k: v for k, v in saved.items() if k not in kept}
     merged.update({k: v for k, v in current.items() if k in kept})
     ignored = config_differences(merged, current)  # only what this command line would really change
     if ignored:

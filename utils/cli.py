@@ -47,6 +47,19 @@ from utils.errors import EqtrainError, TrainingError
 from utils.files import atomic_write
 
 
+def renamed_argv(argv: list[str]) -> list[str]:
+    """train_jax.py's arguments with old optimizer knob names renamed (utils.config.renamed_overrides),
+    a warning line each on stderr, before Hydra (which refuses a key the yaml lacks) parses them; a
+    refusal (both names given) is one `error:` line and exit 2, as any user error."""
+    from utils.config import renamed_overrides
+
+    try:
+        return renamed_overrides(argv, lambda line: print(f"warning: {line}", file=sys.stderr))
+    except EqtrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def quiet_jax_probe() -> None:
     """jax logs a warning for every accelerator plugin it probes and does not find ("no TPU")."""
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 import models
 from loaders import dataset_config, tokenizer_config
 from loaders.config import DatasetConfig
-from models import attention
+from models import attention, contract
 from models import mup as mup_model
 from models.hf import resolve_init_from
 from models.objectives import AR, OBJECTIVES, check_vocab
@@ -31,7 +33,9 @@ from optimizer import cautious as cautious_mask
 from optimizer import hyperball as hyperball_lib
 from optimizer import mup as mup_optim
 from optimizer.groups import GROUPS, group_hparams, group_knobs
+from optimizer.renames import FILLS, message, rename_config, resolve
 from optimizer.schedules import SCHEDULES, warmup_warning
+from trainer import run_export
 from trainer.early_stopping import EarlyStoppingConfig
 from trainer.loss_scale import LossScaleConfig
 from trainer.tasks import EvalConfig
@@ -206,12 +210,93 @@ def to_dict(cfg: DictConfig | dict) -> dict:
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
+# `[+|++|~]optimizer.<knob>[=...]` and `optimizer.groups.<group>.<knob>[=...]`: the overrides a rename touches.
+_KNOB_OVERRIDE = re.compile(r"^(?P<prefix>~|\+\+|\+)?(?P<stem>optimizer\.(?:groups\.(?P<group>\w+)\.)?)"
+                            r"(?P<knob>[A-Za-z_]\w*)(?P<rest>=.*)?$", re.S)
+_OPTIMIZER_CHOICE = re.compile(r"^(?:\+\+|\+)?optimizer=", re.S)
+
+
+def default_optimizer() -> str:
+    """The optimizer conf/config.yaml's defaults list picks when no `optimizer=` override does."""
+    node = OmegaConf.load(os.path.join(CONF_DIR, "config.yaml"))
+    return next((str(entry["optimizer"]) for entry in node.get("defaults", [])
+                 if isinstance(entry, DictConfig) and "optimizer" in entry), "adamw")
+
+
+def chosen_optimizers(overrides: list[str]) -> list[str] | None:
+    """The optimizers a command line runs: its last `optimizer=` override's (every one of a sweep
+    `optimizer=a,b` or `choice(a,b)`), else the default; None when Hydra's parser cannot list them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    chosen = [o for o in overrides if _OPTIMIZER_CHOICE.match(o)]
+    if not chosen:
+        return [default_optimizer()]
+    try:
+        override = OverridesParser.create().parse_override(chosen[-1])
+        if override.is_sweep_override():
+            return [str(v) for v in override.sweep_string_iterator()]
+        return [str(override.get_value_element_as_str())]
+    except HydraException:  # a glob or another sweep whose values need the config: leave the overrides to Hydra
+        return None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(line: str) -> None:
+    """A rename's warning, once per process (a comparison composes the same overrides for every run)."""
+    if line not in _WARNED:
+        _WARNED.add(line)
+        from utils.logging.messages import warn
+
+        warn(line)
+
+
+def renamed_overrides(overrides: list[str], warn: Callable[[str], None] | None = None) -> list[str]:
+    """Command-line overrides with the old optimizer knob names (optimizer/renames.py) renamed for the
+    optimizers they reach, one `warn` line each (default: printed once per process), before Hydra,
+    which refuses a key the yaml lacks, sees them. An old and a new name of one knob both given, or
+    an old name a sweep's optimizers read differently: a ConfigError."""
+    overrides = list(overrides)
+    if not any(_KNOB_OVERRIDE.match(o) for o in overrides):
+        return overrides
+    optimizers = chosen_optimizers(overrides)
+    if optimizers is None:
+        return overrides
+    warn = warn or _warn_once
+    out, typed = [], {}
+    for override in overrides:
+        m = _KNOB_OVERRIDE.match(override)
+        if m:
+            key = m["stem"] + m["knob"]
+            renamed = resolve(optimizers, m["knob"], key, m["group"])
+            new_key = m["stem"] + next(iter(renamed.values())) if renamed else key
+            if renamed:
+                warn(message(",".join(renamed), key, new_key))
+                override = f"{m['prefix'] or ''}{new_key}{m['rest'] or ''}"
+            typed.setdefault(new_key, set()).add(key)
+        out.append(override)
+    for key, names in typed.items():
+        if len(names) > 1:
+            old = sorted(names - {key})[0]
+            raise ConfigError(f"{old} (an old name) and {key} both set {key}: keep only {key}")
+    for opt in optimizers:  # a knob split off a shared one: an old command line that set the shared one changed
+        for new, shared in FILLS.get(opt, {}).items():
+            if f"optimizer.{shared}" in typed and f"optimizer.{new}" not in typed:
+                warn(f"optimizer={opt}: `optimizer.{shared}` no longer also sets what `optimizer.{new}` sets now "
+                     f"(see conf/optimizer/{opt}.yaml); set `optimizer.{new}` too to keep the old behaviour")
+    return out
+
+
 def compose_overrides(overrides: list[str], job_name: str) -> DictConfig:
     """conf/ composed with command-line overrides outside `@hydra.main` (the scripts), Hydra's
-    composition errors turned into one ConfigError line (an unknown group option lists the choices)."""
+    composition errors turned into one ConfigError line (an unknown group option lists the choices).
+    Old optimizer knob names are renamed first (`renamed_overrides`)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
+    overrides = renamed_overrides(overrides)
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name=job_name):
             return compose("config", overrides=overrides)
@@ -227,8 +312,11 @@ def compose_overrides(overrides: list[str], job_name: str) -> DictConfig:
 
 
 def validate(cfg: DictConfig | dict) -> RunConfig:
-    """The whole composed config -> RunConfig, or a ConfigError naming the first bad knob."""
-    raw = to_dict(cfg)
+    """The whole composed config -> RunConfig, or a ConfigError naming the first bad knob. A config
+    dict with old optimizer knob names (a checkpoint's from before a rename) is renamed, each rename
+    one of the run's warnings."""
+    renames: list[str] = []
+    raw = rename_config(to_dict(cfg), renames.append)
 
     expected = {"model", "tokenizer", "dataset", "optimizer", "train", "logging", "parallel", "random_seed",
                 "data_seed", "cache_dir"}
@@ -312,7 +400,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         checkpoint=build_section(CheckpointConfig, raw.get("checkpoint") or {}, "checkpoint").resolved(),
         eval=_eval_config(raw.get("eval") or {}),
         objective=build_registered(OBJECTIVES, raw.get("objective") or {"name": "ar"}, "objective")[1],
-        warnings=(warning,) if warning else (),
+        warnings=tuple(renames) + ((warning,) if warning else ()),
         config_dict=raw,
     )
     if run.model.init_from:  # a Hugging Face directory's shapes (weights at build) and tokenizer: models/hf.py
@@ -334,6 +422,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         raise ConfigError(f"eval.tasks scores continuations left to right, but objective={run.objective.name} "
                           "attends both ways: set eval.tasks=[] or objective=ar")
     ck = run.checkpoint
+    run_export.check(run)  # checkpoint.export and its knobs
     if ck.keep_best and run.train.skip_validation:
         raise ConfigError("checkpoint.keep_best=true ranks checkpoints by val/loss: set train.skip_validation=false "
                           "or checkpoint.keep_best=false")
@@ -348,8 +437,8 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         run = dataclasses.replace(run, optimizer=dataclasses.replace(run.optimizer, lr_scales=scales),
                                   warnings=run.warnings + (line,) * is_warning,
                                   notes=run.notes + (line,) * (not is_warning))
-    if hyperball and models.lora_config(m).on:
-        raise ConfigError(f"optimizer.hyperball=true with model.lora.rank={models.lora_config(m).rank}: only the LoRA "
+    if hyperball and m.lora.on:
+        raise ConfigError(f"optimizer.hyperball=true with model.lora.rank={m.lora.rank}: only the LoRA "
                           "factors train (B starts at norm 0, no sphere to keep); set optimizer.hyperball=false")
     if qk_clip_tau is not None:
         check_qk_clip(m, qk_clip_tau)
@@ -371,7 +460,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
     if kv_heads is not None and kv_heads % run.parallel.tensor:
         raise ConfigError(f"parallel.tensor={run.parallel.tensor} must divide the model's {kv_heads} key/value heads "
                           "(model.num_kv_heads): pick a parallel.tensor that divides it")
-    experts = getattr(getattr(m, "moe", None), "num_experts", 0)  # models/moe.py: whole experts per device
+    experts = m.moe.num_experts  # models/moe.py: whole experts per device
     if run.parallel.expert > 1 and (not experts or experts % run.parallel.expert):
         raise ConfigError(f"parallel.expert={run.parallel.expert} must divide model.moe.num_experts={experts} (each "
                           "device holds whole experts): pick a divisor, or parallel.expert=1")
@@ -390,10 +479,10 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
 def check_qk_clip(m, tau: float) -> None:
     """optimizer.qk_clip_tau with a model whose q and k it cannot rescale, or whose max logits it cannot read."""
     knob = f"optimizer.qk_clip_tau={tau}"
-    if not hasattr(models.family(m), "scale_query_key"):
+    if contract.optional(models.family(m), "scale_query_key") is None:
         raise ConfigError(f"{knob}: model.name={m.name} does not say where its query and key weights are "
                           "(no scale_query_key): set optimizer.qk_clip_tau=null")
-    if models.lora_config(m).on:
+    if m.lora.on:
         raise ConfigError(f"{knob} with model.lora.rank={m.lora.rank}: the query and key weights are the frozen base "
                           "(the factors add a term the clip cannot scale alone); set optimizer.qk_clip_tau=null")
     if getattr(m, "qk_norm", False):

@@ -23,16 +23,30 @@ def core_versions() -> dict[str, str]:
     return found
 
 
-def cpu_model() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo), else what the platform module knows."""
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name with its family/model numbers and the vector units XLA:CPU's kernels
+    choose by (AVX2, AVX-512, AMX), from Linux's /proc/cpuinfo; else what the platform module knows.
+    A VM often names its CPU only "Intel(R) Xeon(R) Processor": the numbers and units tell two such
+    machines apart, whose matmul speeds differ (docs/performance.md names the CPU of every figure)."""
+    fields: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name")
+    if not name:
+        return platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
+    units = [unit for unit, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AMX", "amx_tile")) if flag in flags]
+    has_numbers = "cpu family" in fields and "model" in fields
+    numbers = f"family {fields['cpu family']} model {fields['model']}" if has_numbers else ""
+    detail = "; ".join(part for part in (numbers, ", ".join(units)) if part)
+    return f"{name} [{detail}]" if detail else name
 
 
 def describe() -> str:

@@ -101,6 +101,12 @@ class CheckpointConfig:
     overwrite_data: bool = False  # true (a load): this command line's dataset, its stream from the start
     remote: str | None = None  # s3://bucket/prefix: mirror every checkpoint there (utils/checkpoint/remote.py)
     remote_bandwidth: float | None = None  # MB/s cap on the upload (one connection); null = as fast as it goes
+    # The run's model written at its last step as scripts/export_model.py writes a checkpoint's (trainer/run_export.py):
+    export: str | None = None  # null | safetensors | hf | peft (export_model.py's --format)
+    export_path: str | None = None  # null: {save_path}/export
+    export_dtype: str | None = None  # --dtype; null: the model.init_from base's dtype, else train.param_dtype
+    export_max_shard_size: Any = None  # --max-shard-size (export=hf): 5GB, 500MB, or bytes; null: one file
+    export_merge_lora: bool = False  # --merge-lora: the merged weights W + (alpha/rank)·A·B
 
     def check(self, prefix: str) -> None:
         steps = self.save_steps
@@ -148,7 +154,8 @@ class CheckpointConfig:
         """save_path and load_path made absolute against this process's working directory, once,
         at the config boundary: orbax's metadata reader finds nothing under a relative path, and
         every example in the docs uses one (`checkpoint.save_path=ckpt/run1`)."""
-        return dataclasses.replace(self, save_path=user_path(self.save_path), load_path=user_path(self.load_path))
+        return dataclasses.replace(self, save_path=user_path(self.save_path), load_path=user_path(self.load_path),
+                                   export_path=user_path(self.export_path))
 
     @property
     def save_at(self) -> tuple[int, ...] | None:
