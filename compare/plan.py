@@ -38,6 +38,7 @@ import shlex
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from compare import metric as metric_lib
 from compare.budgets import UNITS, to_steps, workload_scale
 from compare.tune import TUNE, Space, coordinate_path, start_value
 from optimizer import OPTIMIZERS
@@ -110,6 +111,7 @@ class CompareConfig:
     target_runs: int = 0  # target.runs: fresh seeds the chosen setting at the largest budget runs on for it
     budget_unit: str = "steps"  # steps | tokens | chinchilla (multiples of 20 tokens per parameter)
     workload_budgets: tuple[tuple[str, tuple[int, ...]], ...] = ()  # tokens|chinchilla: each workload's steps
+    metric: str = metric_lib.LOSS  # what the best settings and the ranking minimise: val/loss or a task's accuracy
 
     def sweep_of(self, optimizer: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
         """The sweep an optimizer's lrs are crossed with: the shared `sweep.<knob>` values and its own
@@ -215,7 +217,7 @@ def compare_config(node: dict) -> CompareConfig:
     """conf/compare.yaml's composed knobs -> CompareConfig, or one ConfigError line naming the knob."""
     node = dict(node)
     known = {"optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
-             "val_every", "baseline", "tune", "coordinate", "target", "budget_unit", *EXECUTION}
+             "val_every", "baseline", "tune", "coordinate", "target", "budget_unit", "metric", *EXECUTION}
     unknown = sorted(set(node) - known)
     if unknown:
         raise ConfigError(f"unknown comparison knob {unknown[0]!r}: the knobs are {', '.join(sorted(known))}")
@@ -307,7 +309,12 @@ def compare_config(node: dict) -> CompareConfig:
         raise ConfigError("target.runs=1: the target track's tests need at least 2 runs per optimizer")
     if target_loss is not None and not (target_loss > 0 and math.isfinite(target_loss)):
         raise ConfigError(f"target.loss={target_loss} must be a positive val/loss")
+    metric = metric_lib.parse(node.get("metric"))
+    if target_loss is not None and not metric.is_loss:
+        raise ConfigError(f"target.loss={target_loss} with metric={metric.name}: the target track reads val/loss "
+                          "curves; drop target.loss and target.runs, or set metric=val/loss")
     knobs = CompareConfig(
+        metric=metric.name,
         budget_unit=unit,
         target_loss=target_loss, target_runs=target_runs,
         tune=strategy, coordinate_threshold=threshold, coordinate_max_trials=max_trials,
@@ -687,6 +694,7 @@ def make_plan(knobs: CompareConfig, run_overrides: list[str] | tuple[str, ...],
     results come (coordinate_runs)."""
     run_overrides = tuple(run_overrides)
     check_run_overrides(run_overrides)
+    metric_lib.check_logged(metric_lib.parse(knobs.metric), knobs.workloads, run_overrides)
     runs: list[PlannedRun] = []
     spaces = []
     for workload, _ in knobs.workloads:

@@ -20,6 +20,8 @@ Reads only what the runs wrote (`runs/<id>/run.json`, `runs/<id>/metrics.jsonl`,
   without a final val/loss, or its trunk missing) or pending (classify); a missing result is
   never inf: it is left out and a mean over fewer seeds than planned says "(n=k of N)".
 - summary.json, beside report.md, holds every number the tables print (summary_of).
+- `metric=` (compare.json; compare/metric.py) names what a result is: val/loss, or a task's
+  accuracy read as its error 1 − acc, so every choice below still minimises; D_eff is left out then.
 - The best lr of an optimizer: the lowest mean final loss over seeds at the largest budget,
   on the tuning seeds (run.json "phase": "tune"); runs of phase "eval" (seeds.eval) are the
   chosen settings on fresh seeds, read only by the significance section.
@@ -39,7 +41,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from compare import ladder, significance, sizes, stats, tune
-from utils.errors import DataError
+from compare.metric import LOSS, VAL_LOSS, Metric
+from compare.metric import parse as parse_metric
+from utils.errors import ConfigError, DataError
 from utils.files import atomic_write
 from utils.logging.metrics_file import read_metrics as _read_metrics
 
@@ -48,8 +52,8 @@ TAUS = (1.0, 1.5, 2.0, 3.0, 4.0)  # performance-profile points printed in the ta
 ALPHA = 0.05  # family-wise error level of the verdicts (Holm), and 1 - the coverage of the printed CI
 MIN_SEEDS = 3  # fewer seeds (pairs): the verdict is "inconclusive (n=k)"
 CSV_FIELDS = ("id", "workload", "optimizer", "lr", "sweep", "seed", "budget", "kind", "status", "diverged",
-              "final_val_loss", "steps", "tokens", "seconds", "step_sec", "state_bytes", "elapsed_sec", "compile_sec",
-              "eval_sec", "startup_sec", "device")
+              "final_val_loss", "final_metric", "steps", "tokens", "seconds", "step_sec", "state_bytes", "elapsed_sec",
+              "compile_sec", "eval_sec", "startup_sec", "device")
 VAL, TOKENS, ELAPSED, STEP_SEC = "val/loss", "data/tokens", "time/elapsed_sec", "time/step_sec"
 COMPILE, EVAL, STARTUP, DEVICE = "time/compile_sec", "time/eval_sec", "time/startup_sec", "time/device"
 FINGERPRINT, STATE_BYTES = "data/fingerprint", "optim/state_bytes"
@@ -100,9 +104,9 @@ class Run:
 class Result:
     """One (optimizer, lr, seed, budget) branch, its trunk's records before it."""
     run: Run
-    loss: float  # final val/loss; inf: failed or diverged; nan: pending
-    why: str  # "", "failed", "diverged", "trunk failed", "pending", "no val/loss", "missing"
-    curve: dict[str, np.ndarray] = field(default_factory=dict)  # step, tokens, seconds, loss at each evaluation
+    loss: float  # the final metric (metric=: val/loss, or 1 - a task's accuracy); inf: failed or diverged; nan: pending
+    why: str  # "", "failed", "diverged", "trunk failed", "pending", "no val/loss" (no <metric>), "missing"
+    curve: dict[str, np.ndarray] = field(default_factory=dict)  # step, tokens, seconds, loss (the metric) at evals
 
     @property
     def counted(self) -> bool:
@@ -288,18 +292,19 @@ def combined_records(branch: Run, trunk: Run | None) -> list[dict]:
     return before + after
 
 
-def make_result(branch: Run, trunk: Run | None) -> Result:
+def make_result(branch: Run, trunk: Run | None, metric: Metric = VAL_LOSS) -> Result:
+    """The branch's result on `metric` (its `score`: lower is better), its curve the metric's evaluations."""
     if branch.state == "missing":  # never ∞: left out of every mean, and counted as missing
         return Result(branch, math.nan, "missing", {k: np.array([]) for k in ("step", "tokens", "seconds", "loss")})
     records = combined_records(branch, trunk)
-    steps, loss = _column(records, VAL)
+    steps, loss = _column(records, metric.name)
     curve = {"step": steps, "tokens": _at(records, TOKENS, steps), "seconds": steps * step_time(branch, trunk),
-             "loss": loss}
+             "loss": np.array([metric.score(x) for x in loss])}
     own = [r for r in branch.records if r["step"] > float(branch.info.get("branch_step") or 0)]
-    last_val = [_number(r.get(VAL)) for r in own if VAL in r]
+    last_val = [metric.score(_number(r.get(metric.name))) for r in own if metric.name in r]
     if branch.status == "done" and not branch.diverged:
         if not last_val:
-            return Result(branch, math.inf, "no val/loss", curve)
+            return Result(branch, math.inf, f"no {metric.name}", curve)
         final = last_val[-1]
         return Result(branch, final if math.isfinite(final) else math.inf, "" if math.isfinite(final) else "diverged",
                       curve)
@@ -310,19 +315,25 @@ def make_result(branch: Run, trunk: Run | None) -> Result:
     return Result(branch, math.nan, "pending", curve)
 
 
-def csv_row(run: Run, result: Result | None, trunk: Run | None) -> dict:
+def csv_row(run: Run, result: Result | None, trunk: Run | None, metric: Metric = VAL_LOSS) -> dict:
     """results.csv's row of a run: the final val/loss is the result's (a branch) or the last
-    logged (a trunk); steps and tokens at the last record of the (combined) history, seconds those
+    logged (a trunk); final_metric the comparison's metric as logged (an accuracy: the result's, a
+    branch's; nan for a trunk); steps and tokens at the last record of the (combined) history, seconds those
     steps times the history's clean step time (step_time), elapsed_sec the wall clock there (the
     trunk's at the branch point plus the branch's own); step_sec the median of the run's own
     `time/step_sec`; state_bytes its `optim/state_bytes`; compile_sec and eval_sec the run's own
     summed, startup_sec its `time/startup_sec`, device its `time/device`."""
     records = combined_records(run, trunk) if result is not None else run.records
-    if result is not None:
+    if result is not None and metric.is_loss:
         final = result.loss
     else:
         vals = _column(run.records, VAL)[1]
         final = float(vals[-1]) if len(vals) else (math.inf if run.failed else math.nan)
+    if result is not None and not metric.is_loss:  # the accuracy as logged (the report's numbers are 1 - it)
+        logged = _column(run.records, metric.name)[1]
+        final_metric = float(logged[-1]) if math.isfinite(result.loss) and len(logged) else result.loss
+    else:
+        final_metric = final if metric.is_loss else math.nan
     last = lambda key: (_column(records, key)[1][-1:] if records else np.array([]))
     pick = lambda a: float(a[0]) if len(a) else math.nan
     state = _column(run.records, STATE_BYTES)[1]
@@ -333,6 +344,7 @@ def csv_row(run: Run, result: Result | None, trunk: Run | None) -> dict:
             "budget": run.info.get("budget"), "kind": run.kind,
             "status": "missing" if run.state == "missing" else run.status,
             "diverged": bool(run.info.get("diverged")), "final_val_loss": final,
+            "final_metric": final_metric,
             "steps": steps, "tokens": pick(last(TOKENS)),
             "seconds": steps * step_time(run, trunk if result is not None else None), "step_sec": step_time(run),
             "state_bytes": int(state[0]) if len(state) else "", "elapsed_sec": pick(last(ELAPSED)),
@@ -380,6 +392,38 @@ def _order(names, reference: str = REFERENCE) -> list[str]:
     return sorted(set(names), key=lambda n: (n != reference, n))
 
 
+def metric_of(compare_dir: str) -> Metric:
+    """compare.json's `metric` knob (val/loss without one: null, or a directory from before the knob)."""
+    try:
+        with open(os.path.join(compare_dir, "compare.json"), encoding="utf-8") as f:
+            knobs = (json.load(f) or {}).get("knobs") or {}
+    except (OSError, json.JSONDecodeError, AttributeError):
+        knobs = {}
+    name = knobs.get("metric") if isinstance(knobs, dict) else None
+    try:
+        return parse_metric(name)
+    except ConfigError as e:
+        raise DataError(f"{compare_dir}/compare.json: {e}") from None
+
+
+def on_metric(lines: list[str], metric: Metric) -> list[str]:
+    """The lines of a section computed on `metric`, their "val/loss" read as what they are (1 − acc)."""
+    return lines if metric.is_loss else [line.replace(LOSS, metric.label) for line in lines]
+
+
+def section_metric(metric: Metric) -> list[str]:
+    """Which sections rank by the comparison's metric and which stay on (or need) val/loss."""
+    if metric.is_loss:
+        return []
+    return [f"Metric: `{metric.name}` (compare.py metric=), higher is better; every number below marked "
+            f"{metric.label} is its error, so that lower is better everywhere. On it: the results per optimizer, "
+            "sweep and coordinate search, lr sensitivity, the curves, the budget ladder and time to target (the "
+            "target: the baseline's error), the significance tests, the performance profiles and the best lr per "
+            "size. On val/loss: results.csv's final_val_loss (final_metric: the accuracy as logged) and the cost. "
+            "Left out: the speedup D_eff/D (its fit L(D) = E + A·D^−α is a loss's shape, not an accuracy's) and "
+            "the target track (target.loss, refused with this metric).", ""]
+
+
 def baseline_of(compare_dir: str, optimizers) -> str:
     """The optimizer the comparison is relative to: compare.json's `baseline` knob; without one (null,
     or a directory from before the knob), adamw when compared, else the first optimizer by name."""
@@ -407,6 +451,7 @@ class Workload:
     target: float | None = None  # the loss time-to-target is measured at
     ttt: dict[str, dict] = field(default_factory=dict)  # optimizer -> {"steps","tokens","seconds","reached","n"}
     reference: str = REFERENCE  # the baseline every speedup, test and cost is relative to (baseline_of)
+    metric: Metric = VAL_LOSS  # what every result is (metric_of): `loss` below is its score, lower is better
 
     def __post_init__(self):
         # The evaluation seeds' results (seeds.eval) stay out of every choice and tuning table below.
@@ -779,6 +824,9 @@ def section_ttt(w: Workload, h: str, target_given: bool) -> list[str]:
 
 def section_speedup(w: Workload, h: str) -> list[str]:
     out = [f"{h} Speedup vs {w.reference} (data efficiency)", ""]
+    if not w.metric.is_loss:
+        return out + [f"Left out: D_eff fits a loss's shape L(D) = E + A·D^−α to the baseline's frontier, which an "
+                      f"accuracy's error ({w.metric.label}) does not follow; rank by metric=val/loss for it.", ""]
     if w.reference not in w.optimizers or w.best.get(w.reference) is None:
         return out + [f"No {w.reference} result with a finite loss: no D_eff.", ""]
     return out + ladder.deff_lines(w, w.reference)
@@ -1022,8 +1070,8 @@ def plot_sensitivity(w: Workload, path: str) -> None:
             drawn += lr
     ax.set_xscale("log")
     _lr_ticks(ax, drawn)
-    ax.set(xlabel="learning rate", ylabel="final val/loss (mean over seeds)",
-           title=f"final val/loss vs lr (budget {w.largest}; bars: ± one std over seeds)")
+    ax.set(xlabel="learning rate", ylabel=f"final {w.metric.label} (mean over seeds)",
+           title=f"final {w.metric.label} vs lr (budget {w.largest}; bars: ± one std over seeds)")
     ax.grid(alpha=0.3)
     _legend_or_note(ax, "no finished run with a finite loss yet")
     _save(fig, path)
@@ -1043,8 +1091,8 @@ def plot_curves(w: Workload, x: str, path: str) -> None:
     if w.target is not None:
         ax.axhline(w.target, color="grey", linestyle=":", label="target")
     ax.set(xlabel="training tokens" if x == "tokens" else "training seconds (steps × clean step time)",
-           ylabel="val/loss",
-           title=f"val/loss at the best lr (budget {w.largest}, every seed)")
+           ylabel=w.metric.label,
+           title=f"{w.metric.label} at the best lr (budget {w.largest}, every seed)")
     ax.grid(alpha=0.3)
     _legend_or_note(ax, "no finished curve yet")
     _save(fig, path)
@@ -1235,15 +1283,16 @@ def _load(compare_dir: str, target: float | None) -> tuple[dict[str, Run], dict[
         logged = sorted({fp for fp in found.values() if fp is not None})
         fingerprints[name] = None if not logged else logged[0] if len(logged) == 1 else (
             f"{len(logged)} data orders (seeds.vary_data), e.g. {logged[0]}")
+    metric = metric_of(compare_dir)
     results: dict[str, Result] = {}
     for run in runs.values():
         if run.kind == "branch":
-            results[run.id] = make_result(run, runs.get(run.info.get("trunk") or ""))
+            results[run.id] = make_result(run, runs.get(run.info.get("trunk") or ""), metric)
     workloads = []
     baseline = baseline_of(compare_dir, (r.optimizer for r in runs.values()))
     for name in names:
         w = Workload(name, [r for r in runs.values() if r.workload == name],
-                     [res for res in results.values() if res.run.workload == name], reference=baseline)
+                     [res for res in results.values() if res.run.workload == name], reference=baseline, metric=metric)
         ref = stats.mean_std(w.at_best(baseline, w.largest))[0] if baseline in w.optimizers else math.nan
         w.target = target if target is not None else (ref if math.isfinite(ref) else None)
         ladder.attach(w, baseline, target is not None)  # with evaluation seeds: the target is theirs
@@ -1316,7 +1365,8 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
     compare_dir = os.path.abspath(compare_dir)
     runs, results, workloads, fingerprints = _load(compare_dir, target)
     planned = any(r.state for r in runs.values())  # _load checked the runs against compare.json's plan
-    write_csv(compare_dir, runs, results)
+    metric = metric_of(compare_dir)
+    write_csv(compare_dir, runs, results, metric)
     tests = significance_tests(workloads)
     knobs, sessions, extend = {}, [], None
     if os.path.isfile(os.path.join(compare_dir, "compare.json")):
@@ -1347,9 +1397,10 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
     if pending:
         lines += [f"Pending (not run yet, left out of every table): {len(pending)} branches "
                   f"({', '.join(pending[:5])}{' …' if len(pending) > 5 else ''}).", ""]
-    lines += ["A result is a cooldown branch's final val/loss; failed and diverged runs count as ∞, missing ones "
-              "are left out (n=k of N). Every number of the tables: `summary.json`. "
-              "Every run: `results.csv`. What each number means: docs/compare.md.", ""]
+    lines += section_metric(metric)
+    lines += on_metric(["A result is a cooldown branch's final val/loss; failed and diverged runs count as ∞, missing "
+                        "ones are left out (n=k of N). Every number of the tables: `summary.json`. "
+                        "Every run: `results.csv`. What each number means: docs/compare.md.", ""], metric)
     lines += section_special(runs)
     for w in workloads:
         h = "###" if len(workloads) > 1 else "##"
@@ -1363,25 +1414,24 @@ def build_report(compare_dir: str, target: float | None = None) -> str:
         plot_sensitivity(w, os.path.join(compare_dir, sens))
         plot_curves(w, "tokens", os.path.join(compare_dir, tok))
         plot_curves(w, "seconds", os.path.join(compare_dir, sec))
-        lines += section_summary(w, h, extend)
-        lines += section_sweep(w, h)
-        lines += section_search(w, h)
-        lines += section_sensitivity(w, h, sens)
-        lines += [f"{h} Curves at the best lr", "", "val/loss of every seed at each optimizer's best lr and the "
-                  "largest budget: the trunk, then the cooldown branch.", "", f"![vs tokens]({tok})", "",
-                  f"![vs seconds]({sec})", ""]
-        lines += section_ttt(w, h, target is not None)
-        lines += section_speedup(w, h)
-        lines += section_significance(w, h, tests, int(knobs.get("seeds_eval") or 0))
+        ranked = section_summary(w, h, extend) + section_sweep(w, h) + section_search(w, h)
+        ranked += section_sensitivity(w, h, sens)
+        ranked += [f"{h} Curves at the best lr", "", "val/loss of every seed at each optimizer's best lr and the "
+                   "largest budget: the trunk, then the cooldown branch.", "", f"![vs tokens]({tok})", "",
+                   f"![vs seconds]({sec})", ""]
+        ranked += section_ttt(w, h, target is not None)
+        lines += on_metric(ranked, metric) + section_speedup(w, h)
+        lines += on_metric(section_significance(w, h, tests, int(knobs.get("seeds_eval") or 0)), metric)
         if knobs.get("target_loss") is not None:
             w.target_track = target_track(w, float(knobs["target_loss"]))
             lines += section_target(w, h, float(knobs["target_loss"]), int(knobs.get("target_runs") or 0))
         lines += section_cost(w, h)
     profiles: dict = {}
-    lines += section_profiles(workloads, compare_dir, profiles)
+    lines += on_metric(section_profiles(workloads, compare_dir, profiles), metric)
     size_ladder = sizes.ladder_of(workloads)
-    lines += section_sizes(size_ladder, compare_dir)
+    lines += on_metric(section_sizes(size_ladder, compare_dir), metric)
     write_summary(compare_dir, {**summary_of(runs, workloads, tests, planned, profiles),
+                                "metric": {"name": metric.name, "reported_as": metric.label},
                                 **({"sizes": sizes_json(size_ladder)} if size_ladder else {})})
     path = os.path.join(compare_dir, "report.md")
     with atomic_write(path) as tmp:
@@ -1536,7 +1586,8 @@ def write_summary(compare_dir: str, summary: dict) -> str:
     return path
 
 
-def write_csv(compare_dir: str, runs: dict[str, Run], results: dict[str, Result]) -> str:
+def write_csv(compare_dir: str, runs: dict[str, Run], results: dict[str, Result], metric: Metric = VAL_LOSS
+              ) -> str:
     path = os.path.join(compare_dir, "results.csv")
     with atomic_write(path) as tmp:
         with open(tmp, "w", newline="", encoding="utf-8") as f:
@@ -1544,5 +1595,5 @@ def write_csv(compare_dir: str, runs: dict[str, Run], results: dict[str, Result]
             writer.writeheader()
             for run in runs.values():
                 trunk = runs.get(run.info.get("trunk") or "") if run.id in results else None
-                writer.writerow(csv_row(run, results.get(run.id), trunk))
+                writer.writerow(csv_row(run, results.get(run.id), trunk, metric))
     return path

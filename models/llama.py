@@ -39,39 +39,68 @@ from models.moe import MoE, init_blocks, logical_axes, run_blocks
 from models.moe import flops_per_token as moe_flops
 from utils.errors import CheckpointError, ConfigError
 
-ROPE_TYPES = ("linear", "llama3")  # model.rope_scaling.type: transformers' rope_type of the same name
+ROPE_TYPES = ("linear", "llama3", "yarn", "dynamic")  # model.rope_scaling.type: transformers' rope_type of that name
+# The knobs each type reads beside `type` and `factor`; any other knob off its default is refused.
+ROPE_KNOBS = {
+    "linear": (),
+    "llama3": ("low_freq_factor", "high_freq_factor", "original_context_length"),
+    "yarn": ("original_context_length", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+             "truncate"),
+    "dynamic": ("original_context_length",),
+}
 QK_NORM_SCOPES = ("head", "all")  # model.qk_norm_scope
 
 
 @dataclass(frozen=True)
 class RopeScaling:
     """`model.rope_scaling`: rotary frequencies stretched so a model pretrained on a shorter context
-    reads a longer one, as transformers computes them (modeling_rope_utils.py: `linear`,
-    `llama3`), so a Llama 3.1/3.2/3.3 checkpoint keeps its positions."""
+    reads a longer one, as transformers computes them (modeling_rope_utils.py: `linear`, `llama3`,
+    `yarn`, `dynamic`), so a Llama 3.1+ or Qwen2.5 long-context checkpoint keeps its positions."""
 
-    type: str  # linear | llama3
-    factor: float  # the context's stretch: linear divides every frequency by it, llama3 the low ones
+    type: str  # linear | llama3 | yarn | dynamic
+    factor: float  # the context's stretch: linear divides every frequency by it, llama3 and yarn the low ones
     low_freq_factor: float = 1.0  # llama3: wavelengths over original_context_length/low_freq_factor are divided
     high_freq_factor: float = 4.0  # llama3: wavelengths below original_context_length/high_freq_factor are kept
-    original_context_length: int | None = None  # llama3: the pretraining context; null = model.context_length
+    original_context_length: int | None = None  # llama3, yarn, dynamic: the pretraining context; null = context_length
+    beta_fast: float = 32.0  # yarn: frequencies turning more than beta_fast times in the original context are kept
+    beta_slow: float = 1.0  # yarn: frequencies turning fewer than beta_slow times are divided by factor
+    mscale: float | None = None  # yarn (with mscale_all_dim): attention_factor = m(factor, mscale)/m(factor, all_dim)
+    mscale_all_dim: float | None = None  # yarn: the denominator's mscale (DeepSeek's configs set both)
+    attention_factor: float | None = None  # yarn: cos and sin times this; null = 0.1·ln(factor) + 1 (or mscale's ratio)
+    truncate: bool = True  # yarn: the correction range's ends rounded outwards to whole dimensions
 
     def check(self, prefix: str = "model.rope_scaling") -> None:
         if self.type not in ROPE_TYPES:
             raise ConfigError(f"{prefix}.type={self.type!r} is not a rotary scaling eqtrain implements: use "
-                              f"{' or '.join(ROPE_TYPES)}, or {prefix}=null for plain rotary positions")
+                              f"{', '.join(ROPE_TYPES)}, or {prefix}=null for plain rotary positions")
         if not self.factor > 0:
             raise ConfigError(f"{prefix}.factor={self.factor} must be positive (the context's stretch, e.g. 8.0)")
-        if self.type == "linear" and (self.low_freq_factor, self.high_freq_factor, self.original_context_length) != (
-                1.0, 4.0, None):
-            raise ConfigError(f"{prefix}.type=linear divides every frequency by factor: low_freq_factor, "
-                              "high_freq_factor and original_context_length are llama3's; drop them or use type=llama3")
-        if self.type == "llama3":
-            if not 0 < self.low_freq_factor < self.high_freq_factor:
-                raise ConfigError(f"{prefix}.low_freq_factor={self.low_freq_factor} and high_freq_factor="
-                                  f"{self.high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1.0 and 4.0)")
-            if self.original_context_length is not None and self.original_context_length <= 0:
-                raise ConfigError(f"{prefix}.original_context_length={self.original_context_length} must be a "
-                                  "positive integer, or null for model.context_length")
+        taken = ROPE_KNOBS[self.type]
+        stray = [f.name for f in dataclasses.fields(self) if f.name not in ("type", "factor", *taken)
+                 and getattr(self, f.name) != f.default]
+        if stray:
+            owners = {t for t, knobs in ROPE_KNOBS.items() if set(stray) & set(knobs)}
+            raise ConfigError(f"{prefix}.type={self.type} does not read {', '.join(stray)} (knobs of "
+                              f"{' or '.join(sorted(owners))}): drop them, or pick the type that takes them")
+        if self.original_context_length is not None and self.original_context_length <= 0:
+            raise ConfigError(f"{prefix}.original_context_length={self.original_context_length} must be a "
+                              "positive integer, or null for model.context_length")
+        if self.type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(f"{prefix}.low_freq_factor={self.low_freq_factor} and high_freq_factor="
+                              f"{self.high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1.0 and 4.0)")
+        if self.type == "yarn":
+            if not 0 < self.beta_slow < self.beta_fast:
+                raise ConfigError(f"{prefix}.beta_slow={self.beta_slow} and beta_fast={self.beta_fast} must satisfy "
+                                  "0 < beta_slow < beta_fast (rotations in the original context; YaRN's 1 and 32)")
+            for knob in ("mscale", "mscale_all_dim", "attention_factor"):
+                if getattr(self, knob) is not None and not getattr(self, knob) > 0:
+                    raise ConfigError(f"{prefix}.{knob}={getattr(self, knob)} must be positive, or null")
+            if (self.mscale is None) != (self.mscale_all_dim is None):
+                raise ConfigError(f"{prefix}.mscale={self.mscale} with mscale_all_dim={self.mscale_all_dim}: "
+                                  "transformers reads the two only together; set both, or neither")
+            if self.attention_factor is not None and self.mscale is not None:
+                raise ConfigError(f"{prefix}.attention_factor={self.attention_factor} with mscale={self.mscale}: "
+                                  "an explicit attention_factor replaces mscale's; set one of the two")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,12 +168,14 @@ class LlamaConfig(ModelConfig):
 
 
 def rotary_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
-                    context_length: int | None = None) -> jax.Array:
+                    context_length: int | None = None, seq_len: int | None = None) -> jax.Array:
     """The head_dim/2 rotary frequencies, float32, with transformers' operations in its order
     (modeling_rope_utils.py), so a scaled checkpoint's angles match its own to the rounding:
     plain theta^(-2i/head_dim); `linear` divides them all by factor; `llama3` divides those whose
     wavelength 2π/f exceeds original/low_freq_factor, keeps those under original/high_freq_factor,
-    and blends in between. `context_length` stands in for a null original_context_length."""
+    and blends in between; `yarn` blends by dimension between kept and divided (`_yarn_inv_freq`);
+    `dynamic` raises theta for a forward of `seq_len` positions past the original context
+    (`_dynamic_inv_freq`). `context_length` stands in for a null original_context_length."""
     inv_freq_K2 = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if scaling is None:
         return inv_freq_K2
@@ -153,7 +184,11 @@ def rotary_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = N
         return inv_freq_K2 / factor
     old = scaling.original_context_length or context_length
     if old is None:
-        raise ValueError("llama3 rotary scaling needs original_context_length or the model's context_length")
+        raise ValueError(f"{scaling.type} rotary scaling needs original_context_length or the model's context_length")
+    if scaling.type == "dynamic":
+        return _dynamic_inv_freq(inv_freq_K2, head_dim, theta, factor, old, seq_len)
+    if scaling.type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, old)
     low, high = scaling.low_freq_factor, scaling.high_freq_factor
     low_freq_wavelen, high_freq_wavelen = old / low, old / high
     wavelen_K2 = 2 * math.pi / inv_freq_K2
@@ -164,15 +199,71 @@ def rotary_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = N
     return jnp.where(medium_K2, smoothed_K2, scaled_K2)
 
 
+def _dynamic_inv_freq(inv_freq_K2: jax.Array, head_dim: int, theta: float, factor: float, old: int,
+                      seq_len: int | None) -> jax.Array:
+    """Dynamic NTK: up to `old` positions the plain frequencies; a forward of seq_len > old positions
+    uses the base theta·(factor·seq_len/old − (factor − 1))^(K/(K−2)), computed in float32 as
+    transformers' rotary forward computes it from the input's longest position (its
+    `dynamic_frequency_update`). Here seq_len is the row length T, known when tracing."""
+    if seq_len is None or seq_len <= old:
+        return inv_freq_K2
+    grown = jnp.asarray(seq_len, jnp.float32) * factor / old - (factor - 1)  # torch: factor·seq_len, same rounding
+    base = theta * grown ** (head_dim / (head_dim - 2))
+    return 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, old: int) -> jax.Array:
+    """YaRN (transformers' `_compute_yarn_parameters`): dimension d's frequency is kept where it
+    turns more than beta_fast times in the original context, divided by factor where it turns fewer
+    than beta_slow times, and blended linearly in d between (the ramp's ends floored/ceiled with
+    `truncate`)."""
+    def correction_dim(rotations: float) -> float:  # the dimension turning `rotations` times in `old` positions
+        return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs_K2 = theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    extrapolation_K2, interpolation_K2 = 1.0 / pos_freqs_K2, 1.0 / (scaling.factor * pos_freqs_K2)
+    ramp_K2 = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    keep_K2 = 1 - ramp_K2
+    return interpolation_K2 * (1 - keep_K2) + extrapolation_K2 * keep_K2
+
+
+def rotary_attention_factor(scaling: RopeScaling | None) -> float:
+    """yarn's factor on cos and sin (so on q·k, squared): `attention_factor`, else with mscale and
+    mscale_all_dim m(factor, mscale)/m(factor, mscale_all_dim), else m(factor), where
+    m(s, k) = 0.1·k·ln(s) + 1 (1 for s <= 1); 1 for every other type."""
+    if scaling is None or scaling.type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def m(scale: float, k: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return float(m(scaling.factor, scaling.mscale) / m(scaling.factor, scaling.mscale_all_dim))
+    return m(scaling.factor)
+
+
 def rotary_cos_sin(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None,
                    context_length: int | None = None) -> tuple[jax.Array, jax.Array]:
     """cos and sin of each position's rotary angles, float32, shape positions.shape + (head_dim,).
     Hugging Face's layout: frequency i (`rotary_inv_freq`) for the pair (i, i + head_dim/2), so the
-    angles are repeated for the two halves."""
-    inv_freq_K2 = rotary_inv_freq(head_dim, theta, scaling, context_length)
+    angles are repeated for the two halves; both times yarn's attention factor. `dynamic` takes
+    the row length T = positions.shape[-1] as transformers' longest input (packed rows too)."""
+    inv_freq_K2 = rotary_inv_freq(head_dim, theta, scaling, context_length, seq_len=positions.shape[-1])
     angles = positions.astype(jnp.float32)[..., None] * inv_freq_K2
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    attention_factor = rotary_attention_factor(scaling)
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos, sin
 
 
 def apply_rotary(x_BxHxTxK: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -530,7 +621,7 @@ def hf_config(cfg: LlamaConfig) -> dict:
         "num_hidden_layers": cfg.num_blocks,
         "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.context_length,
+        "max_position_embeddings": _hf_max_positions(cfg),
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,  # transformers < 5 reads this; 5.x reads rope_parameters
         "rope_parameters": rope,
@@ -556,11 +647,25 @@ def _hf_rope_scaling(cfg: LlamaConfig) -> dict:
     scaling = cfg.rope_scaling
     if scaling is None:
         return {}
-    if scaling.type == "linear":
-        return {"rope_type": "linear", "factor": scaling.factor}
+    if scaling.type in ("linear", "dynamic"):  # dynamic's original context is max_position_embeddings (hf_config)
+        return {"rope_type": scaling.type, "factor": scaling.factor}
+    original = scaling.original_context_length or cfg.context_length
+    if scaling.type == "yarn":  # the knobs off transformers' defaults only, so a hub config comes back as it was
+        knobs = {f.name: getattr(scaling, f.name) for f in dataclasses.fields(scaling)
+                 if f.name in ROPE_KNOBS["yarn"] and f.name != "original_context_length"
+                 and getattr(scaling, f.name) != f.default}
+        return {"rope_type": "yarn", "factor": scaling.factor, "original_max_position_embeddings": original, **knobs}
     return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_context_length or cfg.context_length}
+            "high_freq_factor": scaling.high_freq_factor, "original_max_position_embeddings": original}
+
+
+def _hf_max_positions(cfg: LlamaConfig) -> int:
+    """config.json's max_position_embeddings: context_length, except for `dynamic`, whose base
+    transformers grows past max_position_embeddings: there it is the original context."""
+    scaling = cfg.rope_scaling
+    if scaling is not None and scaling.type == "dynamic":
+        return scaling.original_context_length or cfg.context_length
+    return cfg.context_length
 
 
 # config.json keys config_from_hf reads (models/hf_keys.py checks each before anything is built)
@@ -586,13 +691,20 @@ HF_KEYS = {
     "sliding_window": hf_keys.Key(INT, "mistral's attention window; null = full attention"),
 }
 HF_ROPE_KEYS = {  # inside rope_parameters (or rope_scaling)
-    "rope_type": hf_keys.Key(STR, "the rotary variant: default, linear or llama3"),
+    "rope_type": hf_keys.Key(STR, "the rotary variant: default, linear, llama3, yarn or dynamic"),
     "type": hf_keys.Key(STR, "the rotary variant, older spelling"),
     "rope_theta": hf_keys.Key(NUMBER, "the rotary base"),
-    "factor": hf_keys.Key(NUMBER, "the context's stretch (linear, llama3)"),
+    "factor": hf_keys.Key(NUMBER, "the context's stretch (linear, llama3, yarn, dynamic)"),
     "low_freq_factor": hf_keys.Key(NUMBER, "llama3's low-frequency bound"),
     "high_freq_factor": hf_keys.Key(NUMBER, "llama3's high-frequency bound"),
-    "original_max_position_embeddings": hf_keys.Key(INT, "llama3's pretraining context; null: max_position_embeddings"),
+    "original_max_position_embeddings": hf_keys.Key(INT, "llama3's and yarn's pretraining context; null: "
+                                                    "max_position_embeddings"),
+    "beta_fast": hf_keys.Key(NUMBER, "yarn: rotations above which a frequency is kept", default=32.0),
+    "beta_slow": hf_keys.Key(NUMBER, "yarn: rotations below which a frequency is divided", default=1.0),
+    "mscale": hf_keys.Key(NUMBER, "yarn: the attention factor's numerator mscale (with mscale_all_dim)"),
+    "mscale_all_dim": hf_keys.Key(NUMBER, "yarn: the attention factor's denominator mscale (with mscale)"),
+    "attention_factor": hf_keys.Key(NUMBER, "yarn: cos and sin times this; null: from factor (and mscale)"),
+    "truncate": hf_keys.Key(BOOL, "yarn: the correction range rounded to whole dimensions", default=True),
     "partial_rotary_factor": hf_keys.Key(NUMBER, "the rotated fraction of a head", default=1.0),
 }
 QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config head_dim when config.json has none (not hidden_size/heads)
@@ -605,7 +717,8 @@ def _unsupported(where: str, key: str, value, why: str) -> ConfigError:
 
 def _rope_from_hf(rope: dict, key: str, context_length: int, where: str) -> RopeScaling | None:
     """model.rope_scaling of config.json's rotary settings (`rope`, read from its object `key`):
-    None for default rotary, linear and llama3 with transformers' defaults, anything else refused."""
+    None for default rotary; linear, llama3, yarn and dynamic with transformers' defaults (dynamic's
+    original context: `context_length`, i.e. max_position_embeddings); anything else refused."""
     type_key = "rope_type" if rope["rope_type"] else "type"
     rope_type = rope[type_key] or "default"
     if rope["partial_rotary_factor"] != 1:
@@ -616,17 +729,28 @@ def _rope_from_hf(rope: dict, key: str, context_length: int, where: str) -> Rope
     if rope_type not in ROPE_TYPES:
         raise _unsupported(where, f"{key}.{type_key}", rope_type,
                            f"the rotary types implemented are default, {', '.join(ROPE_TYPES)}")
-    needs = ("factor",) if rope_type == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    needs = {"llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ()}.get(rope_type, ("factor",))
     for name in needs:
         if rope[name] is None:
             raise ConfigError(f"{where} {key}.{name} is missing: {rope_type} rotary scaling needs it, as transformers "
                               f"does; add it (e.g. {key}.{name}: {HF_ROPE_EXAMPLES[name]}) or save the directory again")
+    original = rope["original_max_position_embeddings"] or context_length  # transformers' default
     if rope_type == "linear":
         scaling = RopeScaling("linear", float(rope["factor"]))
+    elif rope_type == "dynamic":  # transformers grows the base past max_position_embeddings, whatever else is set
+        scaling = RopeScaling("dynamic", float(rope["factor"]), original_context_length=context_length)
+    elif rope_type == "yarn":  # a missing factor: max_position_embeddings/original (transformers, for DeepSeek's)
+        mscales = {}  # transformers reads mscale only in pairs and only without attention_factor
+        if rope["mscale"] and rope["mscale_all_dim"] and rope["attention_factor"] is None:
+            mscales = {"mscale": float(rope["mscale"]), "mscale_all_dim": float(rope["mscale_all_dim"])}
+        attention_factor = rope["attention_factor"]
+        scaling = RopeScaling("yarn", float(rope["factor"] or context_length / original),
+                              original_context_length=original, beta_fast=float(rope["beta_fast"]),
+                              beta_slow=float(rope["beta_slow"]), truncate=rope["truncate"],
+                              attention_factor=None if attention_factor is None else float(attention_factor), **mscales)
     else:  # transformers' default original context: max_position_embeddings
         scaling = RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
-                              float(rope["high_freq_factor"]),
-                              rope["original_max_position_embeddings"] or context_length)
+                              float(rope["high_freq_factor"]), original)
     try:
         scaling.check("rope_scaling")
     except ConfigError as e:
@@ -641,7 +765,8 @@ HF_ROPE_EXAMPLES = {"factor": "8.0", "low_freq_factor": "1.0", "high_freq_factor
 def config_from_hf(hf: dict, base: LlamaConfig, where: str = "config.json") -> LlamaConfig:
     """A Config of the model a transformers config.json describes: its shape knobs from `hf`, the
     execution knobs (scan_blocks, remat, dropout, attn_block_size, scan_unroll, ...) from `base`.
-    `context_length` is max_position_embeddings (rotary has no position table: a limit, not a shape).
+    `context_length` is max_position_embeddings (rotary has no position table: a limit, not a shape),
+    or for yarn and dynamic the longer of it and `base.context_length` (their point is reading past it).
     model_type llama, mistral (no window: a llama), qwen2 (qkv biases) and qwen3 (QK-norm); the
     MoE types mixtral, qwen2_moe (qkv biases as its qkv_bias says) and qwen3_moe (QK-norm) set
     model.moe from config.json (models/hf_moe.py). Every fault is one ConfigError naming `where`
@@ -660,6 +785,8 @@ def config_from_hf(hf: dict, base: LlamaConfig, where: str = "config.json") -> L
     if v["hidden_act"] != "silu":
         raise _unsupported(where, "hidden_act", v["hidden_act"], "SwiGLU here uses silu")
     scaling = _rope_from_hf(rope, rope_key, context_length, where)
+    if scaling is not None and scaling.type in ("yarn", "dynamic"):  # they exist to read past max_position_embeddings:
+        context_length = max(context_length, base.context_length)  # the run's longer model.context_length is kept
     if model_type in ("llama", "qwen3", "qwen3_moe", "olmoe") and v["attention_bias"]:
         raise _unsupported(where, "attention_bias", True, f"{model_type}'s attention_bias also puts a bias on o_proj")
     if v["mlp_bias"]:

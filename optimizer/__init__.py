@@ -28,6 +28,7 @@ from optimizer.nadamw import NAdamW
 from optimizer.normuon import NorMuon
 from optimizer.prodigy import Prodigy
 from optimizer.schedule_free import ScheduleFreeAdamW
+from optimizer.scion import Scion
 from optimizer.sgdm import SGDM
 from optimizer.shampoo import Shampoo
 from optimizer.soap import SOAP
@@ -49,6 +50,7 @@ OPTIMIZERS = {
     "prodigy": Prodigy,
     "normuon": NorMuon,
     "adam_mini": AdamMini,
+    "scion": Scion,
 }
 
 

@@ -8,7 +8,8 @@ times (base / width)^p, p the optimizer's `MUP_HIDDEN_LR_POWER`:
     0    updates already spectrally scaled: an orthogonalised update has spectral norm Θ(lr), and
          Muon's `reference` factor √max(1, fan_out/fan_in) is a constant for a fixed aspect ratio:
          the spectral condition (Yang, Simon & Bernstein 2023) ‖ΔW‖* ∝ √(fan_out/fan_in) already
-         holds at one lr for every width (Muon, NorMuon with shape_scale=reference).
+         holds at one lr for every width (Muon, NorMuon with shape_scale=reference; Scion, whose
+         Spectral LMO is sized √(fan_out/fan_in) without the max).
     1/2  Muon/NorMuon with shape_scale=adam_rms: its factor 0.2·√max(fan_in, fan_out) grows ∝ √width.
 
 Embeddings, the head (its logits carry the 1/m multiplier instead: MuReadout) and scalars keep

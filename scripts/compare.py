@@ -43,7 +43,7 @@ from utils.script_errors import script_error
 # conf/compare.yaml's top-level keys: an argument whose key starts with one is a comparison knob.
 COMPARE_KEYS = ("optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
                 "val_every", "baseline", "tune", "coordinate", "target", "budget_unit", "dir", "save_every", "parallel",
-                "keep_checkpoints")
+                "keep_checkpoints", "metric")
 # Keys of mappings that are empty in conf/compare.yaml: a new key there needs Hydra's `++`.
 OPEN_MAPPINGS = ("lr.grid.", "sweep.", "workloads.")
 

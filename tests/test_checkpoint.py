@@ -153,6 +153,7 @@ def as_old_names_checkpoint(step_dir: Path) -> None:
                                           (("optimizer=mars",), False), (("optimizer=kron",), False),
                                           (("optimizer=adopt",), False), (("optimizer=prodigy",), False),
                                           (("optimizer=normuon",), False), (("optimizer=adam_mini",), False),
+                                          (("optimizer=scion",), False),
                                           (("optimizer=muon", "optimizer.ns_coefficients=polar_express"), False),
                                           (("optimizer=muon", "optimizer.hyperball=true", "model.tie_embeddings=false"),
                                            False),
@@ -163,7 +164,7 @@ def as_old_names_checkpoint(step_dir: Path) -> None:
                                            False)],
                          ids=["plain", "accumulation-legacy-aux-item", "shampoo", "nadamw", "schedule_free_adamw",
                               "ademamix", "soap", "mars", "kron", "adopt", "prodigy", "normuon", "adam_mini",
-                              "muon-polar-express",
+                              "scion", "muon-polar-express",
                               "muon-hyperball", "muon-qk-clip", "float16-loss-scale"])
 def test_resume_is_bit_identical(tmp_path, extra, legacy):
     """Stop at step 5 and resume: losses at every step and the final weights and optimizer state

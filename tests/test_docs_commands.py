@@ -348,6 +348,7 @@ SCRIPT_ARGS = {  # script -> how its command line is checked without running it
     "sample": lambda argv: load_script("sample").parse_args(argv),
     "knob_reference": lambda argv: not argv,  # no arguments; tests/test_knob_reference.py runs it
     "coord_check": lambda argv: _coord_check_args(argv),  # tests/test_mup.py runs it (tiny widths)
+    "mup_transfer": lambda argv: _mup_transfer_args(argv),  # tests/test_mup.py runs its sweep (the test's ladder)
 }
 
 
@@ -358,6 +359,16 @@ def _coord_check_args(argv: list[str]) -> bool:
     for opt in args.optimizers:
         for mup in (False, True):
             coord.build_run(opt, min(args.widths), mup, args.base_dim, args.overrides)
+    return True
+
+
+def _mup_transfer_args(argv: list[str]) -> bool:
+    """Its flags parsed and every point's config validated at the smallest width (nothing trains)."""
+    coord, args = load_script("coord_check"), load_script("mup_transfer").parse_args(argv)
+    for opt in args.optimizers:
+        for mup in (False, True):
+            steps = f"train.max_steps={args.steps}"
+            coord.build_run(opt, min(args.widths), mup, args.base_dim, [steps, *args.overrides])
     return True
 
 

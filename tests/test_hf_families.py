@@ -1,15 +1,16 @@
-"""Parity tier for the Llama family's other Hugging Face forms: Llama 3.1+'s rotary scaling
-(`rope_type` llama3 and linear, in `rope_parameters` as transformers 5 saves it and in the older
-`rope_scaling` key that Llama 3.1's hub configs use), Mistral without a sliding window (a llama with
-an explicit head_dim), and Qwen3 (per-head q/k RMSNorm before rotary, head_dim apart from
-hidden_size/heads). Each: a random tiny transformers model saved with save_pretrained and read by
-models.hf.load_hf gives transformers' logits; our model written by save_hf and loaded by
-AutoModelForCausalLM gives ours, and reads back into the same arrays. Offline, float32, 2 blocks,
-transformers' "eager" attention; every parameter (norm gains included) perturbed, so a gain mapped
-to the wrong place shows.
+"""Parity tier for the Llama family's other Hugging Face forms: rotary scaling (`rope_type` llama3 and
+linear, in `rope_parameters` as transformers 5 saves it and in the older `rope_scaling` key that
+Llama 3.1's hub configs use; yarn, as Qwen2.5's long-context config, and dynamic NTK), Mistral
+without a sliding window (a llama with an explicit head_dim), and Qwen3 (per-head q/k RMSNorm before
+rotary, head_dim apart from hidden_size/heads). Each: a random tiny transformers model saved with
+save_pretrained and read by models.hf.load_hf gives transformers' logits; our model written by
+save_hf and loaded by AutoModelForCausalLM gives ours, and reads back into the same arrays. Offline,
+float32, 2 blocks, transformers' "eager" attention; every parameter (norm gains included) perturbed,
+so a gain mapped to the wrong place shows.
 
-The config.json files of Llama 3.1 8B, Llama 3.2 1B, Qwen3 0.6B and Mistral 7B v0.3 (shapes
-only, no weights) read into the shapes they name, with transformers' rotary frequencies.
+The config.json files of Llama 3.1 8B, Llama 3.2 1B, Qwen3 0.6B, Mistral 7B v0.3 and Qwen2.5 7B
+with its yarn block (shapes only, no weights) read into the shapes they name, with transformers'
+rotary frequencies.
 
 The rotary scaling cases run 48 positions with original_max_position_embeddings 32 and head_dim 16:
 the frequencies fall in all three of llama3's bands (kept, blended, divided by factor; asserted),
@@ -181,14 +182,101 @@ def test_our_rope_scaling_loads_in_transformers_with_equal_logits(tmp_path, scal
     print(f"{scaling['type']} export: max |transformers - ours| = {err:.2e} of the logits' scale")
 
 
-def test_dynamic_and_yarn_are_refused_naming_the_key(tmp_path):
-    for rope in ({"rope_type": "dynamic", "rope_theta": 500.0, "factor": 2.0},
-                 {"rope_type": "yarn", "rope_theta": 500.0, "factor": 2.0, "original_max_position_embeddings": 32}):
-        hf_model("llama", rope_parameters=rope).save_pretrained(tmp_path / rope["rope_type"])
-        with pytest.raises(ConfigError) as e:
-            hf.load_hf(str(tmp_path / rope["rope_type"]), models.config_from_dict(LLAMA_BASE))
-        message = str(e.value)
-        assert "\n" not in message and f'rope_parameters.rope_type="{rope["rope_type"]}"' in message, message
+# yarn as Qwen2.5's long-context config sets it (factor 4 over its original context), with the
+# original context 32 and max_position_embeddings 128 = 4·32 (transformers' consistent form); dynamic
+# NTK with max_position_embeddings 32, read by a run whose model.context_length is 64 (DYNAMIC_BASE).
+YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 32}
+DYNAMIC = {"rope_type": "dynamic", "rope_theta": 500.0, "factor": 2.0}
+DYNAMIC_BASE = {**LLAMA_BASE, "context_length": 64}
+# yarn's other knobs off their defaults: a ramp that is not truncated, other betas, DeepSeek's mscale pair
+YARN_KNOBS = {**YARN, "beta_fast": 8.0, "beta_slow": 2.0, "truncate": False, "mscale": 0.7, "mscale_all_dim": 1.0}
+
+
+def cos_sin_atol(attention_factor: float, length: int) -> float:
+    """atol of transformers' and our cos/sin at positions < length: each side's frequency f <= 1
+    carries at most 8 roundings (yarn: the power, two reciprocals, the factor's product, the ramp's
+    difference and quotient, the blend's two products and sum, counted as 8 of the rotary bound in
+    parity_atol) and the angle pos·f one more: 9·u·length rad per side, cos/sin one u more; times
+    the attention factor (<= 1.2 here), whose product adds one u of the value. Margin 2."""
+    return 2 * 2 * attention_factor * (9 * length + 2) * EPS32 / 2
+
+
+@pytest.mark.parametrize("rope, max_positions", [(YARN, 128), (YARN_KNOBS, 128), (DYNAMIC, 32)],
+                         ids=["yarn", "yarn_knobs", "dynamic"])
+def test_rotary_embedding_equals_transformers_past_the_original_context(rope, max_positions):
+    """transformers' LlamaRotaryEmbedding and our rotary_cos_sin over LONG = 48 positions, past the
+    original context of 32: frequencies and cos/sin (yarn's attention factor included). The yarn
+    cases populate its ramp's three parts (kept, blended, divided); dynamic's base has grown."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                      max_position_embeddings=max_positions, rope_parameters=dict(rope))
+    rotary = LlamaRotaryEmbedding(config)
+    with torch.no_grad():  # a forward of LONG positions: dynamic recomputes its frequencies for it here
+        cos, sin = (x[0].numpy() for x in rotary(torch.zeros(1, LONG, 64), torch.arange(LONG)[None]))
+    shape = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+             "intermediate_size": 8, "vocab_size": 8, "max_position_embeddings": max_positions}
+    scaling = llama.config_from_hf({**shape, "rope_parameters": dict(rope)},
+                                   models.config_from_dict(DYNAMIC_BASE)).rope_scaling  # read as config.json is
+    assert scaling.type == rope["rope_type"]
+    ours = np.asarray(llama.rotary_inv_freq(16, 500.0, scaling, 128, seq_len=LONG))
+    plain = 1.0 / 500.0 ** (np.arange(0, 16, 2) / 16)
+    # the same float32 operations on both sides: at most 8 roundings of EPS32/2, twice (inv_freq_rtol)
+    np.testing.assert_allclose(ours, rotary.inv_freq.numpy(), rtol=inv_freq_rtol(), atol=0)
+    ratio = plain / ours
+    if rope["rope_type"] == "yarn":  # kept (ratio 1), divided (ratio factor) and blended dimensions all present
+        kept, divided = np.isclose(ratio, 1, rtol=1e-5), np.isclose(ratio, 4.0, rtol=1e-5)  # 1e-5: ~100 u of slack
+        assert kept.any() and divided.any() and (~kept & ~divided).any(), ratio
+    else:  # grown: every frequency but the first (i = 0: base^0) is lower than plain rotary's
+        assert (ratio[1:] > 1 + 1e-3).all() and ratio[0] == 1, ratio
+    factor = llama.rotary_attention_factor(scaling)
+    assert factor == pytest.approx(rotary.attention_scaling, rel=EPS32)  # both float64 arithmetic of the knobs
+    got_cos, got_sin = llama.rotary_cos_sin(jnp.arange(LONG), 16, 500.0, scaling, 128)
+    # per side 9 roundings of the angle at positions < LONG, cos/sin and the factor's: cos_sin_atol
+    atol = cos_sin_atol(factor, LONG)
+    np.testing.assert_allclose(np.asarray(got_cos), cos, rtol=0, atol=atol)
+    np.testing.assert_allclose(np.asarray(got_sin), sin, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("model_type, rope, max_positions", [("qwen2", YARN, 128), ("llama", DYNAMIC, 32)],
+                         ids=["qwen2_yarn", "llama_dynamic"])
+def test_transformers_yarn_and_dynamic_load_with_equal_logits_and_export_back(tmp_path, model_type, rope,
+                                                                                max_positions):
+    """A random tiny Qwen2 with yarn (Qwen2.5's long-context form) and a Llama with dynamic NTK, run
+    over 48 positions past the original context of 32: our logits equal transformers', the export is
+    the same rotary config, and transformers computes our logits from it."""
+    theirs = hf_model(model_type, hidden_size=64, max_position_embeddings=max_positions, rope_parameters=dict(rope))
+    theirs.save_pretrained(tmp_path / "in")
+    cfg, ours = hf.load_hf(str(tmp_path / "in"), models.config_from_dict(DYNAMIC_BASE))
+    # yarn: context_length = max_position_embeddings (128); dynamic: the run's 64, past its 32
+    want = (llama.RopeScaling("yarn", 4.0, original_context_length=32) if rope is YARN
+            else llama.RopeScaling("dynamic", 2.0, original_context_length=32))
+    assert (cfg.rope_scaling, cfg.context_length) == (want, 128 if rope is YARN else 64)
+    toks = tokens(LONG, seed=6)
+    want_logits = hf_logits(theirs, toks)  # dynamic: transformers' forward grows its base for 48 positions here
+    # the same float32 operations on both sides: at most 8 roundings of EPS32/2, twice (inv_freq_rtol)
+    np.testing.assert_allclose(np.asarray(llama.rotary_inv_freq(16, 500.0, cfg.rope_scaling, cfg.context_length,
+                                                                 seq_len=LONG)),
+                               their_inv_freq(theirs), rtol=inv_freq_rtol(), atol=0)
+    err = assert_parity(ours_logits(ours, toks), want_logits)
+    print(f"{rope['rope_type']} import: max |ours - transformers| = {err:.2e} of the logits' scale")
+    again = export_and_load(tmp_path / "out", ours, model_type)
+    written = json.loads((tmp_path / "out" / hf.CONFIG_FILE).read_text())
+    read = json.loads((tmp_path / "in" / hf.CONFIG_FILE).read_text())
+    assert (written["rope_parameters"], written["max_position_embeddings"]) == (
+        read["rope_parameters"], read["max_position_embeddings"])
+    err = assert_parity(hf_logits(again, toks), ours_logits(ours, toks))
+    print(f"{rope['rope_type']} export: max |transformers - ours| = {err:.2e} of the logits' scale")
+
+
+def test_other_rope_types_are_refused_naming_the_key(tmp_path):
+    rope = {"rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+            "original_max_position_embeddings": 32}
+    hf_model("llama", hidden_size=32, rope_parameters=rope).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        hf.load_hf(str(tmp_path), models.config_from_dict(LLAMA_BASE))
+    message = str(e.value)
+    assert "\n" not in message and 'rope_parameters.rope_type="longrope"' in message, message
 
 
 # ----------------------------------------------------------------------------- mistral
@@ -292,6 +380,15 @@ MISTRAL_7B_V03 = {
     "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.42.0.dev0", "use_cache": True,
     "vocab_size": 32768}
+# Qwen2.5-7B-Instruct's config.json with the rope_scaling block its model card adds for 128K tokens
+QWEN2_5_7B_YARN = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+    "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+    "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
+    "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}}
 RELEASED = {"llama-3.1-8b": (LLAMA_3_1_8B, 128, 8.0), "llama-3.2-1b": (LLAMA_3_2_1B, 64, 32.0),
             "qwen3-0.6b": (QWEN3_0_6B, 128, None), "mistral-7b-v0.3": (MISTRAL_7B_V03, 128, None)}
 
@@ -313,11 +410,34 @@ def test_released_configs_read_with_transformers_frequencies(name):
     np.testing.assert_array_equal(their_rotary(llama.hf_config(cfg)).inv_freq.numpy(), theirs)
 
 
+def test_qwen2_5_yarn_config_reads_with_transformers_frequencies():
+    """Qwen2.5's 128K form (yarn, factor 4 over 32768, in the older rope_scaling key with `type`): read
+    by a run with model.context_length 131072, the context is the run's (yarn exists to read past
+    max_position_embeddings), the frequencies and attention factor are transformers', and the
+    config.json we write describes the same rotary to transformers."""
+    base = models.config_from_dict({**LLAMA_BASE, "context_length": 131072})
+    cfg = llama.config_from_hf(json.loads(json.dumps(QWEN2_5_7B_YARN)), base)
+    assert (cfg.head_dim, cfg.kv_heads, cfg.qkv_bias, cfg.context_length) == (128, 4, True, 131072)
+    assert cfg.rope_scaling == llama.RopeScaling("yarn", 4.0, original_context_length=32768)
+    theirs = their_rotary(QWEN2_5_7B_YARN)
+    # the same float32 operations on both sides: at most 8 roundings of EPS32/2, twice (inv_freq_rtol)
+    np.testing.assert_allclose(our_inv_freq(cfg), theirs.inv_freq.numpy(), rtol=inv_freq_rtol(), atol=0)
+    # 0.1·ln(4) + 1 in float64 on both sides
+    assert llama.rotary_attention_factor(cfg.rope_scaling) == pytest.approx(theirs.attention_scaling, rel=EPS32)
+    written = llama.hf_config(cfg)
+    assert written["rope_parameters"] == {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                                          "original_max_position_embeddings": 32768}
+    again = their_rotary(written)
+    np.testing.assert_array_equal(again.inv_freq.numpy(), theirs.inv_freq.numpy())
+    assert again.attention_scaling == theirs.attention_scaling
+
+
 def their_rotary(config: dict):
     """transformers' rotary module of a config.json (its model type's class), no model built."""
     import importlib
 
     model_type = config["model_type"]
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    rotary = {"llama": "LlamaRotaryEmbedding", "mistral": "MistralRotaryEmbedding", "qwen3": "Qwen3RotaryEmbedding"}
+    rotary = {"llama": "LlamaRotaryEmbedding", "mistral": "MistralRotaryEmbedding", "qwen2": "Qwen2RotaryEmbedding",
+              "qwen3": "Qwen3RotaryEmbedding"}
     return getattr(modeling, rotary[model_type])(transformers.AutoConfig.for_model(**json.loads(json.dumps(config))))

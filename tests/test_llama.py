@@ -109,15 +109,52 @@ def np_llama3_scaling(freqs, factor, low_freq_factor, high_freq_factor, old_cont
     return np.array(out)
 
 
-def np_inv_freq(K, theta, scaling=None, context_length=None):
-    """The K/2 rotary frequencies in float64: theta^(-2i/K), divided by factor (linear) or by Llama 3.1's rule."""
+def np_yarn_scaling(freqs, K, theta, s, old):
+    """YaRN's rule (Peng et al. 2023, sec. 3.2, as transformers rounds its range) in float64: pair i
+    turns r_i = old·f_i/2π times in the original context; the pair indices where r = beta_fast and
+    r = beta_slow (solved for i, floored/ceiled with truncate) bound a linear ramp γ from 0 (kept)
+    to 1 (divided by factor)."""
+    def index_turning(rotations):  # solve old·theta^(-2i/K) / 2π = rotations for i
+        return np.log(old / (2 * np.pi * rotations)) / np.log(theta) * K / 2
+
+    lo, hi = index_turning(s.beta_fast), index_turning(s.beta_slow)
+    if s.truncate:
+        lo, hi = np.floor(lo), np.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, K - 1)
+    gamma = np.clip((np.arange(K // 2) - lo) / (hi - lo if hi > lo else 0.001), 0, 1)
+    return freqs * (1 - gamma) + freqs / s.factor * gamma
+
+
+def np_inv_freq(K, theta, scaling=None, context_length=None, seq_len=None):
+    """The K/2 rotary frequencies in float64: theta^(-2i/K), divided by factor (linear), by Llama 3.1's
+    rule, by YaRN's, or (dynamic, a forward of seq_len > old positions) with theta raised to
+    theta·(factor·seq_len/old − factor + 1)^(K/(K−2)) (NTK-aware: the lowest frequency is stretched
+    by about that bracket, the highest kept)."""
     freqs = theta ** (-2.0 * np.arange(K // 2) / K)
     if scaling is None:
         return freqs
     if scaling.type == "linear":
         return freqs / scaling.factor
-    return np_llama3_scaling(freqs, scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
-                             scaling.original_context_length or context_length)
+    old = scaling.original_context_length or context_length
+    if scaling.type == "yarn":
+        return np_yarn_scaling(freqs, K, theta, scaling, old)
+    if scaling.type == "dynamic":
+        if seq_len is None or seq_len <= old:
+            return freqs
+        grown = theta * (scaling.factor * seq_len / old - scaling.factor + 1) ** (K / (K - 2))
+        return grown ** (-2.0 * np.arange(K // 2) / K)
+    return np_llama3_scaling(freqs, scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor, old)
+
+
+def np_attention_factor(s) -> float:
+    """yarn's cos/sin factor, YaRN's sqrt(1/t) = 0.1·ln(s) + 1 (or DeepSeek's ratio of two mscales)."""
+    if s is None or s.type != "yarn":
+        return 1.0
+    if s.attention_factor is not None:
+        return s.attention_factor
+    if s.mscale is not None:
+        return (0.1 * s.mscale * np.log(s.factor) + 1) / (0.1 * s.mscale_all_dim * np.log(s.factor) + 1)
+    return 0.1 * np.log(s.factor) + 1 if s.factor > 1 else 1.0
 
 
 def np_rotary(x_HxTxK, positions_T, theta, freqs=None):
@@ -152,8 +189,9 @@ def np_forward(model: llama.Llama, tokens_T, segment_ids_T=None, causal=True, st
         v = proj(b.v_proj, i, h).reshape(T, G, K).transpose(1, 0, 2)
         if cfg.qk_norm:
             q, k = np_rms_norm(q, b.q_norm.gain_D[i], cfg.norm_eps), np_rms_norm(k, b.k_norm.gain_D[i], cfg.norm_eps)
-        freqs = np_inv_freq(K, cfg.rope_theta, cfg.rope_scaling, cfg.context_length)
+        freqs = np_inv_freq(K, cfg.rope_theta, cfg.rope_scaling, cfg.context_length, seq_len=T)
         q, k = np_rotary(q, pos_T, cfg.rope_theta, freqs), np_rotary(k, pos_T, cfg.rope_theta, freqs)
+        q, k = q * np_attention_factor(cfg.rope_scaling), k * np_attention_factor(cfg.rope_scaling)
         k, v = np.repeat(k, H // G, axis=0), np.repeat(v, H // G, axis=0)
         s = np.where(visible_TxT, q @ k.transpose(0, 2, 1) / math.sqrt(K), -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))
@@ -177,8 +215,15 @@ QWEN3_LLAMA3_CFG = dataclasses.replace(CFG, qk_norm=True, head_size=16, rope_the
                                        rope_scaling=llama.RopeScaling("llama3", 32.0, 1.0, 4.0, 32))
 
 
-@pytest.mark.parametrize("cfg", [CFG, FULL_CFG, QWEN3_LLAMA3_CFG], ids=["gqa", "bias_qknorm_untied_mqa",
-                                                                       "qknorm_head16_llama3"])
+# yarn (factor 4 over an original context of 8, theta 500, head 8: pairs kept, blended and divided)
+# and dynamic (original 8, so a 16-token row grows the base), each over the model's 16 positions.
+YARN_CFG = dataclasses.replace(FULL_CFG, qk_norm=False, rope_scaling=llama.RopeScaling(
+    "yarn", 4.0, original_context_length=8, beta_fast=4.0))
+DYNAMIC_CFG = dataclasses.replace(CFG, rope_scaling=llama.RopeScaling("dynamic", 2.0, original_context_length=8))
+
+
+@pytest.mark.parametrize("cfg", [CFG, FULL_CFG, QWEN3_LLAMA3_CFG, YARN_CFG, DYNAMIC_CFG],
+                         ids=["gqa", "bias_qknorm_untied_mqa", "qknorm_head16_llama3", "qwen2_yarn", "dynamic"])
 def test_logits_equal_a_numpy_repeat_kv_reference(cfg):
     model = build(cfg)
     tokens_BxT = _tokens((2, T_), seed=3)
@@ -207,6 +252,37 @@ def test_scaled_frequencies_match_metas_rule(scaling):
     # ulps, the division and llama3's blend (wavelength, smooth factor, two products, a sum) by 8 roundings
     # more: (13 + 8)·EPS32 relative, 2x.
     np.testing.assert_allclose(got, want, rtol=2 * (13 + 8) * EPS32, atol=0)
+
+
+@pytest.mark.parametrize("scaling, seq_len", [
+    (llama.RopeScaling("yarn", 4.0, original_context_length=2048), 8192),
+    (llama.RopeScaling("yarn", 8.0, original_context_length=1024, beta_fast=16.0, beta_slow=2.0, truncate=False,
+                       mscale=0.707, mscale_all_dim=1.0), 8192),
+    (llama.RopeScaling("dynamic", 2.0, original_context_length=2048), 8192),
+    (llama.RopeScaling("dynamic", 2.0, original_context_length=2048), 2048),
+], ids=["yarn", "yarn_knobs", "dynamic_past", "dynamic_within"])
+def test_yarn_and_dynamic_frequencies_match_a_float64_derivation(scaling, seq_len):
+    """Head size 128, theta 500000, a forward of seq_len positions: yarn's three parts (kept,
+    blended, divided) are all populated; dynamic grows only past the original context."""
+    K, theta = 128, 500000.0
+    got = np.asarray(llama.rotary_inv_freq(K, theta, scaling, 2048, seq_len=seq_len))
+    want = np_inv_freq(K, theta, scaling, 2048, seq_len=seq_len)
+    ratio = np_inv_freq(K, theta) / want
+    if scaling.type == "yarn":
+        # float64: kept is exactly 1, divided a division and a quotient from factor (2 roundings); 1e-12 >> 2·eps64
+        kept, divided = np.isclose(ratio, 1, rtol=1e-12), np.isclose(ratio, scaling.factor, rtol=1e-12)
+        assert kept.any() and divided.any() and (~kept & ~divided).any()
+    else:
+        assert (ratio[1:] > 1).all() if seq_len > 2048 else (ratio == 1).all()
+    # float32 against float64: the power errs by ~(its exponent's size) ulps, <= ln(dynamic's grown
+    # base, 500000·7^(128/126) = 3.6e6) = 15.1 -> 16; dynamic's base by its 5 roundings (product,
+    # quotient, difference, power, product), passed on at most ×(2i/K)·K/(K−2) <= 1.02 -> 6; yarn's
+    # or llama3's blend 8 roundings at most: (16 + 8)·EPS32 relative, 2x.
+    np.testing.assert_allclose(got, want, rtol=2 * (16 + 8) * EPS32, atol=0)
+    # float64 on both sides, a log, a product, a sum and a quotient each, in other orders: 4 roundings of
+    # float64's eps each, 2x
+    assert llama.rotary_attention_factor(scaling) == pytest.approx(np_attention_factor(scaling),
+                                                                   rel=2 * 2 * 4 * np.finfo(float).eps / 2)
 
 
 def test_rotary_matches_complex_rotation_and_depends_on_relative_position():
@@ -387,14 +463,27 @@ def test_mlp_width_follows_llamas_rule():
     (("model.rope_theta=0",), r"model.rope_theta=0.0 must be positive"),
     (("model.head_size=7",), r"model.head_size=7 is odd: rotary positions rotate pairs"),
     (("model.head_size=0",), r"model.head_size=0 must be a positive integer, or null"),
-    (("model.rope_scaling={type:yarn,factor:4.0}",), r"model.rope_scaling.type='yarn' is not a rotary scaling eqtrain "
-                                                      r"implements: use linear or llama3, or model.rope_scaling=null"),
+    (("model.rope_scaling={type:longrope,factor:4.0}",), r"model.rope_scaling.type='longrope' is not a rotary scaling "
+     r"eqtrain implements: use linear, llama3, yarn, dynamic, or model.rope_scaling=null"),
     (("model.rope_scaling={type:linear,factor:0}",), r"model.rope_scaling.factor=0.0 must be positive"),
     (("model.rope_scaling={type:llama3,factor:8,low_freq_factor:4,high_freq_factor:1}",),
      r"model.rope_scaling.low_freq_factor=4.0 and high_freq_factor=1.0 must satisfy 0 < low < high"),
     (("model.rope_scaling={type:linear,factor:8,low_freq_factor:2}",),
-     r"model.rope_scaling.type=linear divides every frequency by factor: low_freq_factor, high_freq_factor and "
-     r"original_context_length are llama3's"),
+     r"model.rope_scaling.type=linear does not read low_freq_factor \(knobs of llama3\): drop them"),
+    (("model.rope_scaling={type:dynamic,factor:2,beta_fast:16,original_context_length:8}",),
+     r"model.rope_scaling.type=dynamic does not read beta_fast \(knobs of yarn\)"),
+    (("model.rope_scaling={type:yarn,factor:4,high_freq_factor:8}",),
+     r"model.rope_scaling.type=yarn does not read high_freq_factor \(knobs of llama3\)"),
+    (("model.rope_scaling={type:yarn,factor:4,beta_fast:1,beta_slow:2}",),
+     r"model.rope_scaling.beta_slow=2.0 and beta_fast=1.0 must satisfy 0 < beta_slow < beta_fast"),
+    (("model.rope_scaling={type:yarn,factor:4,mscale:0.7}",),
+     r"model.rope_scaling.mscale=0.7 with mscale_all_dim=None: transformers reads the two only together"),
+    (("model.rope_scaling={type:yarn,factor:4,attention_factor:1.2,mscale:0.7,mscale_all_dim:1}",),
+     r"model.rope_scaling.attention_factor=1.2 with mscale=0.7: an explicit attention_factor replaces mscale's"),
+    (("model.rope_scaling={type:yarn,factor:4,attention_factor:0}",),
+     r"model.rope_scaling.attention_factor=0.0 must be positive, or null"),
+    (("model.rope_scaling={type:dynamic,factor:2,original_context_length:0}",),
+     r"model.rope_scaling.original_context_length=0 must be a positive integer, or null"),
     (("model.rope_scaling={factor:8}",), r"model.rope_scaling.type is missing"),
     (("model.rope_scaling={type:llama3,factor:8,scale:2}",), r"unknown knob model.rope_scaling.scale"),
     (("+model.mlp_ratio=4",), r"unknown knob model.mlp_ratio"),
@@ -449,18 +538,26 @@ def test_hf_config_round_trip_and_refusals():
     for cfg, model_type in [(CFG, "llama"), (dataclasses.replace(FULL_CFG, qk_norm=False), "qwen2"),
                             (dataclasses.replace(FULL_CFG, qkv_bias=False, head_size=16), "qwen3"),
                             (dataclasses.replace(CFG, rope_scaling=LLAMA3), "llama"),
-                            (dataclasses.replace(CFG, rope_scaling=llama.RopeScaling("linear", 2.0)), "llama")]:
+                            (dataclasses.replace(CFG, rope_scaling=llama.RopeScaling("linear", 2.0)), "llama"),
+                            (YARN_CFG, "qwen2"), (DYNAMIC_CFG, "llama"),
+                            (dataclasses.replace(CFG, rope_scaling=llama.RopeScaling(
+                                "yarn", 2.0, original_context_length=8, beta_fast=8.0, beta_slow=2.0, truncate=False,
+                                mscale=0.7, mscale_all_dim=1.0)), "llama")]:
         hf = llama.hf_config(cfg)
         assert hf["model_type"] == model_type
         back = llama.config_from_hf(json.loads(json.dumps(hf)), base)
         assert back == dataclasses.replace(cfg, remat="full", scan_blocks=False, mlp_hidden=cfg.mlp_width)
+    # dynamic's base grows past max_position_embeddings: the original context is written there, and read
+    # back with the run's longer context_length (16) kept
+    assert llama.hf_config(DYNAMIC_CFG)["max_position_embeddings"] == 8
     with pytest.raises(ConfigError, match="model.qk_norm=true with model.qkv_bias=true"):
         llama.hf_config(FULL_CFG)
     hf = llama.hf_config(CFG)
     for key, value in [("rope_scaling", {"rope_type": "llama3", "factor": 32.0}), ("hidden_act", "gelu"),
                        ("attention_bias", True), ("model_type", "gpt2"), ("head_dim", 7),
-                       ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}),
-                       ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
+                       ("rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}),
+                       ("rope_scaling", {"rope_type": "dynamic"}),
+                       ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "beta_fast": 1.0, "beta_slow": 2.0}),
                        ("rope_parameters", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
                                             "high_freq_factor": 1.0}),
                        ("rope_parameters", {"rope_type": "linear", "partial_rotary_factor": 0.5, "factor": 2.0})]:

@@ -584,6 +584,7 @@ NAMES = {  # every optim/<group>/<stat> of the untied GPT, per optimizer: stable
     "prodigy": {g: ("d",) for g in GROUPS},
     "normuon": {"hidden": ("ortho_err_mean", "ortho_err_max", "neuron_spread_mean", "neuron_spread_max"),
                 "embed": ADAM, "head": ADAM, "scalar": ADAM},
+    "scion": {g: ("momentum_rms", "update_rms") for g in GROUPS},
 }
 
 
