@@ -167,9 +167,11 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
     schedule = given or init_scheduler(run)
     tx, step_metric_list = recipe(knobs)
     state, shardings = init_state(run, tx, mesh, step_metric_list, source)
-    loss, use_key = models.train_loss(run.model, run.objective), models.uses_key(run.model, run.objective)
+    tau = run.optimizer.qk_clip_tau  # QK-clip: the loss's aux carries the per-head max logits (trainer/qk_clip.py)
+    loss = models.train_loss(run.model, run.objective, max_logits=tau is not None)
     return schedule, tx, state, build_train_step(loss, tx, step_metric_list, shardings, mesh, run.train.compute_dtype,
-                                                 use_dropout=use_key, knobs=knobs, recipe=recipe)
+                                                 use_dropout=models.uses_key(run.model, run.objective), knobs=knobs,
+                                                 recipe=recipe, qk_clip_tau=tau)
 
 
 def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[step_metrics.StepMetric]:

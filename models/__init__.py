@@ -13,6 +13,7 @@ family") is the guide. The loss and evaluation sums are the family-independent `
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import ModuleType
 from typing import Any
 
@@ -85,10 +86,11 @@ def param_axes(model):
     return lora.factor_axes(family(model).param_axes(model))
 
 
-def train_loss(cfg, objective):
+def train_loss(cfg, objective, max_logits: bool = False):
     """The objective's loss as the train step differentiates it: with LoRA, the base under
-    stop_gradient (models/lora.py), so only the factors get a gradient."""
-    loss_fn = objective.loss_fn
+    stop_gradient (models/lora.py), so only the factors get a gradient. `max_logits`
+    (optimizer.qk_clip_tau): its aux also holds "max_logit", each block's per-head largest attention logit."""
+    loss_fn = functools.partial(objective.loss_fn, max_logits=True) if max_logits else objective.loss_fn
     if not cfg.lora.on:
         return loss_fn
     return lambda model, *args, **kwargs: loss_fn(lora.stop_base(model), *args, **kwargs)
@@ -113,6 +115,21 @@ def flops_per_token(cfg, seq_len: int) -> float:
         return flops
     n_matmul = family(cfg).flops_per_token(cfg, 0) / 6.0  # the attention term is the part linear in seq_len
     return flops - 2.0 * n_matmul + 6.0 * lora.factor_count(abstract(cfg))
+
+
+def scale_query_key(model, q_scale_LxH: jax.Array, k_scale_LxG: jax.Array):
+    """`model` with block l's query head h scaled by q_scale[l, h] and its key/value head g's key
+    projection by k_scale[l, g] (the family's `scale_query_key`; grouped MoE blocks (models/moe.py
+    Group) split into their dense and MoE stacks): optimizer.qk_clip_tau's rescale."""
+    scale = family(model).scale_query_key
+    blocks = model.blocks
+    if isinstance(blocks, moe.Group):
+        G = jax.tree.leaves(blocks.moe)[0].shape[0]
+        q, k = (s.reshape(G, -1, s.shape[-1]) for s in (q_scale_LxH, k_scale_LxG))
+        blocks = moe.Group(scale(blocks.dense, q[:, :-1], k[:, :-1]), scale(blocks.moe, q[:, -1], k[:, -1]))
+    else:
+        blocks = scale(blocks, q_scale_LxH, k_scale_LxG)
+    return eqx.tree_at(lambda m: m.blocks, model, blocks)
 
 
 def blocks(tree):

@@ -27,6 +27,8 @@ from utils.errors import ConfigError
 
 CHOICES = ("auto", "xla", "cudnn", "blocked")
 CUDNN_DTYPES = ("bfloat16", "float16")  # the flash kernel's inputs (fp8 too, which we never compute in)
+QK_CLIP_CUDNN = ("optimizer.qk_clip_tau needs each head's largest attention logit, which model.attention=cudnn's "
+                 "fused kernel never forms: set model.attention=xla (or blocked), or optimizer.qk_clip_tau=null")
 
 
 def cudnn_head_dim_max(compute_capability: str | None) -> int:
@@ -132,15 +134,21 @@ def portable(cfg):
 
 
 def attend(cfg, q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.Array,
-           segment_ids_BxT: jax.Array | None = None, causal: bool = True) -> jax.Array:
+           segment_ids_BxT: jax.Array | None = None, causal: bool = True, max_logits: bool = False):
     """The attention of `cfg.attention` (resolved; `auto` left unresolved, e.g. a model built in a
     test, runs XLA's, or blocked with attn_block_size). Heads-major in and out: B x H x T x K.
     A `cudnn` model called in float32 (sampling and export checks run the forward at full
-    precision) runs XLA's attention there: cuDNN's kernel takes half-precision inputs only."""
+    precision) runs XLA's attention there: cuDNN's kernel takes half-precision inputs only.
+    `max_logits` (static): (out, each head's largest visible logit, float32 (H,)) for
+    optimizer.qk_clip_tau; cuDNN's fused kernel never forms the logits, so it is refused there
+    (validation refuses model.attention=cudnn with the knob first: utils/config.py)."""
     if cfg.attention != "cudnn" or q_BxHxTxK.dtype.name not in CUDNN_DTYPES:
         block_size = cfg.attn_block_size if cfg.attention in ("blocked", "auto") else None
         return causal_attention(q_BxHxTxK, k_BxHxTxK, v_BxHxTxK, block_size=block_size,
-                                segment_ids_BxT=segment_ids_BxT, causal=causal, scale=mup.attention_scale(cfg))
+                                segment_ids_BxT=segment_ids_BxT, causal=causal, scale=mup.attention_scale(cfg),
+                                max_logits=max_logits)
+    if max_logits:
+        raise ConfigError(QK_CLIP_CUDNN)
     to_btnh = lambda a: jnp.swapaxes(a, 1, 2)  # jax.nn.dot_product_attention's B x T x N x H layout
     mask_Bx1xTxT = None
     if segment_ids_BxT is not None:

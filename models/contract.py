@@ -104,13 +104,17 @@ class ModelCall(Protocol):
 
     def __call__(self, tokens_BxT: jax.Array, *, key: jax.Array | None = None, compute_dtype: Any = jnp.float32,
                  segment_ids_BxT: jax.Array | None = None, causal: bool = True, collect: bool = False,
-                 router_mask_BxT: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+                 router_mask_BxT: jax.Array | None = None, max_logits: bool = False
+                 ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         """(B, T, V) float32 logits. `key=None`: no dropout (evaluation). `compute_dtype`: the matmuls'
         dtype (the residual stream and logits stay float32). `segment_ids_BxT`: attention stays inside
         each packed document and positions restart at each document's first token. `causal=False`:
         every position attends to every other (the objective's, models/objectives.py). `collect`
         (static): also {"attn", "mlp", "resid"} activation RMS per block, each (num_blocks,), and with
-        MoE "moe" router statistics. `router_mask_BxT`: the tokens MoE router statistics count."""
+        MoE "moe" router statistics. `router_mask_BxT`: the tokens MoE router statistics count.
+        `max_logits` (static): (logits, stats) with stats["max_logit"] (num_blocks, num_heads), each
+        (query) head's largest visible attention logit q·k·scale, outside the gradient
+        (optimizer.qk_clip_tau; models/layers.py causal_attention); off, the program is unchanged."""
         ...
 
 
@@ -150,6 +154,10 @@ OPTIONAL: dict[str, Any] = {
     # is refused.
     "hf_lora_tensors": None,
     "HF_LORA_FAN_IN_FAN_OUT": False,
+    # scale_query_key(block, q_scale_xH, k_scale_xG) -> block: a stacked block (leaves with the scales'
+    # leading axes) with query head h's q projection (weight and bias) times q_scale[h] and kv head g's
+    # k projection times k_scale[g] (trainer/qk_clip.py); None: optimizer.qk_clip_tau is refused.
+    "scale_query_key": None,
 }
 # With HF_MODEL_TYPES: the conversions both ways (models/hf.py's docstring says each one's contract).
 HF_HOOKS = ("HF_KEYS", "hf_config", "config_from_hf", "hf_tensors", "from_hf_tensors")

@@ -98,12 +98,13 @@ class Block(eqx.Module):
 
     def __call__(self, x_BxTxD: jax.Array, key: jax.Array | None, cfg: GPTConfig, compute_dtype,
                  segment_ids_BxT: jax.Array | None = None, causal: bool = True,
-                 collect: bool = False, router_mask_BxT: jax.Array | None = None
+                 collect: bool = False, router_mask_BxT: jax.Array | None = None, max_logits: bool = False
                  ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         """`x_BxTxD` is the float32 residual stream: the matmuls run in `compute_dtype`, but the
         sums of the stream stay float32 (in bfloat16 a block's small update would round away).
         `collect` (static) also returns the RMS of the attention and MLP outputs and of the stream
-        after the block (logging.activation_norms)."""
+        after the block (logging.activation_norms); `max_logits` (static) each head's largest
+        attention logit under "max_logit" (H,) (optimizer.qk_clip_tau)."""
         B, T, D = x_BxTxD.shape
         H, K = cfg.num_heads, cfg.head_dim
         k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
@@ -116,17 +117,19 @@ class Block(eqx.Module):
         # heads (see `_head_major`).
         q_BxHxTxK, k_BxHxTxK, v_BxHxTxK = split_heads(self.attn_qkv(h_BxTxD, k_qkv), H, K)
         a_BxHxTxK = attention.attend(cfg, q_BxHxTxK, k_BxHxTxK, v_BxHxTxK, segment_ids_BxT=segment_ids_BxT,
-                                     causal=causal)
+                                     causal=causal, max_logits=max_logits)
+        a_BxHxTxK, max_logit = a_BxHxTxK if max_logits else (a_BxHxTxK, None)
         a_BxTxD = a_BxHxTxK.transpose(0, 2, 1, 3).reshape(B, T, D)
         attn_BxTxD = dropout(self.attn_out(a_BxTxD, k_out), cfg.dropout, k_attn).astype(x_BxTxD.dtype)
         x_BxTxD = x_BxTxD + attn_BxTxD
 
         mlp_BxTxD, router = self.mlp(self.ln2(x_BxTxD).astype(compute_dtype), cfg, k_in, k_mlp_out, router_mask_BxT)
         mlp_BxTxD = dropout(mlp_BxTxD, cfg.dropout, k_mlp).astype(x_BxTxD.dtype)
-        if not collect and router is None:
+        if not collect and router is None and not max_logits:
             return x_BxTxD + mlp_BxTxD
         out_BxTxD = x_BxTxD + mlp_BxTxD
         stats = {"attn": rms(attn_BxTxD), "mlp": rms(mlp_BxTxD), "resid": rms(out_BxTxD)} if collect else {}
+        stats = {**stats, "max_logit": max_logit} if max_logits else stats
         return out_BxTxD, stats if router is None else {**stats, "moe": router}  # an MoE block's router statistics
 
     def mlp(self, h_BxTxD: jax.Array, cfg: GPTConfig, k_in, k_out, router_mask_BxT=None
@@ -204,6 +207,7 @@ class GPT(eqx.Module):
         causal: bool = True,
         collect: bool = False,
         router_mask_BxT: jax.Array | None = None,
+        max_logits: bool = False,
     ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         """Logits (float32) for every position. `key=None` disables dropout (evaluation);
         `segment_ids_BxT` keeps attention inside each packed document, and positions restart at 0
@@ -211,7 +215,9 @@ class GPT(eqx.Module):
         `causal` is the objective's (models/objectives.py): False lets every position attend to
         every other, as masked diffusion needs; the weights are the same either way. `collect`
         (static) returns (logits, per-block activation RMS {"attn","mlp","resid"}, each (num_blocks,)).
-        `router_mask_BxT` (MoE only): the tokens the router statistics count (models/moe.py)."""
+        `router_mask_BxT` (MoE only): the tokens the router statistics count (models/moe.py).
+        `max_logits` (static) returns (logits, stats) with stats["max_logit"] (num_blocks, num_heads):
+        each head's largest attention logit (optimizer.qk_clip_tau)."""
         cfg = self.cfg
         T = tokens_BxT.shape[1]
         if segment_ids_BxT is None:
@@ -221,23 +227,41 @@ class GPT(eqx.Module):
         # The residual stream stays float32 whatever compute_dtype is (see Block.__call__).
         x_BxTxD = (jnp.take(self.wte_VxD, tokens_BxT, axis=0) + wpe).astype(jnp.float32)
 
+        stats_out = collect or max_logits  # (static) the blocks return statistics
+
         def apply(x_BxTxD, block_and_key):
             block, k = block_and_key
-            out = block(x_BxTxD, k, cfg, compute_dtype, segment_ids_BxT, causal, collect)
-            return out if collect else (out, None)
+            out = block(x_BxTxD, k, cfg, compute_dtype, segment_ids_BxT, causal, collect, max_logits=max_logits)
+            return out if stats_out else (out, None)
 
         if cfg.moe.on:  # router statistics per MoE block come back under stats_L["moe"] (with `collect`)
             x_BxTxD, stats_L = run_blocks(lambda block, x, k: block(x, k, cfg, compute_dtype, segment_ids_BxT, causal,
-                                                                    collect, router_mask_BxT),
-                                          x_BxTxD, self.blocks, key, cfg, collect)
+                                                                    collect, router_mask_BxT, max_logits=max_logits),
+                                          x_BxTxD, self.blocks, key, cfg, stats_out)
         else:
             x_BxTxD, stats_L = apply_blocks(apply, x_BxTxD, self.blocks, key, cfg.num_blocks, cfg.remat,
-                                            cfg.scan_blocks, cfg.scan_unroll, collect)
+                                            cfg.scan_blocks, cfg.scan_unroll, stats_out)
 
         head_DxV = self.wte_VxD.T if self.head_DxV is None else self.head_DxV
         # model.mup: logits x base/width (MuReadout's multiplier; 1 without muP, a constant XLA folds)
         logits_BxTxV = output_logits(self.ln_f(x_BxTxD), head_DxV, compute_dtype, mup_lib.width_ratio(cfg))  # float32
-        return (logits_BxTxV, stats_L) if collect else logits_BxTxV
+        return (logits_BxTxV, stats_L) if stats_out else logits_BxTxV
+
+
+def scale_query_key(block: Block, q_scale_xH: jax.Array, k_scale_xH: jax.Array) -> Block:
+    """`block` (leaves with the leading axes of the scales, e.g. (num_blocks,)) with each head's query
+    columns of the fused qkv projection times q_scale and its key columns times k_scale, bias too
+    (q = x·W_q + b_q scales exactly only if b_q does), values untouched (optimizer.qk_clip_tau). The
+    columns are head-major (head, q|k|v, K) (`_head_major`). A scale of exactly 1 leaves the bits."""
+    qkv = block.attn_qkv
+    K = qkv.weight_IxO.shape[-1] // (3 * q_scale_xH.shape[-1])
+    col_xHx3 = jnp.stack([q_scale_xH, k_scale_xH, jnp.ones_like(q_scale_xH)], axis=-1).astype(jnp.float32)
+    col_xO = jnp.broadcast_to(col_xHx3[..., None], (*col_xHx3.shape, K)).reshape(*col_xHx3.shape[:-2], -1)
+    scaled = lambda a, col: (a.astype(jnp.float32) * col).astype(a.dtype)
+    out = eqx.tree_at(lambda b: b.attn_qkv.weight_IxO, block, scaled(qkv.weight_IxO, col_xO[..., None, :]))
+    if qkv.bias_O is not None:
+        out = eqx.tree_at(lambda b: b.attn_qkv.bias_O, out, scaled(qkv.bias_O, col_xO))
+    return out
 
 
 def param_labels(model: GPT) -> GPT:

@@ -126,7 +126,7 @@ def split_heads(qkv_BxTxN: jax.Array, num_heads: int, head_dim: int) -> list[jax
 
 def causal_attention(q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.Array,
                      block_size: int | None = None, segment_ids_BxT: jax.Array | None = None,
-                     causal: bool = True, scale: float | None = None) -> jax.Array:
+                     causal: bool = True, scale: float | None = None, max_logits: bool = False):
     """Softmax attention where position t sees positions <= t; scores and softmax in float32.
     With `segment_ids_BxT` (packed documents), t sees only earlier positions of its own document.
     `causal=False` (a static flag: the objective's, e.g. masked diffusion) lets t see every
@@ -147,7 +147,7 @@ def causal_attention(q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.
     n = T // block_size
     q_blocks, k_blocks, v_blocks = ([a] if n == 1 else jnp.split(a, n, axis=-2)
                                     for a in (q_BxHxTxK, k_BxHxTxK, v_BxHxTxK))
-    outs = []
+    outs, maxes_H = [], []
     for i, q_BxHxCxK in enumerate(q_blocks):
         start, keys = i * block_size, (i + 1) * block_size  # this block's first query, the keys it can see
         if i == n - 1:
@@ -161,9 +161,12 @@ def causal_attention(q_BxHxTxK: jax.Array, k_BxHxTxK: jax.Array, v_BxHxTxK: jax.
             same_BxCxS = segment_ids_BxT[:, start:keys, None] == segment_ids_BxT[:, None, :keys]
             visible_CxS = (visible_CxS & same_BxCxS)[:, None]  # B x 1 x C x S, broadcast over heads
         scores_BxHxCxS = jnp.where(visible_CxS, scores_BxHxCxS * scale, -1e30)
+        if max_logits:  # every query sees at least itself, so each head's max is a visible logit
+            maxes_H.append(jnp.max(jax.lax.stop_gradient(scores_BxHxCxS), axis=(0, 2, 3)))
         probs_BxHxCxS = jax.nn.softmax(scores_BxHxCxS, axis=-1).astype(v_BxHxTxK.dtype)
         outs.append(jnp.matmul(probs_BxHxCxS, v_BxHxSxK))
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)
+    out_BxHxTxK = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)
+    return (out_BxHxTxK, jnp.max(jnp.stack(maxes_H), axis=0)) if max_logits else out_BxHxTxK
 
 
 def document_positions(segment_ids_BxT: jax.Array) -> jax.Array:

@@ -330,10 +330,12 @@ class Block(eqx.Module):
 
     def __call__(self, x_BxTxD: jax.Array, key: jax.Array | None, cfg: LlamaConfig, compute_dtype,
                  cos_sin: tuple[jax.Array, jax.Array], segment_ids_BxT: jax.Array | None = None,
-                 causal: bool = True, collect: bool = False, router_mask_BxT: jax.Array | None = None):
+                 causal: bool = True, collect: bool = False, router_mask_BxT: jax.Array | None = None,
+                 max_logits: bool = False):
         """`x_BxTxD` is the float32 residual stream (matmuls in `compute_dtype`, as GPT's Block).
         Key/value heads are repeated to the query heads (head h reads kv head h // group, Hugging
-        Face's `repeat_kv`): the attention kernel stays the one GPT uses."""
+        Face's `repeat_kv`): the attention kernel stays the one GPT uses. `max_logits` (static): each
+        query head's largest attention logit under "max_logit" (H,) (optimizer.qk_clip_tau)."""
         B, T, _ = x_BxTxD.shape
         k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
         k_q, k_k, k_v, k_o, k_gate, k_up, k_down = branch_keys(key, cfg.lora, 7)  # LoRA's dropout; Nones without it
@@ -352,7 +354,8 @@ class Block(eqx.Module):
         group = cfg.num_heads // cfg.kv_heads
         k_BxHxTxK, v_BxHxTxK = jnp.repeat(k_BxGxTxK, group, axis=1), jnp.repeat(v_BxGxTxK, group, axis=1)
         a_BxHxTxK = attention.attend(cfg, q_BxHxTxK, k_BxHxTxK, v_BxHxTxK, segment_ids_BxT=segment_ids_BxT,
-                                     causal=causal)
+                                     causal=causal, max_logits=max_logits)
+        a_BxHxTxK, max_logit = a_BxHxTxK if max_logits else (a_BxHxTxK, None)
         a_BxTxD = a_BxHxTxK.transpose(0, 2, 1, 3).reshape(B, T, -1)
         attn_BxTxD = dropout(_project(self.o_proj, a_BxTxD, k_o), cfg.dropout, k_attn).astype(x_BxTxD.dtype)
         x_BxTxD = x_BxTxD + attn_BxTxD
@@ -361,9 +364,10 @@ class Block(eqx.Module):
                                      router_mask_BxT)
         mlp_BxTxD = dropout(mlp_BxTxD, cfg.dropout, k_mlp).astype(x_BxTxD.dtype)
         out_BxTxD = x_BxTxD + mlp_BxTxD
-        if not collect and router is None:
+        if not collect and router is None and not max_logits:
             return out_BxTxD
         stats = {"attn": rms(attn_BxTxD), "mlp": rms(mlp_BxTxD), "resid": rms(out_BxTxD)} if collect else {}
+        stats = {**stats, "max_logit": max_logit} if max_logits else stats
         return out_BxTxD, stats if router is None else {**stats, "moe": router}  # an MoE block's router statistics
 
     def mlp(self, h_BxTxD: jax.Array, cfg: LlamaConfig, keys: tuple, router_mask_BxT=None
@@ -452,12 +456,14 @@ class Llama(eqx.Module):
 
     def __call__(self, tokens_BxT: jax.Array, *, key: jax.Array | None = None,
                  compute_dtype: jnp.dtype = jnp.float32, segment_ids_BxT: jax.Array | None = None,
-                 causal: bool = True, collect: bool = False, router_mask_BxT: jax.Array | None = None):
+                 causal: bool = True, collect: bool = False, router_mask_BxT: jax.Array | None = None,
+                 max_logits: bool = False):
         """Logits (float32) for every position, with GPT's contract (models/gpt.py GPT.__call__):
         `key=None` disables dropout; with `segment_ids_BxT` attention stays inside each packed
         document and rotary positions restart at 0 at each document's first token; `causal=False`
         attends both ways (mdlm); `collect` also returns per-block activation RMS; `router_mask_BxT`
-        (MoE only) the tokens the router statistics count."""
+        (MoE only) the tokens the router statistics count; `max_logits` also returns stats["max_logit"]
+        (num_blocks, num_heads), each query head's largest attention logit."""
         cfg = self.cfg
         T = tokens_BxT.shape[1]
         if T > cfg.context_length:  # GPT's position table refuses them by shape; rotary would extrapolate quietly
@@ -471,24 +477,43 @@ class Llama(eqx.Module):
             cos_TxK, sin_TxK = cos[:, None], sin[:, None]
         x_BxTxD = jnp.take(self.embed_VxD, tokens_BxT, axis=0).astype(jnp.float32)
 
+        stats_out = collect or max_logits  # (static) the blocks return statistics
+
         def call(block, x_BxTxD, k):
             return block(x_BxTxD, k, cfg, compute_dtype, (cos_TxK, sin_TxK), segment_ids_BxT, causal, collect,
-                         router_mask_BxT)
+                         router_mask_BxT, max_logits)
 
         def apply(x_BxTxD, block_and_key):
             out = call(block_and_key[0], x_BxTxD, block_and_key[1])
-            return out if collect else (out, None)
+            return out if stats_out else (out, None)
 
         if cfg.moe.on:  # router statistics per MoE block come back under stats_L["moe"]
-            x_BxTxD, stats_L = run_blocks(call, x_BxTxD, self.blocks, key, cfg, collect)
+            x_BxTxD, stats_L = run_blocks(call, x_BxTxD, self.blocks, key, cfg, stats_out)
         else:
             x_BxTxD, stats_L = apply_blocks(apply, x_BxTxD, self.blocks, key, cfg.num_blocks, cfg.remat,
-                                            cfg.scan_blocks, cfg.scan_unroll, collect)
+                                            cfg.scan_blocks, cfg.scan_unroll, stats_out)
         head_DxV = self.embed_VxD.T if self.head_DxV is None else self.head_DxV
         # model.mup: logits x base/width (MuReadout's multiplier; 1 without muP: no operation)
         logits_BxTxV = output_logits(self.final_norm(x_BxTxD), head_DxV, compute_dtype,
                                      mup_lib.width_ratio(cfg))  # float32
-        return (logits_BxTxV, stats_L) if collect else logits_BxTxV
+        return (logits_BxTxV, stats_L) if stats_out else logits_BxTxV
+
+
+def scale_query_key(block: Block, q_scale_xH: jax.Array, k_scale_xG: jax.Array) -> Block:
+    """`block` (leaves with the leading axes of the scales) with query head h's columns of q_proj
+    times q_scale[h] and kv head g's of k_proj times k_scale[g], biases too (qkv_bias: q = x·W + b
+    scales exactly only if b does), v untouched (optimizer.qk_clip_tau). Rotary is linear, so it
+    scales the rotated q and k alike. Columns are head-major (`_split_heads`). A scale of 1 keeps the bits."""
+
+    def scaled(linear: Linear, scale_xN: jax.Array) -> Linear:
+        heads = scale_xN.shape[-1]
+        col_xO = jnp.repeat(scale_xN.astype(jnp.float32), linear.weight_IxO.shape[-1] // heads, axis=-1)
+        mul = lambda a, col: (a.astype(jnp.float32) * col).astype(a.dtype)
+        out = eqx.tree_at(lambda lin: lin.weight_IxO, linear, mul(linear.weight_IxO, col_xO[..., None, :]))
+        return out if linear.bias_O is None else eqx.tree_at(lambda lin: lin.bias_O, out, mul(linear.bias_O, col_xO))
+
+    return eqx.tree_at(lambda b: (b.q_proj, b.k_proj), block,
+                       (scaled(block.q_proj, q_scale_xH), scaled(block.k_proj, k_scale_xG)))
 
 
 def param_labels(model: Llama) -> Llama:

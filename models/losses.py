@@ -25,13 +25,15 @@ def token_losses(model, batch, key: jax.Array | None, compute_dtype: jnp.dtype
     return _token_losses(model, batch, key, compute_dtype)[:3]
 
 
-def _token_losses(model, batch, key, compute_dtype, router: bool = False):
-    """token_losses and, with `router`, an MoE model's router statistics (None for a dense model)."""
+def _token_losses(model, batch, key, compute_dtype, router: bool = False, max_logits: bool = False):
+    """token_losses and, with `router`, an MoE model's router statistics (None for a dense model); with
+    `max_logits` too, moe.forward's dict of them and the per-head max logits (moe.split_stats)."""
     tokens_BxT1, mask_BxT, segment_ids_BxT, _ = unpack_batch(batch)
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     kwargs = {"key": key, "compute_dtype": compute_dtype, "segment_ids_BxT": segment_ids_BxT}
     # The router statistics count the tokens the loss counts (models/moe.py): input t's loss is target t's.
-    logits_BxTxV, stats = (moe.forward(model, inputs_BxT, router_mask_BxT=mask_BxT, **kwargs) if router
+    logits_BxTxV, stats = (moe.forward(model, inputs_BxT, router_mask_BxT=mask_BxT, max_logits=max_logits, **kwargs)
+                           if router
                            else (model(inputs_BxT, **kwargs), None))
     logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
     target_logit_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
@@ -44,8 +46,8 @@ def cross_entropy(model, batch, key: jax.Array | None, compute_dtype: jnp.dtype)
     return _cross_entropy(model, batch, key, compute_dtype)[:2]
 
 
-def _cross_entropy(model, batch, key, compute_dtype, router: bool = False):
-    nll_BxT, hit_BxT, mask_BxT, stats = _token_losses(model, batch, key, compute_dtype, router)
+def _cross_entropy(model, batch, key, compute_dtype, router: bool = False, max_logits: bool = False):
+    nll_BxT, hit_BxT, mask_BxT, stats = _token_losses(model, batch, key, compute_dtype, router, max_logits)
     if mask_BxT is None:
         return jnp.mean(nll_BxT), jnp.sum(hit_BxT), stats
     norm = unpack_batch(batch)[3]
@@ -53,13 +55,15 @@ def _cross_entropy(model, batch, key, compute_dtype, router: bool = False):
     return jnp.sum(nll_BxT * mask_BxT) / norm, jnp.sum(hit_BxT * mask_BxT), stats
 
 
-def loss_fn(model, batch, key: jax.Array | None, compute_dtype) -> tuple[jax.Array, dict]:
+def loss_fn(model, batch, key: jax.Array | None, compute_dtype, max_logits: bool = False) -> tuple[jax.Array, dict]:
     """The train step's loss: (mean loss, aux), aux holding what step metrics may read, per micro-batch.
     With MoE the loss differentiated adds the weighted router losses; aux["loss"] (train/loss) stays
-    the LM loss, comparable with val/loss, and aux["moe"] holds the router's (models/moe.py)."""
-    loss, correct, router = _cross_entropy(model, batch, key, compute_dtype, router=True)
+    the LM loss, comparable with val/loss, and aux["moe"] holds the router's (models/moe.py).
+    `max_logits` (optimizer.qk_clip_tau): aux["max_logit"], each block's per-head largest attention logit."""
+    loss, correct, stats = _cross_entropy(model, batch, key, compute_dtype, router=True, max_logits=max_logits)
+    router, max_logit = moe.split_stats(stats, max_logits)
     total, moe_aux = moe.add_router_losses(loss, model, router)
-    return total, {"loss": loss, "correct": correct, **moe_aux}
+    return total, {"loss": loss, "correct": correct, **moe_aux, **({"max_logit": max_logit} if max_logits else {})}
 
 
 def eval_sums(model, batch, weights_B: jax.Array, compute_dtype: jnp.dtype

@@ -68,26 +68,29 @@ def corrupt(keys_B: jax.Array, x_BxT: jax.Array, w_BxT: jax.Array, eps: float, m
 
 
 def denoise_losses(model, z_BxT: jax.Array, x_BxT: jax.Array, seg_BxT: jax.Array | None, key: jax.Array | None,
-                   compute_dtype, w_BxT: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict | None]:
+                   compute_dtype, w_BxT: jax.Array | None = None, max_logits: bool = False
+                   ) -> tuple[jax.Array, jax.Array, dict | None]:
     """(cross-entropy of the original token at every position, top-1 hit), both BxT, from the
     bidirectional model's logits over every id but the mask id; and an MoE model's router statistics,
-    over the maskable tokens (`w_BxT` > 0; all when None)."""
+    over the maskable tokens (`w_BxT` > 0; all when None) (with `max_logits`: moe.forward's dict of
+    them and the per-head max logits)."""
     logits_BxTxV, router = moe.forward(model, z_BxT, router_mask_BxT=w_BxT, key=key, compute_dtype=compute_dtype,
-                                       segment_ids_BxT=seg_BxT, causal=False)
+                                       segment_ids_BxT=seg_BxT, causal=False, max_logits=max_logits)
     logits_BxTxV = logits_BxTxV.at[..., mask_id(model)].set(-jnp.inf)
     logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
     target_BxT = jnp.take_along_axis(logits_BxTxV, x_BxT[..., None], axis=-1)[..., 0]
     return logz_BxT - target_BxT, jnp.argmax(logits_BxTxV, axis=-1) == x_BxT, router
 
 
-def weighted_sums(model, batch, keys_B: jax.Array, dropout_key: jax.Array | None, eps: float, compute_dtype
-                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, dict | None]:
+def weighted_sums(model, batch, keys_B: jax.Array, dropout_key: jax.Array | None, eps: float, compute_dtype,
+                  max_logits: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, dict | None]:
     """Per row: Σ masked·w·nll/t (the negative ELBO's sum), Σ masked·w·hit/t (top-1 accuracy at the
     masked positions, averaged over t the same way), Σ w (the tokens it bounds); the loss norm; an
     MoE model's router statistics (None for a dense one)."""
     x_BxT, w_BxT, seg_BxT, norm = sequences(batch)
     z_BxT, masked_BxT, t_B = corrupt(keys_B, x_BxT, w_BxT, eps, mask_id(model))
-    nll_BxT, hit_BxT, router = denoise_losses(model, z_BxT, x_BxT, seg_BxT, dropout_key, compute_dtype, w_BxT)
+    nll_BxT, hit_BxT, router = denoise_losses(model, z_BxT, x_BxT, seg_BxT, dropout_key, compute_dtype, w_BxT,
+                                              max_logits)
     weight_BxT = jnp.where(masked_BxT, w_BxT / t_B[:, None], 0.0)
     nelbo_BxT = jnp.where(masked_BxT, weight_BxT * nll_BxT, 0.0)  # an unmasked nll never enters, not even as 0·inf
     return nelbo_BxT.sum(-1), (weight_BxT * hit_BxT).sum(-1), w_BxT.sum(-1), norm, router
@@ -99,16 +102,20 @@ def train_keys(key: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
     return jax.random.split(mask_key, rows), dropout_key
 
 
-def loss_fn(model, batch, key: jax.Array, compute_dtype, eps: float) -> tuple[jax.Array, dict]:
+def loss_fn(model, batch, key: jax.Array, compute_dtype, eps: float, max_logits: bool = False
+            ) -> tuple[jax.Array, dict]:
     """The train step's loss: the negative ELBO per maskable token (train/loss is a bound, like val/loss).
-    `key` (from the train state, one per micro-batch) draws every row's t and mask, and dropout's keys."""
+    `key` (from the train state, one per micro-batch) draws every row's t and mask, and dropout's keys.
+    `max_logits` (optimizer.qk_clip_tau): aux["max_logit"], each block's per-head largest attention logit."""
     keys_B, dropout_key = train_keys(key, unpack_batch(batch)[0].shape[0])
-    nelbo_B, correct_B, count_B, norm, router = weighted_sums(
-        model, batch, keys_B, dropout_key if model.cfg.dropout > 0 else None, eps, compute_dtype)
+    nelbo_B, correct_B, count_B, norm, stats = weighted_sums(
+        model, batch, keys_B, dropout_key if model.cfg.dropout > 0 else None, eps, compute_dtype, max_logits)
+    router, max_logit = moe.split_stats(stats, max_logits)
     norm = jnp.maximum(count_B.sum(), 1.0) if norm is None else norm
     loss = nelbo_B.sum() / norm
     total, moe_aux = moe.add_router_losses(loss, model, router)  # train/loss stays the bound; aux["moe"]: the router's
-    return total, {"loss": loss, "correct": correct_B.sum(), **moe_aux}
+    clip_aux = {"max_logit": max_logit} if max_logits else {}  # optimizer.qk_clip_tau's (trainer/qk_clip.py)
+    return total, {"loss": loss, "correct": correct_B.sum(), **moe_aux, **clip_aux}
 
 
 def row_keys(x_BxT: jax.Array, seed: int = VAL_SEED) -> jax.Array:

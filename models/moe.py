@@ -265,7 +265,8 @@ def run_blocks(call: Callable, x_BxTxD: jax.Array, blocks, key: jax.Array | None
     """Run stacked blocks with MoE on by layers.apply_blocks (scan or unrolled, remat): `call(block, x,
     key)` -> x (a dense block without `collect`) or (x, stats) (with `collect`, and an MoE block
     always, its router statistics under "moe"). Returns (x, stats): with `collect` the activation
-    RMS per block (num_blocks,), and "moe" (each value with a leading MoE-layer axis)."""
+    RMS per block (num_blocks,) (and whatever else the blocks report, e.g. "max_logit" (num_blocks,
+    H)), and "moe" (each value with a leading MoE-layer axis)."""
     every, L = cfg.moe.every, cfg.num_blocks
     if every == 1:
         return apply_blocks(lambda x, bk: call(bk[0], x, bk[1]), x_BxTxD, blocks, key, L, cfg.remat,
@@ -286,7 +287,7 @@ def run_blocks(call: Callable, x_BxTxD: jax.Array, blocks, key: jax.Array | None
 
     x_BxTxD, stats = apply_blocks(group, x_BxTxD, blocks, key, L // every, cfg.remat, cfg.scan_blocks,
                                   cfg.scan_unroll, True)
-    return x_BxTxD, {kind: v if kind == "moe" else v.reshape(L) for kind, v in stats.items()}
+    return x_BxTxD, {kind: v if kind == "moe" else v.reshape(L, *v.shape[2:]) for kind, v in stats.items()}
 
 
 def logical_axes(model, table: dict[tuple[str, ...], tuple[str, ...]]):
@@ -340,14 +341,19 @@ def moe_config(model) -> MoEConfig | None:
     return moe if moe is not None and moe.on else None
 
 
-def forward(model, inputs_BxT: jax.Array, router_mask_BxT: jax.Array | None = None, **kwargs
-            ) -> tuple[jax.Array, dict | None]:
+def forward(model, inputs_BxT: jax.Array, router_mask_BxT: jax.Array | None = None, max_logits: bool = False,
+            **kwargs) -> tuple[jax.Array, dict | None]:
     """(logits, router statistics or None): a dense model is called exactly as before.
-    `router_mask_BxT`: the tokens the router statistics count (> 0; the batch's loss mask), None = all."""
-    if moe_config(model) is None:
+    `router_mask_BxT`: the tokens the router statistics count (> 0; the batch's loss mask), None = all.
+    `max_logits` (optimizer.qk_clip_tau): the statistics are then a dict whatever the model, with
+    "max_logit" (num_blocks, num_heads), each head's largest attention logit, beside "moe" (MoE only)."""
+    if moe_config(model) is None and not max_logits:
         return model(inputs_BxT, **kwargs), None
-    logits, stats = model(inputs_BxT, collect=True, router_mask_BxT=router_mask_BxT, **kwargs)
-    return logits, stats["moe"]
+    if moe_config(model) is None:
+        logits, stats = model(inputs_BxT, max_logits=True, **kwargs)
+        return logits, {"max_logit": stats["max_logit"]}
+    logits, stats = model(inputs_BxT, collect=True, router_mask_BxT=router_mask_BxT, max_logits=max_logits, **kwargs)
+    return logits, ({"moe": stats["moe"], "max_logit": stats["max_logit"]} if max_logits else stats["moe"])
 
 
 def add_router_losses(loss: jax.Array, model, router: dict | None) -> tuple[jax.Array, dict]:
@@ -361,6 +367,11 @@ def add_router_losses(loss: jax.Array, model, router: dict | None) -> tuple[jax.
     aux = {"load_balance_loss": balance, "router_z_loss": z, "dropped_fraction": router["dropped"].mean(),
            "load": {str(layer): router["load"][i] for i, layer in enumerate(layers)}}
     return loss + cfg.load_balance_coef * balance + cfg.z_loss_coef * z, {"moe": aux}
+
+
+def split_stats(stats: dict | None, max_logits: bool) -> tuple[dict | None, jax.Array | None]:
+    """(router statistics or None, max logits (num_blocks, num_heads) or None) of `forward`'s statistics."""
+    return (stats.get("moe"), stats["max_logit"]) if max_logits else (stats, None)
 
 
 def balance_loss(router: dict, cfg: MoEConfig) -> jax.Array:

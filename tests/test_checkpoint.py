@@ -157,12 +157,15 @@ def as_old_names_checkpoint(step_dir: Path) -> None:
                                           (("optimizer=muon", "optimizer.ns_coefficients=polar_express"), False),
                                           (("optimizer=muon", "optimizer.hyperball=true", "model.tie_embeddings=false"),
                                            False),
+                                          # QK-clip keeps no state (each step's scales are its own logits'):
+                                          # τ = 0.01 clips gpt_tiny's heads on both sides of the resume
+                                          (("optimizer=muon", "optimizer.qk_clip_tau=0.01"), False),
                                           (("train.compute_dtype=float16", "train.loss_scale.growth_interval=2"),
                                            False)],
                          ids=["plain", "accumulation-legacy-aux-item", "shampoo", "nadamw", "schedule_free_adamw",
                               "ademamix", "soap", "mars", "kron", "adopt", "prodigy", "normuon", "adam_mini",
                               "scion", "muon-polar-express",
-                              "muon-hyperball", "float16-loss-scale"])
+                              "muon-hyperball", "muon-qk-clip", "float16-loss-scale"])
 def test_resume_is_bit_identical(tmp_path, extra, legacy):
     """Stop at step 5 and resume: losses at every step and the final weights and optimizer state
     equal an uninterrupted run's exactly (data order and dropout keys included), and so do the
@@ -213,6 +216,10 @@ def test_resume_is_bit_identical(tmp_path, extra, legacy):
     assert sorted(resumed) == list(range(1, 13))
     assert resumed == full  # exact float equality, step by step
     assert 0 not in losses(second) and min(losses(second)) == 6
+    if "optimizer.qk_clip_tau=0.01" in extra:  # the clip did act, before and after the resume, alike
+        clipped = {**losses(first, "optim/qk_clip/clipped_heads"), **losses(second, "optim/qk_clip/clipped_heads")}
+        assert clipped == losses(tmp_path / "full", "optim/qk_clip/clipped_heads")
+        assert max(v for s, v in clipped.items() if s <= 5) > 0 and max(v for s, v in clipped.items() if s > 5) > 0
     scaled = "train.compute_dtype=float16" in extra
     for item in ("model", "opt_state", "progress", "metric_states") + (("loss_scale",) if scaled else ()):
         assert_same_arrays(full_ck / "iter_12", seg_ck / "iter_12", item)

@@ -38,7 +38,8 @@ from utils.errors import ConfigError
 FAMILIES = [*models.MODELS, TINY_NAME]
 NONE = type(None)
 OPTIONAL_KINDS = {"LORA_TARGETS": (tuple, NONE), "HF_MODEL_TYPES": tuple, "HF_MOE": bool,
-                  "hf_lora_tensors": (types.FunctionType, NONE), "HF_LORA_FAN_IN_FAN_OUT": bool}
+                  "hf_lora_tensors": (types.FunctionType, NONE), "HF_LORA_FAN_IN_FAN_OUT": bool,
+                  "scale_query_key": (types.FunctionType, NONE)}
 
 
 @pytest.fixture(params=FAMILIES)

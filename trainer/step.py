@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from optimizer import arguments
-from trainer import step_metrics
+from trainer import qk_clip, step_metrics
 from utils.parallel import mesh as meshlib
 
 
@@ -80,7 +80,8 @@ def over_micro_batches(fn: Callable, batch_AxBxT1, keys_A: jax.Array):
 
 def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metrics: Sequence[step_metrics.StepMetric],
                      state_shardings, mesh, compute_dtype, use_dropout: bool,
-                     knobs: dict | None = None, recipe: Callable | None = None) -> step_metrics.TrainStep:
+                     knobs: dict | None = None, recipe: Callable | None = None,
+                     qk_clip_tau: float | None = None) -> step_metrics.TrainStep:
     """One jitted update: gradient accumulation as a scan over micro-batches, clipping and the
     optimizer inside `tx`, every step metric updated (its state carried in `metric_states`),
     metrics returned as device arrays (pulled only on logging steps). `loss_fn(model, batch_BxT1,
@@ -94,7 +95,12 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
     TrainStep, and the step rebuilds `tx` and `metrics` from them while it is traced: runs that
     differ only in them (lr, schedule, budget, weight decay...) share one program. `tx` and
     `metrics` are then recipe(knobs) (the optimizer state's layout, the metrics' names and states).
-    Without them, every number is a constant of the program, as a test's own tx needs."""
+    Without them, every number is a constant of the program, as a test's own tx needs.
+
+    `qk_clip_tau` (optimizer.qk_clip_tau; then `loss_fn`'s aux must hold "max_logit", as
+    models.train_loss(..., max_logits=True) makes it): the new weights' attention heads whose largest
+    logit this step passed it are rescaled after the update (trainer/qk_clip.py), and the step's
+    metrics gain optim/qk_clip/*. The metrics read the rescaled weights; `updates` stay the optimizer's."""
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     compute_dtype = jnp.dtype(compute_dtype)
     step_metrics.stateful(metrics)  # unique state names, checked once here
@@ -131,12 +137,14 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
         params = eqx.filter(state.model, eqx.is_array)
         # A non-finite gradient (under float16: an overflow) is skipped inside `tx` (optimizer/nonfinite.py).
         updates, opt_state = step_tx.update(grads, state.opt_state, params)
-        new_state = TrainState(eqx.apply_updates(state.model, updates), opt_state, state.step + 1, key,
-                               state.metric_states,
+        new_model, clip_metrics = eqx.apply_updates(state.model, updates), {}
+        if qk_clip_tau is not None:
+            new_model, clip_metrics = qk_clip.clip(new_model, qk_clip.step_max_logits(aux), qk_clip_tau)
+        new_state = TrainState(new_model, opt_state, state.step + 1, key, state.metric_states,
                                None if scaler is None else scaler.adjust(step_metrics.all_finite(grads)))
         inputs = step_metrics.StepInputs(state, new_state, grads, updates, aux, loss_at, batch_AxBxT1)
         metric_states, out = step_metrics.compute(step_metric_list, inputs, logging)
-        return eqx.tree_at(lambda s: s.metric_states, new_state, metric_states), out
+        return eqx.tree_at(lambda s: s.metric_states, new_state, metric_states), {**out, **clip_metrics}
 
     replicated = meshlib.replicated(mesh)
     args = None if recipe is None else arguments.as_arguments(knobs)

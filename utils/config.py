@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 import models
 from loaders import dataset_config, tokenizer_config
 from loaders.config import DatasetConfig
-from models import attention
+from models import attention, contract
 from models import mup as mup_model
 from models.hf import resolve_init_from
 from models.objectives import AR, OBJECTIVES, check_vocab
@@ -126,6 +126,7 @@ class OptimizerConfig:
     group_overrides: dict  # {"hidden": {"lr": 0.02}, ...}: only the knobs set (non-null)
     cautious: bool = False  # optimizer.cautious, beside `name`: every optimizer takes it (optimizer/cautious.py)
     hyperball: bool = False  # optimizer.hyperball, beside `name`: every optimizer takes it (optimizer/hyperball.py)
+    qk_clip_tau: float | None = None  # optimizer.qk_clip_tau, beside `name`: QK-clip (trainer/qk_clip.py)
     lr_scales: dict = dataclasses.field(default_factory=dict)  # {group: lr factor}: model.mup's (optimizer/mup.py)
 
 
@@ -343,6 +344,10 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
     groups_node = opt_node.pop("groups", None) or {}
     cautious = _coerce(opt_node.pop("cautious", False), bool, "optimizer.cautious")  # absent in old checkpoints
     hyperball = _coerce(opt_node.pop("hyperball", False), bool, "optimizer.hyperball")  # absent in old checkpoints
+    qk_clip_tau = _coerce(opt_node.pop("qk_clip_tau", None), float | None, "optimizer.qk_clip_tau")  # ditto
+    if qk_clip_tau is not None and not 0 < qk_clip_tau < float("inf"):
+        raise ConfigError(f"optimizer.qk_clip_tau={qk_clip_tau} must be a positive attention logit (Kimi K2: 100), "
+                          "or null to turn QK-clip off")
     schedule_name, schedule = build_registered(SCHEDULES, lr_node, "optimizer.lr_config")
     schedule_steps = getattr(schedule, "max_steps", None) or train.max_steps
     if hasattr(schedule, "check_steps"):
@@ -371,6 +376,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         schedule_steps=schedule_steps,
         cautious=cautious,
         hyperball=hyperball,
+        qk_clip_tau=qk_clip_tau,
     )
     seed = raw["random_seed"]
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -434,6 +440,8 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
     if hyperball and m.lora.on:
         raise ConfigError(f"optimizer.hyperball=true with model.lora.rank={m.lora.rank}: only the LoRA "
                           "factors train (B starts at norm 0, no sphere to keep); set optimizer.hyperball=false")
+    if qk_clip_tau is not None:
+        check_qk_clip(m, qk_clip_tau)
     if m.tie_embeddings and "head" in run.optimizer.group_overrides:
         knob = next(iter(run.optimizer.group_overrides["head"]))
         raise ConfigError(f"optimizer.groups.head.{knob} is set but model.tie_embeddings=true: there is no separate "
@@ -468,12 +476,31 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
     return run
 
 
+def check_qk_clip(m, tau: float) -> None:
+    """optimizer.qk_clip_tau with a model whose q and k it cannot rescale, or whose max logits it cannot read."""
+    knob = f"optimizer.qk_clip_tau={tau}"
+    if contract.optional(models.family(m), "scale_query_key") is None:
+        raise ConfigError(f"{knob}: model.name={m.name} does not say where its query and key weights are "
+                          "(no scale_query_key): set optimizer.qk_clip_tau=null")
+    if m.lora.on:
+        raise ConfigError(f"{knob} with model.lora.rank={m.lora.rank}: the query and key weights are the frozen base "
+                          "(the factors add a term the clip cannot scale alone); set optimizer.qk_clip_tau=null")
+    if getattr(m, "qk_norm", False):
+        raise ConfigError(f"{knob} with model.qk_norm=true: the norm undoes any scale of W_q and W_k, so the clip "
+                          "cannot bound the logits (QK-norm bounds them already); set optimizer.qk_clip_tau=null")
+    if m.attention == "cudnn":
+        raise ConfigError(attention.QK_CLIP_CUDNN)
+
+
 def resolve_vocab(run: RunConfig, vocab_size: int) -> RunConfig:
     """The model config finished once the tokenizer and JAX's backend are up: model.attention's
     kernel for this machine (models/attention.py; the header says which and why), and model.vocab_size
     null -> the tokenizer's `vocab_size`, padded to model.vocab_multiple, with room for the ids the
     objective adds (mdlm: the mask id, the vocabulary's last)."""
     m, note = attention.resolve(run.model, run.train.compute_dtype, run.context_length, run.dataset.document_mask)
+    if run.optimizer.qk_clip_tau is not None and m.attention == "cudnn":  # auto's pick: an explicit one is refused
+        m, note = dataclasses.replace(m, attention="xla"), ("attention: xla (auto: optimizer.qk_clip_tau reads each "
+                                                            "head's max logit, which cuDNN's fused kernel never forms)")
     run = dataclasses.replace(run, model=m, notes=run.notes + (note,) * all(not n.startswith("attention:")
                                                                               for n in run.notes))
     if m.vocab_size is None:
