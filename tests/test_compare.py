@@ -19,7 +19,7 @@ import sys
 import background
 import jax
 import pytest
-from helpers import REPO, TINY_OVERRIDES, BackgroundProcess, evaluated_steps, load_script
+from helpers import REPO, TINY_OVERRIDES, BackgroundProcess, evaluated_steps, load_script, per_optimizer
 
 import train_jax as T
 from compare import launch
@@ -296,6 +296,39 @@ def test_compare_json_records_each_set_up_that_ran_the_comparison(tmp_path, monk
     assert [s["commit"] for s in sessions] == [here["commit"], "0" * 40] and sessions[1]["dirty"] is True
     header = report.section_provenance(sessions)
     assert "2 sessions on different set-ups" in header[0] and "`000000000000` with uncommitted changes" in header[3]
+
+
+def readme_compare_argv() -> list[str]:
+    """The README's comparison command's arguments (its `python scripts/compare.py ...` block), as typed."""
+    import shlex
+
+    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    start = text.index("python scripts/compare.py optimizers=")
+    command = text[start:text.index("\n```", start)].replace("\\\n", " ").split("#")[0]
+    return shlex.split(command)[2:]
+
+
+def _all_optimizers():
+    from optimizer import OPTIMIZERS
+
+    return sorted(OPTIMIZERS)
+
+
+@pytest.mark.parametrize("name", per_optimizer(_all_optimizers()))
+def test_the_readme_comparison_takes_any_registered_optimizer(name):
+    """The README's comparison with one more optimizer in `optimizers=[...]` and no other change plans,
+    and every run it plans (a trunk and a branch per optimizer) composes and validates: a new optimizer
+    joins a comparison by its name alone (its yaml's lr centres its grid)."""
+    script = load_script("compare")
+    argv = [a if not a.startswith("optimizers=") else f"optimizers=[adamw,{name}]" if name != "adamw" else a
+            for a in readme_compare_argv()]
+    ours, theirs, _ = script.split_argv(argv)
+    from compare.plan import with_steps
+
+    knobs, _ = with_steps(compare_config(script.compose_knobs(ours)), tuple(theirs))
+    plan = make_plan(knobs, theirs, workload_lrs(knobs, tuple(theirs)))
+    assert name in {run.optimizer for run in plan.runs}
+    script.check_runs(plan)  # raises ConfigError on a knob a run would refuse
 
 
 def test_cli_bad_knob_is_one_line_before_anything_trains(tmp_path, capsys):
