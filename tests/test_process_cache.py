@@ -97,13 +97,37 @@ def test_the_step_key_changes_with_every_field_the_step_is_built_from(tiny_run, 
     assert {"model.dim", "train.compute_dtype", "parallel.fsdp", "optimizer.cautious"} <= entering
     assert {"random_seed", "checkpoint.save_path", "train.val_freq", "logging.log_every"} <= outside
     assert ("train.max_steps" in entering) == (base == "more")  # the tail's first step is a constant of it
-    assert lifted and lifted <= {tuple(p.split(".")) for p in (entering | outside)} | lifted
+    assert lifted and lifted <= set(leaves(run))  # every argument knob was changed above
 
 
 def _get(obj, path):
     for name in path:
         obj = getattr(obj, name)
     return obj
+
+
+def test_the_data_key_changes_with_every_tokenizer_and_source_field_and_sharing_is_scoped(tiny_run):
+    """Each field of the tokenizer and dataset-source sections (walked, not listed) and cache_dir
+    changes the data's key; inside sharing() an equal key returns the first build, outside it
+    every call builds, and the outermost block's end empties the tables."""
+    run = tiny_run()
+    sections = [("tokenizer",) + p for p in leaves(run.tokenizer)] + [
+        ("dataset", "source") + p for p in leaves(run.dataset.source)] + [("cache_dir",)]
+    assert ("cache_dir",) in sections and any(p[:2] == ("dataset", "source") for p in sections)
+    for path in sections:
+        assert process_cache.data_key(replaced(run, path, perturbed(_get(run, path)))) != process_cache.data_key(run)
+    made = []
+    build = lambda: made.append(object()) or made[-1]
+    assert process_cache.remember("t", 1, build) is not process_cache.remember("t", 1, build)  # not sharing
+    with process_cache.sharing():
+        with process_cache.sharing():
+            first = process_cache.remember("t", 1, build)
+        assert process_cache.remember("t", 1, build) is first  # the inner block's end keeps the tables
+        assert process_cache.remember("t", 2, build) is not first
+        assert process_cache.remember("t", 3, build, keep=lambda _: False) is not process_cache.remember("t", 3, build)
+    with process_cache.sharing():
+        assert process_cache.remember("t", 1, build) is not first
+    assert len(made) == 7  # 2 unshared, 1 + 0 (the hit) + 1 + 2 (not kept) shared, 1 after the tables emptied
 
 
 def test_the_step_key_changes_with_the_mesh_and_the_shardings(tiny_run):
