@@ -149,7 +149,7 @@ def step_text(run) -> str:
     return step.logging.trace(*precompile.abstract((state, batch, step.args))).lower().as_text(debug_info=False)
 
 
-@pytest.mark.slow  # two tiny steps traced and lowered: 3-5 s on the 2-core VM
+@pytest.mark.slow  # two tiny steps traced and lowered: 1.6-10 s on the shared 2-core VM, by its load
 @pytest.mark.parametrize("base", sorted(BASES))
 def test_the_view_changes_no_character_of_the_step_program(tiny_run, base, monkeypatch):
     """The step built from step_view(run) (as every run now builds it) against the step built from
