@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 import models
 from loaders.batching import eval_batches
 from loaders.config import DataRequest
-from loaders.pipeline import Data, build_data, source_documents
+from loaders.pipeline import Data, build_data, source_documents, source_windows
 from loaders.tokenizers import Tokenizer
 from loaders.windows import WindowDataset
 from models import hf_generation, lora
@@ -37,6 +37,7 @@ from optimizer.nonfinite import skip_nonfinite
 from optimizer.restart import fresh_state
 from trainer import aux_state, early_stopping, loss_scale, memory, precompile, step_metrics, tasks, weight_average
 from trainer import hooks as H
+from trainer import process_cache as shared
 from trainer.activations import ActivationNorms
 from trainer.flops import peak_flops
 from trainer.header import announce
@@ -59,9 +60,13 @@ def init_tokenizer(run: RunConfig, train_docs: Sequence[str] | None) -> Tokenize
 
 
 def init_data(run: RunConfig, tokenizer: Tokenizer, docs=None, state: dict | None = None) -> Data:
-    """Batches in data_seed's order (prefetched, this process's rows), resumed at `state`."""
+    """Batches in data_seed's order (prefetched, this process's rows), resumed at `state`; the windows
+    are built once per comparison process (trainer/process_cache.py)."""
     req = DataRequest(tokenizer, run.cache_dir, run.context_length + 1, run.dataset.document_mask)
-    return build_data(run.dataset, req, run.data_seed, jax.process_index(), jax.process_count(), docs, state)
+    windows = shared.remember(  # fixed-size windows only: a stream (hf, streaming) is opened by each run
+        "windows", (*shared.data_key(run), req.window, req.document_mask),
+        lambda: source_windows(run.dataset.source, req, docs), keep=lambda w: isinstance(w[0], WindowDataset))
+    return build_data(run.dataset, req, run.data_seed, jax.process_index(), jax.process_count(), docs, state, windows)
 
 
 def init_model(run: RunConfig, key: jax.Array) -> eqx.Module:
@@ -108,17 +113,24 @@ def make_evaluate(run: RunConfig, val: WindowDataset, mesh, eval_step: Callable 
     """model -> val/loss, perplexity, accuracy over min(len(val), max_val_steps·batch_size) windows, each once, drawn
     by a fixed seed (not random_seed): the same windows at every evaluation, resume and sweep seed, so they compare."""
     eval_step = eval_step or H.evaluation_step(run.objective, run.train.compute_dtype)  # mdlm: fixed seeded masks
-    return H.evaluator(eval_step, mesh, functools.partial(
-        eval_batches, val, run.dataset.batch_size, run.train.max_val_steps, process_index=jax.process_index(),
-        process_count=jax.process_count()))
+    batches = functools.partial(eval_batches, val, run.dataset.batch_size, run.train.max_val_steps,
+                                process_index=jax.process_index(), process_count=jax.process_count())
+    if shared.active():  # read once per comparison process; the entry holds `val`, so its id stays its own
+        key = (id(val), run.dataset.batch_size, run.train.max_val_steps, jax.process_index(), jax.process_count())
+        kept = shared.remember("eval_batches", key, lambda: (val, list(batches())))[1]
+        batches = lambda: iter(kept)
+    return H.evaluator(eval_step, mesh, batches)
 
 
 def build_trainer(run: RunConfig, source: Source | None = None, schedule: optax.Schedule | None = None) -> Trainer:
     p = run.parallel
     meshlib.init_distributed(p.distributed)
     mesh = meshlib.make_mesh(p.data, p.fsdp, run.dataset.batch_size, tensor=p.tensor, expert=p.expert)
-    docs = source_documents(run.dataset.source, run.tokenizer.needs_documents, run.config_dict["tokenizer"]["name"])
-    tokenizer = init_tokenizer(run, docs[0] if docs else None)
+    def start():  # once per comparison process (trainer/process_cache.py)
+        docs = source_documents(run.dataset.source, run.tokenizer.needs_documents, run.config_dict["tokenizer"]["name"])
+        return docs, init_tokenizer(run, docs[0] if docs else None)
+
+    docs, tokenizer = shared.remember("tokenizer", shared.data_key(run), start)
     run = resolve_vocab(run, tokenizer.vocab_size)
     score_tasks = tasks.scorer(run, tokenizer, mesh)  # eval.tasks read and checked before anything compiles
     check_memory(run, mesh)  # before the data is read and anything compiles
@@ -154,12 +166,12 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
     the step's arguments, so runs that differ only in them share one compiled program; a replaced
     `schedule` is a constant of the step, and the lr_config's knobs with it."""
     labels = models.param_labels(models.abstract(run.model))
-    given = schedule
+    given, view = schedule, shared.step_view(run)  # the view: all the step is built from (and keyed by)
 
     def recipe(knobs):
         """(tx, metrics) of the run whose optimizer knobs are `knobs` (Python floats or the step's tracers)."""
-        o, clip = arguments.bind(run.optimizer, run.train.gradient_clip_val, knobs)
-        bound = dataclasses.replace(run, optimizer=o, train=dataclasses.replace(run.train, gradient_clip_val=clip))
+        o, clip = arguments.bind(view.optimizer, view.train.gradient_clip_val, knobs)
+        bound = dataclasses.replace(view, optimizer=o, train=dataclasses.replace(view.train, gradient_clip_val=clip))
         s = given or init_scheduler(bound)
         return init_optimizer(bound, s, labels), (default_metrics(bound, s, labels) if metrics is None else metrics)
 
@@ -167,11 +179,19 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
     schedule = given or init_scheduler(run)
     tx, step_metric_list = recipe(knobs)
     state, shardings = init_state(run, tx, mesh, step_metric_list, source)
-    tau = run.optimizer.qk_clip_tau  # QK-clip: the loss's aux carries the per-head max logits (trainer/qk_clip.py)
-    loss = models.train_loss(run.model, run.objective, max_logits=tau is not None)
-    return schedule, tx, state, build_train_step(loss, tx, step_metric_list, shardings, mesh, run.train.compute_dtype,
-                                                 use_dropout=models.uses_key(run.model, run.objective), knobs=knobs,
-                                                 recipe=recipe, qk_clip_tau=tau)
+
+    def build():
+        tau = view.optimizer.qk_clip_tau  # QK-clip: the loss's aux carries the per-head max logits (trainer/qk_clip.py)
+        loss = models.train_loss(view.model, view.objective, max_logits=tau is not None)
+        return build_train_step(loss, tx, step_metric_list, shardings, mesh, view.train.compute_dtype,
+                                use_dropout=models.uses_key(view.model, view.objective), knobs=knobs, recipe=recipe,
+                                qk_clip_tau=tau)
+
+    if given is not None or metrics is not None:  # a caller's schedule or metrics: no key names them
+        return schedule, tx, state, build()
+    # One traced step per comparison process and key (trainer/process_cache.py); this run's knobs bound to it.
+    step = shared.remember("train_step", shared.step_key(view, mesh, shardings), build)
+    return schedule, tx, state, step.with_args(arguments.as_arguments(knobs))
 
 
 def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[step_metrics.StepMetric]:

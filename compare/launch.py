@@ -42,6 +42,7 @@ import numpy as np
 
 from compare.plan import CompareConfig, Plan, PlannedRun, entry_of, override_key, phase_seeds, run_json
 from optimizer.renames import new_name
+from trainer import process_cache
 from utils import compile_cache
 from utils.checkpoint.storage import complete_steps
 from utils.config import to_dict
@@ -470,18 +471,19 @@ def run_plan(plan: Plan, compare_dir: str, train: Callable[..., Any], say: Calla
     todo = plan.runs if runs is None else runs
     open_dir(plan, compare_dir, todo if runs is not None else ())
     summary, total, trained = Summary(), len(todo), []
-    for i, run in enumerate(todo, 1):
-        t0 = time.perf_counter()
-        outcome, record = run_one(run, compare_dir, train, compose, save_every, say, f"[{i}/{total}] {run.id}:",
-                                  quiet)
-        summary.add(outcome, record)
-        if outcome == "done" and not keep_checkpoints:
-            prune_done(todo, compare_dir, run)
-        if outcome in ("done", "failed"):
-            trained.append((run, time.perf_counter() - t0))
-        left = eta(trained, todo[i:]) if i < total else None
-        if left is not None and outcome in ("done", "failed"):
-            say(f"  {total - i} runs left, about {f_duration(left)}")
+    with process_cache.sharing():  # the tokenizer, data and traced steps built once for the runs alike
+        for i, run in enumerate(todo, 1):
+            t0 = time.perf_counter()
+            outcome, record = run_one(run, compare_dir, train, compose, save_every, say, f"[{i}/{total}] {run.id}:",
+                                      quiet)
+            summary.add(outcome, record)
+            if outcome == "done" and not keep_checkpoints:
+                prune_done(todo, compare_dir, run)
+            if outcome in ("done", "failed"):
+                trained.append((run, time.perf_counter() - t0))
+            left = eta(trained, todo[i:]) if i < total else None
+            if left is not None and outcome in ("done", "failed"):
+                say(f"  {total - i} runs left, about {f_duration(left)}")
     say(summary.line(total, compare_dir))
     return summary
 

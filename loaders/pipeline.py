@@ -100,9 +100,10 @@ class Data:
 
 
 def build_data(d: DatasetConfig, req: DataRequest, seed: int, process_index: int, process_count: int,
-               docs=None, state: dict | None = None) -> Data:
-    """The run's data; `state` (a checkpoint's) puts the train iterator where the run stopped."""
-    train, val = source_windows(d.source, req, docs)
+               docs=None, state: dict | None = None, windows: tuple | None = None) -> Data:
+    """The run's data; `state` (a checkpoint's) puts the train iterator where the run stopped; `windows`:
+    the source's (train, val) windows if the caller built them already (source_windows)."""
+    train, val = windows if windows is not None else source_windows(d.source, req, docs)
     make = batch_maker(train, d, seed)
     fingerprint = data_fingerprint(make)
     batches = make(process_index, process_count)

@@ -175,8 +175,9 @@ def test_a_zero_knob_stays_a_constant_and_a_traced_one_is_never_known_zero():
 @pytest.mark.slow
 def test_a_comparisons_later_runs_load_every_program(tmp_path):
     """The first trunk and the first branch compile (or load) the step, evaluation and
-    initialisation programs; every later run, whatever its lr, seed or budget, only loads them:
-    JAX's persistent-cache events counted per run, a miss being a compilation."""
+    initialisation programs; every later run, whatever its lr, seed or budget, compiles nothing: it
+    loads them, or reuses the ones traced in this process (trainer/process_cache.py). JAX's
+    persistent-cache events counted per run, a miss being a compilation."""
     counts: collections.Counter = collections.Counter()
     counting = [False]
     jax.monitoring.register_event_listener(
@@ -204,4 +205,4 @@ def test_a_comparisons_later_runs_load_every_program(tmp_path):
     firsts = {next(r.id for r in plan.runs if r.kind == kind) for kind in ("trunk", "branch")}
     later = {rid: c for rid, c in per_run.items() if rid not in firsts}
     assert len(later) == len(plan.runs) - 2
-    assert all(c["cache_misses"] == 0 and c["cache_hits"] > 0 for c in later.values()), later
+    assert all(c["cache_misses"] == 0 for c in later.values()), later

@@ -211,10 +211,18 @@ class TrainStep:
     # variants compiling ahead of time (`precompile`), by their `logging` flag
     background: precompile.Background = dataclasses.field(default_factory=precompile.Background)
     args: Any = None  # the step's third argument, bound: the run's knobs (optimizer/arguments.py) as arrays
+    called: set = dataclasses.field(default_factory=set)  # variants called so far (by any run sharing this step)
 
     def __call__(self, state, batch, logging: bool = True):
         self.background.wait(self._variant(logging))  # a call racing its compilation would compile it again
-        return (self.logging if logging else self.plain)(state, batch, self.args)
+        out = (self.logging if logging else self.plain)(state, batch, self.args)
+        self.called.add(self._variant(logging))
+        return out
+
+    def with_args(self, args) -> TrainStep:
+        """This step (its jitted programs, trace count and called variants shared) bound to another run's
+        knobs: the next run of a comparison that shares it (trainer/process_cache.py)."""
+        return dataclasses.replace(self, args=args, background=precompile.Background())
 
     def compiled(self) -> int:
         """Programs compiled so far: grows on the call that traced and compiled a variant (or, with
@@ -226,7 +234,8 @@ class TrainStep:
         background threads for arguments shaped like `state` and `batch` (arrays or
         ShapeDtypeStructs); the call of a variant waits for its compilation (trainer/precompile.py)."""
         args = precompile.abstract((state, batch, self.args))
-        for logging in dict.fromkeys(self._variant(v) for v in variants):
+        # A variant an earlier run sharing this step called is compiled already: its call dispatches at once.
+        for logging in dict.fromkeys(self._variant(v) for v in variants if self._variant(v) not in self.called):
             fn = self.logging if logging else self.plain
             self.background.start(logging, lambda fn=fn: fn.lower(*args).compile())
 
