@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -442,3 +443,22 @@ def with_old_names(config: dict) -> dict:
             if knobs and new in knobs and group in (None, g):
                 knobs[old] = knobs.pop(new)
     return {**config, "optimizer": node}
+
+
+def train_on_own_source(tmp, cache_dir, *overrides: str) -> None:
+    """Train `overrides` (which set checkpoint.save_path, relative) in-process in the folder `tmp`, on a
+    corpus of this repo's models/*.py (one .jsonl line per 8 non-blank lines: tokenizing the stdlib
+    default would cost more than the tests that use it), with the session's tokenized-corpus cache:
+    the tiny checkpoint the export tests read. A module fixture's own environment (_offline_env is per test)."""
+    import train_jax  # here: helpers is imported before jax's flags are set
+
+    lines = [line for f in sorted(Path(REPO, "models").glob("*.py")) for line in f.read_text().splitlines()
+             if line.strip()]
+    (Path(tmp) / "corpus.jsonl").write_text("".join(json.dumps({"text": "\n".join(lines[i: i + 8])}) + "\n"
+                                                    for i in range(0, len(lines), 8)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EQTRAIN_CACHE", str(cache_dir))
+        mp.setenv("WANDB_MODE", "disabled")
+        mp.chdir(tmp)  # paths relative to the working directory, as the docs write them
+        (Path(tmp) / "run").mkdir()
+        train_jax.train(compose_config(*overrides, "dataset.paths=[corpus.jsonl]"), str(Path(tmp) / "run"))

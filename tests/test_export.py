@@ -20,11 +20,10 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
-from helpers import compose_config, docs_command, load_script
+from helpers import docs_command, load_script, train_on_own_source
 from safetensors.numpy import load_file
 
 import models
-import train_jax
 from models import export
 from models.gpt import GPT, GPTConfig
 from utils.checkpoint.storage import open_checkpoint, restore_model
@@ -51,20 +50,7 @@ def run_script(name: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedP
 def ckpt(tmp_path_factory, _cache_dir) -> Path:
     """A checkpoint save_path holding iter_{STEPS} of a tiny byte-tokenizer GPT."""
     tmp = tmp_path_factory.mktemp("export")
-    # A small corpus of this repo's own source (one .jsonl line = one document): tokenizing the
-    # stdlib default would cost more than the whole rest of this file.
-    lines = [line for f in sorted((ROOT / "models").glob("*.py")) for line in f.read_text().splitlines()
-             if line.strip()]
-    corpus = tmp / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": "\n".join(lines[i : i + 8])}) + "\n"
-                              for i in range(0, len(lines), 8)))
-    with pytest.MonkeyPatch.context() as mp:  # _offline_env is per test; a module fixture needs its own
-        mp.setenv("EQTRAIN_CACHE", str(_cache_dir))
-        mp.setenv("WANDB_MODE", "disabled")
-        mp.chdir(tmp)  # paths relative to the working directory, as the docs write them
-        overrides = [*RUN, "dataset.paths=[corpus.jsonl]", "checkpoint.save_path=ck"]
-        (tmp / "run").mkdir()
-        train_jax.train(compose_config(*overrides), str(tmp / "run"))
+    train_on_own_source(tmp, _cache_dir, *RUN, "checkpoint.save_path=ck")
     return tmp / "ck"
 
 

@@ -23,9 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import compose_config, load_script, mean_loss_atol
+from helpers import load_script, mean_loss_atol, train_on_own_source
 
-import train_jax
 from loaders import tasks as tasklib
 from loaders.tokenizers import ByteTokenizer
 from trainer import inference, tasks
@@ -76,17 +75,9 @@ def docs_lm_eval_args(monkeypatch):
 def export(tmp_path_factory, _cache_dir) -> tuple[Path, Path]:
     """(checkpoint dir, its --format hf export) of a tiny run of 12 AdamW steps."""
     tmp = tmp_path_factory.mktemp("lm_eval")
-    lines = [line for f in sorted((ROOT / "models").glob("*.py")) for line in f.read_text().splitlines()
-             if line.strip()]
-    (tmp / "corpus.jsonl").write_text("".join(json.dumps({"text": "\n".join(lines[i: i + 8])}) + "\n"
-                                              for i in range(0, len(lines), 8)))
+    train_on_own_source(tmp, _cache_dir, *RUN, "checkpoint.save_path=ck")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EQTRAIN_CACHE", str(_cache_dir))
-        mp.setenv("WANDB_MODE", "disabled")
         mp.chdir(tmp)
-        (tmp / "run").mkdir()
-        train_jax.train(compose_config(*RUN, "dataset.paths=[corpus.jsonl]", "checkpoint.save_path=ck"),
-                        str(tmp / "run"))
         assert load_script("export_model").main(["ck", "--format", "hf", "--out", "hf"]) == 0
     return tmp / "ck", tmp / "hf"
 

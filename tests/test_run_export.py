@@ -14,10 +14,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import compose_config, load_script, restore_item
+from helpers import compose_config, load_script, restore_item, train_on_own_source
 from safetensors.numpy import load_file
 
-import train_jax
 from models import hf_generation, hf_shards
 from trainer import inference, run_export
 from trainer.hooks import LoopContext
@@ -40,18 +39,7 @@ export_script = load_script("export_model")
 def ckpt(tmp_path_factory, _cache_dir) -> Path:
     """save_path of a tiny run that exported itself at its last step (into save_path/export)."""
     tmp = tmp_path_factory.mktemp("run_export")
-    lines = [line for f in sorted((ROOT / "models").glob("*.py")) for line in f.read_text().splitlines()
-             if line.strip()]
-    corpus = tmp / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": "\n".join(lines[i : i + 8])}) + "\n"
-                              for i in range(0, len(lines), 8)))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EQTRAIN_CACHE", str(_cache_dir))
-        mp.setenv("WANDB_MODE", "disabled")
-        mp.chdir(tmp)
-        (tmp / "run").mkdir()
-        train_jax.train(compose_config(*RUN, "dataset.paths=[corpus.jsonl]", "checkpoint.save_path=ck"),
-                        str(tmp / "run"))
+    train_on_own_source(tmp, _cache_dir, *RUN, "checkpoint.save_path=ck")
     return tmp / "ck"
 
 
