@@ -19,6 +19,7 @@ from optimizer.adamw import AdamW
 from optimizer.ademamix import AdEMAMix
 from optimizer.adopt import ADOPT
 from optimizer.arguments import clipping
+from optimizer.dion import Dion
 from optimizer.groups import group_schedules, per_group
 from optimizer.kron import Kron
 from optimizer.lion import Lion
@@ -49,6 +50,7 @@ OPTIMIZERS = {
     "prodigy": Prodigy,
     "normuon": NorMuon,
     "adam_mini": AdamMini,
+    "dion": Dion,
 }
 
 
