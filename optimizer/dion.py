@@ -26,8 +26,8 @@ X·(1 − lr·weight_decay)). There is no Nesterov variant (the authors have non
 
 The authors orthonormalise a tall P by randomised Cholesky QR and a square one by Householder QR:
 two algorithms for the same Q factor (unique once R's diagonal is positive; the signs of P's
-columns cancel in P Qᵀ and P Rᵀ). Here it is Householder QR (jnp.linalg.qr) for both, with the
-signs made canonical so the state does not depend on the QR kernel.
+columns cancel in P Qᵀ and P Rᵀ). Here it is Gram–Schmidt with re-orthogonalisation
+(`orthonormal_basis`), a third algorithm for that factor, with R's diagonal positive by construction.
 
 Q starts as a standard Gaussian (n, r) per block (the authors' `torch.randn`) from a fixed key folded
 with the leaf's position in the group, so every run starts from the same Q and a resumed run carries
@@ -75,11 +75,30 @@ def _long_first(x_SxIxO: jax.Array) -> jax.Array:
 
 
 def orthonormal_basis(p_SxMxR: jax.Array) -> jax.Array:
-    """The Q factor of P = QR (m >= r) with R's diagonal made non-negative: one basis of P's column
-    span per block, whatever the QR kernel's sign choice."""
-    q, r = jnp.linalg.qr(p_SxMxR, mode="reduced")
-    signs = jnp.where(jnp.diagonal(r, axis1=-2, axis2=-1) < 0, -1.0, 1.0).astype(q.dtype)
-    return q * signs[..., None, :]
+    """The Q factor of P = QR (m >= r, R's diagonal positive) per block, by classical Gram–Schmidt
+    with one re-orthogonalisation (CGS2: orthonormal to float32 rounding for any P whose κ₂ is below
+    1/EPS32, Giraud et al. 2005), one column after another in a loop of r steps of matrix–vector
+    products. Not jnp.linalg.qr: on XLA:CPU its LAPACK call hung the train step (measured with jax
+    0.10.2: the tiny GPT's step 13, and the 8-device step), and matrix–vector products also run on a
+    P split over devices without gathering it. A column that is numerically a combination of the
+    earlier ones (what is left of it <= m·EPS32 of its norm: a rank-deficient A·Q) becomes 0, so P·Qᵀ
+    leaves out that direction where a QR would make one up."""
+    hi = jax.lax.Precision.HIGHEST
+    m, r = p_SxMxR.shape[-2:]
+    tiny = m * float(jnp.finfo(jnp.float32).eps)
+
+    def column(j, q_SxMxR):
+        p_SxM = jax.lax.dynamic_index_in_dim(p_SxMxR, j, axis=-1, keepdims=False)
+        v_SxM = p_SxM
+        for _ in range(2):  # columns j.. of q are still 0: they project nothing out
+            c_SxR = jnp.einsum("...mr,...m->...r", q_SxMxR, v_SxM, precision=hi)
+            v_SxM = v_SxM - jnp.einsum("...mr,...r->...m", q_SxMxR, c_SxR, precision=hi)
+        norm = jnp.linalg.norm(v_SxM, axis=-1, keepdims=True)
+        kept = norm > tiny * jnp.linalg.norm(p_SxM, axis=-1, keepdims=True)
+        v_SxM = jnp.where(kept, v_SxM / jnp.where(kept, norm, 1.0), 0.0)
+        return jax.lax.dynamic_update_index_in_dim(q_SxMxR, v_SxM, j, axis=-1)
+
+    return jax.lax.fori_loop(0, r, column, jnp.zeros_like(p_SxMxR))
 
 
 def dion_block_update(m_SxIxO: jax.Array, g_SxIxO: jax.Array, q_SxNxR: jax.Array, momentum, eps

@@ -143,13 +143,14 @@ def as_legacy_aux_checkpoint(step_dir: Path) -> None:
                                           (("optimizer=mars",), False), (("optimizer=kron",), False),
                                           (("optimizer=adopt",), False), (("optimizer=prodigy",), False),
                                           (("optimizer=normuon",), False), (("optimizer=adam_mini",), False),
+                                          (("optimizer=dion", "optimizer.rank_fraction=0.5"), False),
                                           (("optimizer=muon", "optimizer.ns_coefficients=polar_express"), False),
                                           (("optimizer=muon", "optimizer.hyperball=true", "model.tie_embeddings=false"),
                                            False),
                                           (("train.compute_dtype=float16", "train.loss_scale.growth_interval=2"),
                                            False)],
                          ids=["plain", "accumulation-legacy-aux-item", "shampoo", "nadamw", "schedule_free_adamw",
-                              "ademamix", "soap", "mars", "kron", "adopt", "prodigy", "normuon", "adam_mini",
+                              "ademamix", "soap", "mars", "kron", "adopt", "prodigy", "normuon", "adam_mini", "dion",
                               "muon-polar-express",
                               "muon-hyperball", "float16-loss-scale"])
 def test_resume_is_bit_identical(tmp_path, extra, legacy):
@@ -168,7 +169,8 @@ def test_resume_is_bit_identical(tmp_path, extra, legacy):
     neuron second moments too, and Adam-mini's per-block ones (its partition is not saved: it is
     read from the tree's field names each trace); ADOPT's first update (v only) is before the resume. Muon with Polar
     Express carries its (ns_steps, 3) coefficient table in the state, where the quintic has (3,).
-    Hyperball keeps each hidden and head matrix's initial norm R in the state (and its own lr
+    Dion at half rank carries its error-feedback buffer and its right factors Q (drawn once at init,
+    never again). Hyperball keeps each hidden and head matrix's initial norm R in the state (and its own lr
     counter): the resumed run projects onto the radii of step 0, not onto norms re-read at step 5."""
     full_ck, seg_ck = Path("ckpt/full"), Path("ckpt/seg")  # relative, as in the docs
     # The aux diagnostics' buffers must resume exactly too; the optimizer's own diagnostics carry no

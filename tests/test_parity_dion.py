@@ -7,7 +7,8 @@ written here from their code, in their orientation (PyTorch's weights are out×i
 the reference steps the transposes).
 
 Set up to be the same algorithm: their randomised Cholesky QR of a tall P and Householder QR of a
-square one both compute P's Q factor, unique once R's diagonal is positive (made so here, as ours);
+square one both compute P's Q factor, unique once R's diagonal is positive (made so here; ours is
+Gram–Schmidt with re-orthogonalisation, positive by construction);
 their Q starts from torch.randn, which no seed reproduces here, so the reference starts from ours.
 """
 
@@ -56,9 +57,10 @@ def dion_atol(kappas: list[float], m: int, n: int, scale: float) -> float:
     """atol of a float32 Dion quantity of size `scale` against float64 after the steps whose Ps had
     condition numbers `kappas`. Per step the inputs of the QR (A·Q: n-term dots) and the products
     after it (Aᵀ·P, P·Rᵀ, P·Qᵀ: m-, r- and r-term dots) err by <= (m + n)·EPS32 relative (Higham
-    §3.1, worst case: (k+1)·u per k-term dot, u = EPS32/2, summed over the chain), and Householder
-    QR's Q factor by κ₂(P) times its input's relative error plus its own backward error γ(m·r) ≈
-    m·r·u (Higham Thm 19.4; m·r <= 12·8 here, taken as (m + n)² / 4 to bound it). The state (buffer,
+    §3.1, worst case: (k+1)·u per k-term dot, u = EPS32/2, summed over the chain), and the Q factor
+    by κ₂(P) times its input's relative error plus the factorisation's own error, γ(m·r) ≈ m·r·u
+    times κ₂ for Householder QR (Higham Thm 19.4) and the same order for Gram–Schmidt with one
+    re-orthogonalisation (Giraud et al. 2005) (m·r <= 12·8 here, taken as (m + n)² / 4 to bound it). The state (buffer,
     Q) carries each step's error into the next, where it passes the next QR's κ₂ again: summed over
     the steps, each step's term times its own κ₂ (first order). All worst cases already (measured:
     10³-10⁴ below it); 2x margin. κ₂ is what the random start Q₀ makes it: the first A·Q₀ of a
