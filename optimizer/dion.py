@@ -4,12 +4,12 @@ feedback for the block matrices, AdamW for the rest.
 
 Muon orthogonalises the whole momentum each step (Newton–Schulz on every d_in×d_out block). Dion
 keeps a rank-r factorisation instead, refreshed by ONE power-iteration step per update that starts
-from the previous step's right factor Q (so the work is two m×n×r matmuls and a QR of an m×r
-matrix, and a sharded matrix needs only r-wide collectives). Per block, with A the momentum buffer
+from the previous step's right factor Q (so the work is two m×n×r matmuls and an orthonormalisation
+of an m×r matrix, and a sharded matrix needs only r-wide collectives). Per block, with A the momentum buffer
 laid out with its longer side first (m >= n; the authors' `is_transposed`), Q (n, r):
 
     A ← A + G                           momentum: the gradient added, not averaged in
-    P ← orthonormal basis of A Q        (m, r): QR, the Q factor with a positive-diagonal R
+    P ← orthonormal basis of A Q        (m, r): the Q factor of its QR, R's diagonal positive
     R ← Aᵀ P                            (n, r)
     A ← A − (1 − momentum) P Rᵀ         error feedback: the buffer keeps what the rank-r update did not
                                         take, and decays by `momentum` only the part it did take
@@ -32,7 +32,7 @@ columns cancel in P Qᵀ and P Rᵀ). Here it is Gram–Schmidt with re-orthogon
 Q starts as a standard Gaussian (n, r) per block (the authors' `torch.randn`) from a fixed key folded
 with the leaf's position in the group, so every run starts from the same Q and a resumed run carries
 its own. Stacked weights (num_blocks, d_in, d_out) and MoE stacks (num_blocks, E, d_in, d_out) are
-stacks of independent blocks: every leading axis is a batch axis of the matmuls and the QR. The
+stacks of independent blocks: every leading axis is a batch axis of the matmuls and the orthonormalisation. The
 embed, head and scalar groups run AdamW at `adam_lr`, as under Muon (the authors run AdamW or Lion
 on their non-matrix parameters).
 """
