@@ -19,6 +19,7 @@ from optimizer.adamw import AdamW
 from optimizer.ademamix import AdEMAMix
 from optimizer.adopt import ADOPT
 from optimizer.arguments import clipping
+from optimizer.dion import Dion
 from optimizer.groups import group_schedules, per_group
 from optimizer.kron import Kron
 from optimizer.lion import Lion
@@ -51,6 +52,7 @@ OPTIMIZERS = {
     "normuon": NorMuon,
     "adam_mini": AdamMini,
     "scion": Scion,
+    "dion": Dion,
 }
 
 

@@ -8,8 +8,9 @@ jax is imported:
 Both runs use the same config, seed and batches; only the mesh differs (1x1 on the first device,
 data=4 x fsdp=2 on all eight), with two micro-batches per step so the accumulation scan runs
 sharded too. `--model llama_tiny` runs that family's tiny model instead, on 1 device and on
-data 2 x fsdp 2 x tensor 2 only (tests/test_llama.py). `--moe` runs the MoE cases (MOE_CASES,
-tests/test_moe.py) with GPT's tiny model, `--moe --model llama_tiny` with Llama's.
+data 2 x fsdp 2 x tensor 2 only (tests/test_llama.py). `--orthogonal` runs Muon, NorMuon and Dion
+on 1 device, fsdp 8 and tensor 2 x fsdp 4 (tests/test_sharded_orthogonalisation.py). `--moe` runs
+the MoE cases (MOE_CASES, tests/test_moe.py) with GPT's tiny model, `--moe --model llama_tiny` with Llama's.
 
 Time: nearly all of it is XLA compiling (per optimizer ~6 s for the sharded init, ~12 s for the
 sharded step, CPU time, at LLVM's default level; half at level 0, used here, see below), which runs
@@ -216,11 +217,13 @@ def zero1_and_cross_topology(devices, batches_SxAxBxT1, directory: str):
 
 
 def adam_moment(opt_state):
-    """AdamW's first moment of the hidden group (a tree shaped like the model, other groups masked)."""
-    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "mu")):
-        if hasattr(leaf, "mu") and isinstance(leaf.mu.blocks.mlp_in.weight_IxO, jax.Array):
-            return leaf.mu
-    raise AssertionError("no Adam state in the chain")
+    """The hidden group's first moment (AdamW's and Muon's `mu`, Dion's `momentum`): a tree shaped like
+    the model, other groups masked."""
+    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "mu") or hasattr(x, "momentum")):
+        moment = getattr(leaf, "mu", getattr(leaf, "momentum", None))
+        if moment is not None and isinstance(moment.blocks.mlp_in.weight_IxO, jax.Array):
+            return moment
+    raise AssertionError("no first-moment state in the chain")
 
 
 def golden_config(optimizer: str):
@@ -280,7 +283,51 @@ def moe_check(model: str | None = None) -> dict:
     return out
 
 
+# `--orthogonal`: the optimizers that orthogonalise whole hidden matrices (Newton–Schulz, Dion's QR),
+# whose update is not elementwise: each block's update depends on the whole block, so a block split over
+# devices must be gathered (or orthogonalised by a distributed method) to give the unsharded update.
+# Each runs STEPS steps on 1 device, on fsdp 8 and on tensor 2 x fsdp 4, every hidden matrix split.
+ORTHOGONAL_OPTIMIZERS = ("muon", "normuon", "dion")
+ORTHOGONAL_MESHES = {"fsdp8": (1, 8, 1), "tensor2_fsdp4": (1, 4, 2)}
+
+
+def orthogonal_overrides(name: str) -> tuple[str, ...]:
+    """OVERRIDES for `name`: its AdamW groups' eps (adam_eps) at ADAM_EPS, as AdamW's is there."""
+    swap = {"optimizer=adamw": f"optimizer={name}", f"optimizer.eps={ADAM_EPS}": f"optimizer.adam_eps={ADAM_EPS}"}
+    return tuple(swap.get(o, o) for o in OVERRIDES)
+
+
+def hidden_state_split(opt_state, model) -> int:
+    """The optimizer-state leaves shaped like a block matrix (momentum, buffers) that are split."""
+    shapes = {tuple(x.shape) for x in arrays(model) if x.ndim == 3}
+    return sum(is_split(x) for x in arrays(opt_state) if tuple(x.shape) in shapes)
+
+
+def orthogonal_check() -> dict:
+    devices = jax.devices()
+    batches = np.random.default_rng(0).integers(0, 64, (STEPS, ACCUM, BATCH, WINDOW), dtype=np.int32)
+    out = {"devices": len(devices)}
+    for name in ORTHOGONAL_OPTIMIZERS:
+        overrides = orthogonal_overrides(name)
+        losses_1, params_1, info_1 = train((1, 1), devices[:1], batches, overrides)
+        row = {"losses_1": losses_1, "params_moved": info_1["params_moved"]}
+        for mesh_name, parallel in ORTHOGONAL_MESHES.items():
+            split = []
+            count_split = lambda i, s, keep=split: keep.append(hidden_state_split(s.opt_state, s.model))
+            losses, params, info = train(parallel, devices, batches, overrides, after_step=count_split)
+            row[mesh_name] = {"mesh": info["mesh"], "losses": losses, "specs": info["specs"],
+                              "kept": info["state_shardings_kept"], "hidden_state_split": split[0],
+                              "sharded_param_leaves": info["sharded_param_leaves"],
+                              "diffs": [float(np.abs(a - b).max()) for a, b in zip(params_1, params, strict=True)],
+                              "scales": [float(np.abs(a).max()) for a in params_1]}
+        out[name] = row
+    return out
+
+
 def main() -> None:
+    if "--orthogonal" in sys.argv:
+        print(json.dumps(orthogonal_check()))
+        return
     if "--moe" in sys.argv:
         print(json.dumps(moe_check(sys.argv[sys.argv.index("--model") + 1] if "--model" in sys.argv else None)))
         return

@@ -154,6 +154,7 @@ def as_old_names_checkpoint(step_dir: Path) -> None:
                                           (("optimizer=adopt",), False), (("optimizer=prodigy",), False),
                                           (("optimizer=normuon",), False), (("optimizer=adam_mini",), False),
                                           (("optimizer=scion",), False),
+                                          (("optimizer=dion", "optimizer.rank_fraction=0.5"), False),
                                           (("optimizer=muon", "optimizer.ns_coefficients=polar_express"), False),
                                           (("optimizer=muon", "optimizer.hyperball=true", "model.tie_embeddings=false"),
                                            False),
@@ -164,7 +165,7 @@ def as_old_names_checkpoint(step_dir: Path) -> None:
                                            False)],
                          ids=["plain", "accumulation-legacy-aux-item", "shampoo", "nadamw", "schedule_free_adamw",
                               "ademamix", "soap", "mars", "kron", "adopt", "prodigy", "normuon", "adam_mini",
-                              "scion", "muon-polar-express",
+                              "scion", "dion", "muon-polar-express",
                               "muon-hyperball", "muon-qk-clip", "float16-loss-scale"])
 def test_resume_is_bit_identical(tmp_path, extra, legacy):
     """Stop at step 5 and resume: losses at every step and the final weights and optimizer state
@@ -184,7 +185,8 @@ def test_resume_is_bit_identical(tmp_path, extra, legacy):
     neuron second moments too, and Adam-mini's per-block ones (its partition is not saved: it is
     read from the tree's field names each trace); ADOPT's first update (v only) is before the resume. Muon with Polar
     Express carries its (ns_steps, 3) coefficient table in the state, where the quintic has (3,).
-    Hyperball keeps each hidden and head matrix's initial norm R in the state (and its own lr
+    Dion at half rank carries its error-feedback buffer and its right factors Q (drawn once at init,
+    never again). Hyperball keeps each hidden and head matrix's initial norm R in the state (and its own lr
     counter): the resumed run projects onto the radii of step 0, not onto norms re-read at step 5."""
     full_ck, seg_ck = Path("ckpt/full"), Path("ckpt/seg")  # relative, as in the docs
     # The aux diagnostics' buffers must resume exactly too; the optimizer's own diagnostics carry no

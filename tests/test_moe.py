@@ -453,11 +453,13 @@ def test_muon_orthogonalises_each_expert_matrix():
     np.testing.assert_allclose(update, want, rtol=0, atol=3 * 5 * max(D, F) * EPS32 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("name", ["shampoo", "soap", "normuon"])
+@pytest.mark.parametrize("name", ["shampoo", "soap", "normuon", "dion"])
 def test_matrix_optimizers_treat_every_leading_axis_as_a_stack(name):
     """Shampoo and SOAP (optimizer/blocking.py) precondition the last two axes of a hidden leaf: an
     (L, E, D, F) leaf's updates equal those of the same numbers as an (L·E, D, F) stack, exactly.
-    NorMuon too: its neuron second moments and its rescaling are per (D, F) matrix."""
+    NorMuon too: its neuron second moments and its rescaling are per (D, F) matrix; and Dion: its
+    buffer, its power iteration and Gram–Schmidt per matrix (its initial Q, one Gaussian draw of the
+    stack's shape, is the same numbers in either layout)."""
     g = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 8, 12), jnp.float32)
     tx = OPTIMIZERS[name]().transform("hidden", lambda _: 1e-2)
 

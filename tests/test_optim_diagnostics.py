@@ -32,6 +32,7 @@ from optimizer.diagnostics import (
     state_bytes,
     state_bytes_metric,
 )
+from optimizer.dion import Dion, DionState
 from optimizer.muon import Muon, orthogonality_error, shape_factor
 from optimizer.normuon import NeuronNormState, NorMuon
 from optimizer.prodigy import Prodigy
@@ -295,6 +296,29 @@ def test_normuon_neuron_spread_matches_numpy():
     assert max(spreads) > 1.0
     fresh = _metrics(hp, states[0], params)
     assert float(fresh["optim/hidden/neuron_spread_max"]) == 1.0  # v = 0 before the first update
+
+
+def test_dion_rank_and_error_feedback_norms_match_numpy():
+    """rank_mean: the blocks' mean r (rank_fraction 1/2 of each block's short side: 4 of the stack
+    of two 8×12 blocks, 3 of the 6×16 one); ef_norm: per block of every hidden leaf, the Frobenius
+    norm of the momentum buffer the update left, nonzero after an update and zero before any."""
+    hp = Dion(rank_fraction=0.5)
+    cfg = {"w": ((2, 8, 12), "hidden"), "v": ((6, 16), "hidden"), "e": ((16, 8), "embed")}
+    _, params, _, states = _setup(cfg, hp)
+    metrics = _metrics(hp, states[-1], params)
+    dion = find_states(_group_state(states[-1], "hidden"), DionState)[0]
+    ranks = [q.shape[-1] for q in _leaves(dion.q) for _ in range(int(np.prod(q.shape[:-2])))]
+    norms = [np.linalg.norm(block) for m in _leaves(dion.momentum) for block in m.reshape(-1, *m.shape[-2:])]
+    assert sorted(ranks) == [3, 4, 4]
+    _assert_close(metrics, "optim/hidden/rank_mean", np.mean(ranks), rtol=rounding_rtol(1))  # 11/3 rounded to float32
+    # a norm sums <= 96 float32 squares (sum_atol's γ relative, halved by the root) and the mean
+    # adds a sum of the blocks' norms
+    n = max(m.shape[-2] * m.shape[-1] for m in _leaves(dion.momentum))
+    _assert_close(metrics, "optim/hidden/ef_norm_max", max(norms), rtol=sum_atol(n, 1.0) / 2 + rounding_rtol(1))
+    _assert_close(metrics, "optim/hidden/ef_norm_mean", np.mean(norms),
+                  rtol=sum_atol(n, 1.0) / 2 + rounding_rtol(1) + sum_atol(len(norms), 1.0))
+    assert min(norms) > 0
+    assert float(_metrics(hp, states[0], params)["optim/hidden/ef_norm_max"]) == 0.0  # before any update
 
 
 # --- Muon -------------------------------------------------------------------------------------
@@ -585,6 +609,7 @@ NAMES = {  # every optim/<group>/<stat> of the untied GPT, per optimizer: stable
     "normuon": {"hidden": ("ortho_err_mean", "ortho_err_max", "neuron_spread_mean", "neuron_spread_max"),
                 "embed": ADAM, "head": ADAM, "scalar": ADAM},
     "scion": {g: ("momentum_rms", "update_rms") for g in GROUPS},
+    "dion": {"hidden": ("rank_mean", "ef_norm_mean", "ef_norm_max"), "embed": ADAM, "head": ADAM, "scalar": ADAM},
 }
 
 

@@ -63,6 +63,36 @@ def eigenbasis_amplification(grads, beta: float) -> float:
     return worst
 
 
+def dion_amplification(run, params, labels, grads) -> float:
+    """QR's Q factor moves by up to κ₂(P) times a relative perturbation of P (Higham Thm 19.4, first
+    order), and Dion's update P·Qᵀ with it: the largest κ₂ of the A·Q its two updates orthonormalise
+    over the hidden blocks, re-run in float64 (tests/test_parity_dion.py's reference_step) from the
+    optimizer's own initial Q on the gradients clipped as the run clips them."""
+    from test_parity_dion import reference_step
+
+    from optimizer.diagnostics import find_states
+    from optimizer.dion import DionState
+
+    o, hp = run.optimizer, run.optimizer.hparams
+    tx = make_optimizer(hp, o.schedule.build(o.schedule_steps), labels, run.train.gradient_clip_val, o.schedule.lr)
+    qs = [np.asarray(q, np.float64) for q in jax.tree.leaves(find_states(tx.init(params), DionState)[0].q)]
+    hidden = [i for i, label in enumerate(jax.tree.leaves(labels)) if label == "hidden"]
+    clipped = []
+    for g in grads:
+        leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(g)]
+        norm = np.sqrt(sum(np.sum(x**2) for x in leaves))
+        clipped.append([x * min(1.0, run.train.gradient_clip_val / norm) for x in leaves])
+    worst = 1.0
+    for i, q in zip(hidden, qs, strict=True):
+        stack = clipped[0][i].shape[:-2]
+        for b in np.ndindex(*stack):
+            x, m, qb = np.zeros(clipped[0][i].shape[-2:][::-1]), np.zeros(clipped[0][i].shape[-2:][::-1]), q[b]
+            for g in clipped:
+                x, m, qb, kappa = reference_step(x, g[i][b].T, m, qb, 1.0, hp.momentum, 0.0, hp.eps)
+                worst = max(worst, kappa)
+    return worst
+
+
 # Optimizers that rotate the update into their statistics' eigenbasis: checked on square, full-rank
 # gradients (a rank-deficient statistic's eigenbasis is arbitrary in its null space, so the update
 # is not a continuous function of the knobs there), within the Davis–Kahan bound above.
@@ -89,6 +119,8 @@ def test_every_optimizer_built_from_traced_knobs_updates_as_its_constants_do(tin
         labels = {g: g for g in params}
         grads = [{g: jnp.asarray(rng.normal(size=(8, 8)) * 0.1, jnp.float32) for g in params} for _ in range(2)]
         amplification = eigenbasis_amplification(grads, run.optimizer.hparams.b2)
+    if name == "dion":  # a QR of each hidden block's A·Q, as sensitive as that matrix is ill-conditioned
+        amplification = dion_amplification(run, params, labels, grads)
 
     def two_updates(o, clip, params, grads):
         tx = make_optimizer(o.hparams, o.schedule.build(o.schedule_steps), labels, clip, o.schedule.lr,
