@@ -6,6 +6,7 @@ update rule), and say which in the commit message. Regenerate with
 
     python tests/test_golden.py                 # prints the table for the current code
     python tests/test_golden.py --write NAME    # adds or rewrites one optimizer's row in tests/data/golden_losses.json
+                                                # and its diagnostics' names in tests/data/golden_diagnostics.json
 
 A new optimizer gets its row with `--write <its name>` (then check that its losses fall, which the
 test also asserts); the others' rows change only for an intended numerical change.
@@ -111,11 +112,14 @@ def test_golden_losses(optimizer):
 if __name__ == "__main__":
     names = sys.argv[2:] if sys.argv[1:2] == ["--write"] else []
     if names:
-        table = {**GOLDEN, **{name: golden_losses(name) for name in names}}
-        with open(GOLDEN_FILE, "w", encoding="utf-8") as f:
-            json.dump(table, f, indent=1, sort_keys=True)
-            f.write("\n")
-        print(f"wrote {', '.join(names)} into {GOLDEN_FILE}")
+        from test_optim_diagnostics import NAMES, NAMES_FILE, diagnostic_names
+
+        for path, table in ((GOLDEN_FILE, {**GOLDEN, **{name: golden_losses(name) for name in names}}),
+                            (NAMES_FILE, {**NAMES, **{name: diagnostic_names(name) for name in names}})):
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(table, f, indent=1, sort_keys=True)
+                f.write("\n")
+            print(f"wrote {', '.join(names)} into {path}")
     else:
         for name in sorted(OPTIMIZERS):
             values = ", ".join(repr(v) for v in golden_losses(name))
