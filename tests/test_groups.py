@@ -211,15 +211,18 @@ def test_shampoo_scalar_group_refuses_preconditioner_knobs():
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_shipped_yaml_lists_only_the_knobs_each_group_takes(name):
-    """conf/optimizer/<name>.yaml's `groups:` block is the user's menu: every knob it lists must be
-    one the group uses (nulls would pass validation, but would advertise a knob that errors)."""
+def test_shipped_yaml_lists_exactly_the_knobs_each_group_takes(name):
+    """conf/optimizer/<name>.yaml's `groups:` block is the user's menu, checked against the class
+    (`group_knobs`): every knob it lists is one the group uses (nulls would pass validation, but would
+    advertise a knob that errors), and every knob the group takes is listed, in the class's order."""
     cfg = to_dict(compose_config(f"optimizer={name}"))
     hparams = validate(cfg).optimizer.hparams
     listed = cfg["optimizer"]["groups"]
     assert set(listed) == set(GROUPS)
     for group, knobs in listed.items():
-        assert set(knobs) <= set(group_knobs(hparams, group)), (group, set(knobs) - set(group_knobs(hparams, group)))
+        want = list(group_knobs(hparams, group))
+        assert list(knobs) == want, (f"conf/optimizer/{name}.yaml groups.{group}: list "
+                                     f"{{{', '.join(f'{k}: null' for k in want)}}}")
 
 
 def test_group_override_validation(tiny_run):
