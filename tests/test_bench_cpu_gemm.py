@@ -19,8 +19,8 @@ def test_products_are_the_forward_and_its_two_gradients():
     x_MxK, w_KxN, dy_MxN = arrays[(m, k)], arrays[(k, n)], arrays[(m, n)]
     y, vjp = jax.vjp(lambda x, w: x @ w, jnp.float32(x_MxK), jnp.float32(w_KxN))
     dx, dw = vjp(jnp.float32(dy_MxN))
-    # The bench's products in float64 against JAX's float32 ones: f32 eps 1.2e-7 × ≤ 6 accumulated
-    # terms of magnitude ≤ ~10 (standard normals' products summed) × margin 10 ≈ 1e-4 absolute.
     for product, want in zip(cpu_gemm.PRODUCTS, (y, dx, dw)):
         a, b, f = cpu_gemm._operands(m, k, n, product, lambda *shape: arrays[shape])
+        # The bench's products in float64 against JAX's float32 ones: f32 eps 1.2e-7 × ≤ 6 accumulated
+        # terms of magnitude ≤ ~10 (standard normals' products summed) × margin 10 ≈ 1e-4 absolute.
         np.testing.assert_allclose(f(a, b), np.asarray(want), atol=1e-4, err_msg=product)

@@ -136,6 +136,7 @@ def test_a_width_ladder_run_with_and_without_mup_is_two_ladders_side_by_side(tmp
     for o in ("adamw", "muon"):
         # log10 of exact grid lrs and params in float64: ~1e-16 relative each; 1e-12 is far above it
         assert summary["sizes"]["optimizers"][o]["lr_exponent"] == pytest.approx(math.log10(0.5), rel=1e-12)
+        # equal lrs: the fit's slope is 0 up to float64 rounding of log10 values ~1e-16 × ~10; 1e-12 is far above it
         assert summary["sizes_mup"]["optimizers"][o]["lr_exponent"] == pytest.approx(0.0, abs=1e-12)
     assert "## Across model sizes (SP)" in md and "## Across model sizes (muP)" in md
     side_by_side = md.split("### The lr's transfer, per parametrisation")[1]

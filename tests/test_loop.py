@@ -31,16 +31,22 @@ def test_step_time_leaves_out_evaluations_inside_a_logging_interval(tmp_path, mo
     monkeypatch.setattr(hooks, "clock", lambda: now[0])
     make_step, make_evaluate = train_jax.build_train_step, train_jax.make_evaluate
 
-    def timed_make_step(*args, **kwargs):
-        step = make_step(*args, **kwargs)
+    class Timed:
+        """The step, each call 1 s of the fake clock; bound to a run's knobs as the step is (`with_args`)."""
 
-        def timed(state, batch, logging=True):
+        def __init__(self, step):
+            self.step, self.compiled = step, step.compiled  # compiled: what the loop asks to time compilations
+
+        def __call__(self, state, batch, logging=True):
             now[0] += 1.0
             variants.append(logging)
-            return step(state, batch, logging)
+            return self.step(state, batch, logging)
 
-        timed.compiled = step.compiled  # what the loop asks to time compilations
-        return timed
+        def with_args(self, args):
+            return Timed(self.step.with_args(args))
+
+    def timed_make_step(*args, **kwargs):
+        return Timed(make_step(*args, **kwargs))
 
     def slow_make_evaluate(*args, **kwargs):
         evaluate = make_evaluate(*args, **kwargs)
