@@ -36,7 +36,22 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from utils.cli import script_argv
+
+def pack_flags(argv: list[str], environ) -> str | None:
+    """XLA_FLAGS with XLA:CPU's vmapped-gradient workaround appended (utils/xla_workarounds.py) when
+    argv asks for pack > 1 and it is not there yet; None otherwise."""
+    from utils.xla_workarounds import has_ynn_flag, with_ynn_flag
+
+    wanted = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == "pack"]
+    if not wanted or not wanted[-1].strip().isdigit() or int(wanted[-1]) <= 1 or has_ynn_flag(environ):
+        return None
+    return with_ynn_flag(environ)
+
+
+if __name__ == "__main__" and (_flags := pack_flags(sys.argv[1:], os.environ)) is not None:
+    os.environ["XLA_FLAGS"] = _flags  # before JAX is imported (below); an in-process caller's pack is checked instead
+
+from utils.cli import script_argv  # after XLA_FLAGS
 from utils.errors import ConfigError, EqtrainError
 from utils.script_errors import script_error
 
@@ -309,24 +324,10 @@ def check_runs(plan, pack: int = 1) -> None:
         packing.check_backend()
 
 
-def pack_flags(argv: list[str], environ: dict[str, str]) -> str | None:
-    """XLA_FLAGS with XLA:CPU's vmapped-gradient workaround appended (trainer/pack.py's YNN_FLAG) when
-    argv asks for pack > 1 and it is not there yet; None otherwise. Read before JAX starts (main)."""
-    from utils.xla_workarounds import has_ynn_flag, with_ynn_flag
-
-    wanted = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == "pack"]
-    if not wanted or not wanted[-1].strip().isdigit() or int(wanted[-1]) <= 1 or has_ynn_flag(environ):
-        return None
-    return with_ynn_flag(environ)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = script_argv(argv, __doc__)
     if argv is None:
         return 0
-    flags = pack_flags(argv, os.environ)
-    if flags is not None:  # before JAX starts: it reads XLA_FLAGS once (a JAX already started: trainer/pack refuses)
-        os.environ["XLA_FLAGS"] = flags
     from utils.checkpoint.signals import Preempted
 
     try:
