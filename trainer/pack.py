@@ -160,6 +160,9 @@ class MemberContext(H.LoopContext):
         self._state = value
 
 
+OFF_THE_CLOCK = {"time/eval_sec", "time/save_sec"}  # what a member's off-the-clock hooks (hooks.py) record
+
+
 @dataclass
 class Member:
     index: int
@@ -311,6 +314,10 @@ def _loop(pack: Pack, fn: PackedStep, args, live: list[Member], first: Member, s
             m.ctx.compile_sec = compile_sec
             _run_hooks(m, fail)
         alive = [m for m in live if m.error is None]
+        if any(OFF_THE_CLOCK & m.ctx.record.keys() for m in alive):  # one member's evaluation or save is not
+            for m in alive:  # the others' training time either: every member's clock restarts after them all
+                for hook in m.hooks.hooks:
+                    hook.restart_clock(m.ctx)
         if any(m.ctx.stop for m in alive):
             stop = next(m.ctx.stop for m in alive if m.ctx.stop)
             for m in alive:
