@@ -12,6 +12,7 @@ the runs, their ids, directories and records are those of the unpacked compariso
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -53,11 +54,16 @@ def will_train(run: PlannedRun, compare_dir: str) -> bool:
     return True
 
 
-class Tee:
-    """A text stream writing to several files (a pack's trainer output into each member's train.log)."""
+class Tee(io.TextIOBase):
+    """A text stream writing to several files (a pack's trainer output into each member's train.log);
+    not a terminal (isatty False), as a redirected run's log is not."""
 
     def __init__(self, files):
+        super().__init__()
         self.files = files
+
+    def writable(self) -> bool:
+        return True
 
     def write(self, text: str) -> int:
         for f in self.files:

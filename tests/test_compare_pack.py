@@ -278,6 +278,23 @@ def test_the_packed_tests_pass_under_the_flag(tmp_path):
     assert "3 passed" in out.stdout, out.stdout[-2000:]
 
 
+@pytest.mark.slow
+def test_compare_py_packs_on_a_cpu_with_the_workaround_it_sets_itself(tmp_path):
+    """`python scripts/compare.py ... pack=2` started without the flag: it appends it to the user's
+    XLA_FLAGS before JAX starts (trainer/pack.py would refuse otherwise), packs the two lrs' trunks and
+    branches, each member's console output (a progress bar: not a terminal) in its train.log."""
+    from helpers import offline_env
+
+    env = {**offline_env(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
+    assert not has_ynn_flag(env)
+    out = subprocess.run([sys.executable, "scripts/compare.py", "optimizers=[adamw]", "budgets=[4]", "lr.points=2",
+                          "warmup=1", "pack=2", f"dir={tmp_path}/c", *RUN, "logging.progress_bar=true"],
+                         cwd=os.path.dirname(os.path.dirname(__file__)), env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert sum(line.startswith("  packed: ") for line in out.stdout.splitlines()) == 2, out.stdout
+    assert all(s[0] == "done" for s in statuses(tmp_path / "c").values())
+
+
 def test_the_process_cache_keeps_one_packed_step_per_function_and_n():
     """packed_step: the same TrainStep function and N give the same PackedStep inside sharing()."""
     def fn(state, batch, args, logging):
