@@ -33,7 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import models
 import train_jax
+from optimizer import diagnostics
 from trainer import hooks as H
 from trainer import process_cache as shared
 from trainer.header import announce
@@ -173,7 +175,6 @@ class Member:
     hooks: H.Hooks | None = None
     ctx: MemberContext | None = None
     error: EqtrainError | None = None
-    done: bool = False
 
 
 class Pack:
@@ -241,31 +242,36 @@ def _train(members: list[Member], live: list[Member], on_end, began: float) -> l
     args = stack_args([m.trainer.train_step.args for m in live])
     fn = packed_step(step, len(live))
     ck = first.run.checkpoint
-    import models
-    from optimizer import diagnostics
 
     def fail(m: Member, e: EqtrainError) -> None:
+        """Member m ends with `e` (recorded at once); its lane goes on computing, unread."""
         m.error = e
         results[m.index] = e
-        with contextlib.suppress(Exception):
-            m.hooks.close()
+        if m.hooks is not None:
+            with contextlib.suppress(Exception):  # a pending save of it still finishes; its own error is `e`
+                m.hooks.close()
         m.trainer.data.close()
         on_end(m.index, e)
 
     with StopSignals(catch_interrupt=ck.save_on_interrupt) if ck.save else contextlib.nullcontext() as stop_signals:
         try:
-            for m in live:
+            for m in live:  # as train_jax.run_training starts a run
                 t = m.trainer
                 num_params = models.count_params(t.state.model)
                 announce(m.run, t.state, t.mesh, t.data, m.run_dir, num_params, m.source)
                 m.ctx = MemberContext(pack, live.index(m), start, end, t.state, t.data.train, eval_view=t.eval_view)
                 m.ctx.add({**diagnostics.state_bytes_metric(t.state.opt_state), "data/fingerprint": t.data.fingerprint,
                            **t.data.info, "time/device": jax.devices()[0].device_kind, "model/params": num_params})
-                m.hooks = train_jax.make_hooks(m.run, t, m.run_dir, stop_signals, m.source)
+                try:
+                    m.hooks = train_jax.make_hooks(m.run, t, m.run_dir, stop_signals, m.source)
+                except EqtrainError as e:
+                    fail(m, e)
+                    continue
                 m.ctx.add({"time/startup_sec": H.clock() - began})
-            for m in list(live):
-                m.ctx.state = None  # from here on, sliced from the stack (the member's own state is donated nowhere)
-                _run_hooks(m, fail)
+            for m in live:
+                if m.error is None:
+                    m.ctx.state = None  # from here on, sliced from the pack's stacked state
+                    _run_hooks(m, fail)
             _loop(pack, fn, args, live, first, start, end, fail)
         finally:
             for m in live:
