@@ -105,7 +105,7 @@ class CheckpointConfig:
     export: str | None = None  # null | safetensors | hf | peft (export_model.py's --format)
     export_path: str | None = None  # null: {save_path}/export
     export_dtype: str | None = None  # --dtype; null: the model.init_from base's dtype, else train.param_dtype
-    export_max_shard_size: Any = None  # --max-shard-size (export=hf): 5GB, 500MB, or bytes; null: one file
+    export_max_shard_size: str | int | None = None  # --max-shard-size (export=hf): 5GB, 500MB, or bytes; null: one file
     export_merge_lora: bool = False  # --merge-lora: the merged weights W + (alpha/rank)·A·B
 
     def check(self, prefix: str) -> None:
