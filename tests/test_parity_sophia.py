@@ -48,6 +48,7 @@ def objective(p):
             + 0.1 * jnp.sum(p["w"]) * jnp.sum(p["v"]))
 
 
+@pytest.mark.slow  # ~2-3 s: two optimizers' steps compiled
 def test_one_group_equals_optax_contrib_sophia():
     hp = Sophia(precondition_every=3, weight_decay=0.1, gamma=0.05)
     rng = np.random.default_rng(0)
@@ -140,6 +141,7 @@ def _run(hp: Sophia, steps: int):
     return out
 
 
+@pytest.mark.slow  # ~3 s: 12 steps beside torch
 def test_weights_match_pytorch_optimizer_sophiah_at_b1_zero():
     # gamma 0.5, b2 0.5: γh ~ H/4..H/2 from the first refresh on, so |g/(γh)| ~ 2-4|θ − c| straddles the
     # clip at 1: clipped and unclipped coordinates are both compared (asserted below).
