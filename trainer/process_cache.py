@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import jax
 
 from optimizer import arguments
+from utils.checkpoint import memory
 
 MAX_ENTRIES = 8  # per table: a comparison's optimizers × shapes × variants (an LRU drops the oldest beyond)
 
@@ -41,10 +42,12 @@ _stats: collections.Counter = collections.Counter()  # "<table>/hit", "<table>/m
 
 @contextlib.contextmanager
 def sharing() -> Iterator[None]:
-    """Runs inside share what they build alike (re-entrant); the tables are emptied when the outermost block ends."""
+    """Runs inside share what they build alike (re-entrant), and restore the checkpoints that runs before
+    them saved from memory (utils/checkpoint/memory.py); the tables are emptied when the outermost block ends."""
     _depth[0] += 1
     try:
-        yield
+        with memory.holding():
+            yield
     finally:
         _depth[0] -= 1
         if not _depth[0]:
