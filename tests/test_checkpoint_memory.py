@@ -37,6 +37,7 @@ def _bits(tree) -> list[tuple]:
     return [(x.shape, x.dtype, x.sharding, np.asarray(x).tobytes()) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow  # a tiny state built, saved and restored three times: 2.1-4.4 s on the shared 2-core VM
 def test_a_held_checkpoint_restores_the_state_orbax_reads_back(tiny_run, tmp_path, monkeypatch):
     run = tiny_run("checkpoint.save=true", f"checkpoint.save_path={tmp_path / 'ckpt'}")
     mesh = _mesh(run)

@@ -55,12 +55,12 @@ def test_every_run_of_a_plan_composes_as_hydra_composes_it(tmp_path):
 
 def test_runs_compose_as_hydra_does_and_a_bad_value_fails_alike(tmp_path):
     runs = plan_overrides(tmp_path)
-    picked = [runs[0], runs[1], next(o for o in runs if "train.weight_average=ema" in o and "model=llama_tiny" in o)]
+    picked = [runs[1], next(o for o in runs if "train.weight_average=ema" in o and "model=llama_tiny" in o)]
     with process_cache.sharing():
         for overrides in picked:  # each twice: the second from the table, which the first left unchanged
             for _ in range(2):
                 assert containers(compose_reusing(overrides, "c")) == containers(compose_overrides(overrides, "c"))
-        for bad in (["model.nope=1"], ["train.max_steps=[1"], ["model=nope"]):
+        for bad in (["model.nope=1"], ["model=nope"]):  # a value Hydra refuses, an unknown group option
             with pytest.raises(ConfigError) as reused:
                 compose_reusing([*runs[0], *bad], "c")
             with pytest.raises(ConfigError) as composed:
