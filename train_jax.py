@@ -190,7 +190,8 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
     if given is not None or metrics is not None:  # a caller's schedule or metrics: no key names them
         return schedule, tx, state, build()
     # One traced step per comparison process and key (trainer/process_cache.py); this run's knobs bound to it.
-    step = shared.remember("train_step", shared.step_key(view, mesh, shardings), build)
+    # The key (the masked view's repr, the shardings flattened) is computed only where a table can use it.
+    step = shared.remember("train_step", shared.step_key(view, mesh, shardings), build) if shared.active() else build()
     return schedule, tx, state, step.with_args(arguments.as_arguments(knobs))
 
 

@@ -340,10 +340,10 @@ def run_one(run: PlannedRun, compare_dir: str, train: Callable[..., Any], compos
     """Train `run` unless it is done or failed; (outcome, its run.json record after). Outcome:
     done | skipped | failed | failed before. A signal or a bug propagates, the run left "running".
     `quiet`: the trainer's output goes to the run's train.log (_logged)."""
-    if compose is None:
-        from utils.config import compose_overrides
+    if compose is None:  # in a comparison process, conf/'s groups composed once per selection (compose_reusing)
+        from utils.config import compose_reusing
 
-        compose = lambda overrides: compose_overrides(overrides, job_name="compare")
+        compose = lambda overrides: compose_reusing(overrides, job_name="compare")
     head = head or f"{run.id}:"
     directory = run_dir(compare_dir, run.id)
     json_path = os.path.join(directory, RUN_JSON)
