@@ -185,12 +185,13 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
         loss = models.train_loss(view.model, view.objective, max_logits=tau is not None)
         return build_train_step(loss, tx, step_metric_list, shardings, mesh, view.train.compute_dtype,
                                 use_dropout=models.uses_key(view.model, view.objective), knobs=knobs, recipe=recipe,
-                                qk_clip_tau=tau)
+                                qk_clip_tau=tau, hessian_due=view.optimizer.hparams.hessian_due)
 
     if given is not None or metrics is not None:  # a caller's schedule or metrics: no key names them
         return schedule, tx, state, build()
     # One traced step per comparison process and key (trainer/process_cache.py); this run's knobs bound to it.
-    step = shared.remember("train_step", shared.step_key(view, mesh, shardings), build)
+    # The key (the masked view's repr, the shardings flattened) is computed only where a table can use it.
+    step = shared.remember("train_step", shared.step_key(view, mesh, shardings), build) if shared.active() else build()
     return schedule, tx, state, step.with_args(arguments.as_arguments(knobs))
 
 

@@ -11,7 +11,10 @@ Each pair runs `scripts/compare.py <arguments> dir=<fresh>` of every side (a che
 default: this one) as a subprocess, in A B then B A order (the machine's speed drifts: bench/pairs.py).
 Every comparison starts from an empty compilation cache (the `xla` folder of a cache_dir the sides
 share, whose tokenized corpus is warmed once first), so each side pays what a user's first
-comparison pays. Per comparison, from its runs' metrics.jsonl: wall seconds, runs, runs per hour,
+comparison pays. `--warm` keeps the compilation cache instead: each side first runs the whole
+comparison once (its timing dropped), so that what the timed ones pay beyond their training steps
+is the per-run costs (composing configs, building and restoring state, saving) rather than the
+first compilations. Per comparison, from its runs' metrics.jsonl: wall seconds, runs, runs per hour,
 and the shares of the wall time spent compiling (Σ time/compile_sec), starting up (Σ
 time/startup_sec), evaluating (Σ time/eval_sec) and in the rest of the trainers' loops (Σ
 time/elapsed_sec less compile and evaluation: the training steps, data and logging); what is
@@ -77,8 +80,9 @@ def account(compare_dir: str, wall: float, packed: list[list[str]] = ()) -> dict
     return out
 
 
-def run_side(checkout: str, arguments: list[str], cache_dir: str, work: str) -> dict[str, float]:
-    shutil.rmtree(os.path.join(cache_dir, "xla"), ignore_errors=True)  # every comparison compiles afresh
+def run_side(checkout: str, arguments: list[str], cache_dir: str, work: str, warm: bool = False) -> dict[str, float]:
+    if not warm:
+        shutil.rmtree(os.path.join(cache_dir, "xla"), ignore_errors=True)  # every comparison compiles afresh
     compare_dir = os.path.join(work, f"comparison{len(os.listdir(work))}")  # a new name: compare.py makes it
     env = {**os.environ, "EQTRAIN_CACHE": cache_dir}
     began = time.perf_counter()
@@ -97,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--side-arg", action="append", default=[], metavar="NAME=ARG",
                         help="one more compare.py argument for side NAME only (repeatable), e.g. pack4=pack=4")
     parser.add_argument("--pairs", type=int, default=1, help="alternated rounds (default 1)")
+    parser.add_argument("--warm", action="store_true",
+                        help="keep the compilation cache, filled by one untimed comparison per side")
     parser.add_argument("arguments", nargs="*", help="compare.py's knobs and run overrides")
     args = parser.parse_args(argv)
     sides = dict(s.split("=", 1) for s in args.side) or {"this": REPO}
@@ -112,11 +118,14 @@ def main(argv: list[str] | None = None) -> None:
     # Warm the tokenized corpus (not a compilation cost): one run of the first side, its timing dropped.
     run_side(next(iter(sides.values())), [*args.arguments, "optimizers=[adamw]", "budgets=[4]", "lr.points=1",
                                           "seeds=1", "warmup=1"], cache_dir, work)
+    if args.warm:
+        for name, checkout in sides.items():
+            run_side(checkout, [*args.arguments, *extra[name]], cache_dir, work, warm=True)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
     for i in range(args.pairs):
         order = list(sides) if i % 2 == 0 else list(sides)[::-1]
         for name in order:
-            results[name].append(run_side(sides[name], [*args.arguments, *extra[name]], cache_dir, work))
+            results[name].append(run_side(sides[name], [*args.arguments, *extra[name]], cache_dir, work, args.warm))
             r = results[name][-1]
             print(f"pair {i + 1} {name}: {r['wall_s']:.1f} s, {r['runs']} runs, {r['runs_per_hour']:.0f} runs/h",
                   flush=True)

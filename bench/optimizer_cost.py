@@ -7,7 +7,9 @@
 state's real shapes; "step" times the full train step (its plain variant: every step but the
 one in `logging.log_every` that computes the diagnostics). Shampoo runs twice, preconditioning
 every step and every 10 (its update time is then the mean over 10 consecutive updates, the
-expensive one included). Trailing arguments are Hydra overrides.
+expensive one included). Sophia runs twice, its yaml's (a Hessian estimate every 10 steps: the
+median step makes none) and `sophia(every 1)` (every step makes one: the estimate's step cost).
+Trailing arguments are Hydra overrides.
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def measure(overrides: list[str], steps: int) -> tuple[float, float, float]:
 
     params = eqx.filter(state.model, eqx.is_array)
     grads = jax.tree.map(lambda p: 1e-3 * jnp.ones_like(p), params)
-    update = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    # an update that reads a Hessian estimate (Sophia) is handed a stand-in; the step makes its own
+    extra = {} if run.optimizer.hparams.hessian_due(state.opt_state) is None else {"hessian_diag": grads}
+    update = jax.jit(lambda g, s, p: tx.update(g, s, p, **extra))
     opt_state = {"s": state.opt_state}
 
     def ten_updates():  # ten in a row: covers Shampoo's every-10 recompute once
@@ -99,6 +103,9 @@ def main() -> None:
         variants = [v for v in variants if v[0] != "shampoo"]
         variants += [(f"shampoo(every {k})", ["optimizer=shampoo", f"optimizer.precondition_every={k}"])
                      for k in (1, 10)]
+    if "sophia" in OPTIMIZERS and "sophia" in args.optimizers.split(","):  # the median step has no Hessian
+        at = [v[0] for v in variants].index("sophia")  # estimate (1 in 10): `every 1` times the step with one
+        variants.insert(at + 1, ("sophia(every 1)", ["optimizer=sophia", "optimizer.precondition_every=1"]))
 
     rows = []
     for label, extra in variants:

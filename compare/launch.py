@@ -361,9 +361,10 @@ def run_one(run: PlannedRun, compare_dir: str, train: Callable[..., Any], compos
 
 
 def default_compose() -> Callable:
-    from utils.config import compose_overrides
+    """In a comparison process, conf/'s groups composed once per selection (compose_reusing)."""
+    from utils.config import compose_reusing
 
-    return lambda overrides: compose_overrides(overrides, job_name="compare")
+    return lambda overrides: compose_reusing(overrides, job_name="compare")
 
 
 def begin(run: PlannedRun, compare_dir: str, save_every: int | None, say: Callable[[str], None],

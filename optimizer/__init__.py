@@ -33,6 +33,7 @@ from optimizer.scion import Scion
 from optimizer.sgdm import SGDM
 from optimizer.shampoo import Shampoo
 from optimizer.soap import SOAP
+from optimizer.sophia import Sophia
 
 OPTIMIZERS = {
     "adamw": AdamW,
@@ -53,6 +54,7 @@ OPTIMIZERS = {
     "adam_mini": AdamMini,
     "scion": Scion,
     "dion": Dion,
+    "sophia": Sophia,
 }
 
 

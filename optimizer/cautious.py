@@ -56,20 +56,22 @@ def mask_disagreeing(u: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def cautious(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """`inner`'s update, masked against the gradient it was computed from (the updates passed
-    in: after global-norm clipping, a positive factor that changes no sign)."""
+    in: after global-norm clipping, a positive factor that changes no sign). Extra arguments of
+    `update` (Sophia's `hessian_diag`) reach `inner`."""
+    inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
         return CautiousState(inner.init(params), jax.tree.map(lambda _: jnp.zeros((), jnp.int32), params))
 
-    def update_fn(grads, state, params=None):
-        updates, inner_state = inner.update(grads, state.inner, params)
+    def update_fn(grads, state, params=None, **extra_args):
+        updates, inner_state = inner.update(grads, state.inner, params, **extra_args)
         flat_u, treedef = jax.tree.flatten(updates)
         pairs = [mask_disagreeing(u, g) for u, g in zip(flat_u, treedef.flatten_up_to(grads))]
         masked = treedef.unflatten([u for u, _ in pairs])
         kept = treedef.unflatten([k for _, k in pairs])
         return masked, CautiousState(inner_state, kept)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def decoupled_decay(weight_decay: float, schedule: optax.Schedule) -> optax.GradientTransformation:

@@ -74,6 +74,14 @@ class Optimizer:
         """A group's peak lr when no override sets it (Muon: its AdamW groups get `adam_lr`)."""
         return base_lr
 
+    def hessian_due(self, opt_state) -> Any:
+        """None (the default): the update reads no Hessian estimate, and the train step computes none
+        (its program is the one it was before this member existed). Otherwise a bool scalar of
+        `opt_state` (traceable): on the steps it is true the train step makes ONE Hutchinson estimate
+        z ⊙ (H z) of the whole model's loss and passes it as `tx.update(..., hessian_diag=...)`
+        (a tree like the gradient; on other steps zeros, which the update must not read). Sophia."""
+        return None
+
     def for_run(self, schedule_name: str, schedule: Any, total_steps: int) -> Optimizer:
         """The knobs completed and checked against the run, at validation (AdEMAMix sets its warmup
         to the run's length; Schedule-Free refuses a decaying schedule)."""

@@ -79,10 +79,11 @@ def orthonormal_basis(p_SxMxR: jax.Array) -> jax.Array:
     with one re-orthogonalisation (CGS2: orthonormal to float32 rounding for any P whose κ₂ is below
     1/EPS32, Giraud et al. 2005), one column after another in a loop of r steps of matrix–vector
     products. Not jnp.linalg.qr: on XLA:CPU its LAPACK call hung the train step (measured with jax
-    0.10.2: the tiny GPT's step 13, and the 8-device step), and matrix–vector products also run on a
-    P split over devices without gathering it. A column that is numerically a combination of the
-    earlier ones (what is left of it <= m·EPS32 of its norm: a rank-deficient A·Q) becomes 0, so P·Qᵀ
-    leaves out that direction where a QR would make one up."""
+    0.10.2: the tiny GPT's step 13, and the 8-device step; jaxlib's batched LAPACK kernels deadlock
+    the intra-op pool when several run at once, bench/jax_qr_hang_repro.py and docs/performance.md),
+    and matrix–vector products also run on a P split over devices without gathering it. A column
+    that is numerically a combination of the earlier ones (what is left of it <= m·EPS32 of its norm:
+    a rank-deficient A·Q) becomes 0, so P·Qᵀ leaves out that direction where a QR would make one up."""
     hi = jax.lax.Precision.HIGHEST
     m, r = p_SxMxR.shape[-2:]
     tiny = m * float(jnp.finfo(jnp.float32).eps)

@@ -52,10 +52,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse
 
 import models
-from models import hf_generation, hf_shards
-from trainer import inference
+from models import hf_generation
+from trainer import export_options, inference
 from utils.cli import quiet_jax_probe
-from utils.errors import ConfigError, EqtrainError
+from utils.errors import EqtrainError
 from utils.files import user_path
 from utils.script_errors import script_error
 
@@ -88,16 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_flags(args: argparse.Namespace) -> int | None:
-    """The flags alone, before any checkpoint is opened: one-line ConfigErrors. Returns the shard size in bytes."""
-    if args.dtype is not None and args.dtype not in hf_generation.DTYPES:
-        raise ConfigError(f"--dtype {args.dtype} is not an export dtype: use {', '.join(hf_generation.DTYPES)} "
-                          "(or leave it out for the base's or the run's)")
-    if args.max_shard_size is None:
-        return None
-    if args.format != "hf":
-        raise ConfigError(f"--max-shard-size applies to --format hf (transformers' shards), not --format "
-                          f"{args.format}: add --format hf or drop --max-shard-size")
-    return hf_shards.parse_size(args.max_shard_size)
+    """The flags alone, before any checkpoint is opened: one-line ConfigErrors (the checks a run's
+    checkpoint.export knobs get, trainer/export_options.py). Returns the shard size in bytes."""
+    return export_options.check(args.format, args.dtype, args.max_shard_size, export_options.FLAGS)
 
 
 def main(argv: list[str] | None = None) -> int:

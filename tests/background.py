@@ -49,11 +49,16 @@ Interface, in a test module:
   inherited; the local SLURM cluster's jobs take their submitter's: scripts/slurm/local_cluster.sh.)
 - At the end of the session every handle is closed (its runs killed), and the terminal summary
   says when each module's runs went, to see what the suite's wall time waits on.
+- Under pytest-xdist (`-n 2 --dist loadfile`, the README's test command) every worker collects the
+  whole suite but runs only the modules it is sent, which it learns one at a time. A worker's runner
+  therefore starts a module's set-ups when the worker reaches the module (its first test), not from the
+  session's start: the other worker keeps the second core busy instead, and no set-up runs twice.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -162,15 +167,30 @@ def plan(items) -> list[Module]:
 class Runner:
     """Starts the planned set-ups from one thread, one module after another (see the docstring)."""
 
-    def __init__(self, items, tmp_path_factory, session: dict[str, Any]):
+    def __init__(self, items, tmp_path_factory, session: dict[str, Any], on_reach: bool = False):
+        """`on_reach` (an xdist worker): a module's set-ups start when `reach(module)` is first called,
+        instead of all modules in test order from now."""
         self.modules = {m.name: m for m in plan(items)}
         self._tmp_path_factory, self._session = tmp_path_factory, session
         self.spans: dict[str, tuple[float, float]] = {}  # module -> (start, end), s since the session began
         self._t0 = time.monotonic()
         self._lock = threading.RLock()
         self._closed = False
+        self._queued: set[str] = set()
+        self._todo: queue.Queue[str | None] = queue.Queue()  # module names to start, in order; None: stop
+        if not on_reach:
+            for name in self.modules:
+                self.reach(name)
+            self._todo.put(None)
         self._thread = threading.Thread(target=self._run, name="background runs", daemon=True)
         self._thread.start()
+
+    def reach(self, module: str) -> None:
+        """Queue `module`'s set-ups (once; nothing if it has none)."""
+        with self._lock:
+            if module in self.modules and module not in self._queued and not self._closed:
+                self._queued.add(module)
+                self._todo.put(module)
 
     def start(self, spec: Setup, param, ctx: Context):
         """The set-up's handle, started now if it is not yet (in the runner's thread, under the lock)."""
@@ -189,7 +209,8 @@ class Runner:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
         except (AttributeError, OSError):  # not Linux: the same runs, at the default priority
             pass
-        for module in self.modules.values():
+        while (name := self._todo.get()) is not None:
+            module = self.modules[name]
             with self._lock:
                 if self._closed:
                     break
@@ -215,6 +236,7 @@ class Runner:
         module = self.modules.get(spec.module)
         if module is None:
             pytest.fail(f"{what}: no selected test requests it (requested at run time: getfixturevalue?)")
+        self.reach(spec.module)
         if not module.ready.wait(READY_TIMEOUT_S):
             pytest.fail(f"{what}: the background runs did not start within {READY_TIMEOUT_S} s")
         found = module.started.get((spec.name, param))
@@ -227,6 +249,7 @@ class Runner:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            self._todo.put(None)
         for module in self.modules.values():
             for found in list(module.started.values()):
                 if found is not None and not isinstance(found, Failed):
@@ -245,10 +268,19 @@ def background_session() -> dict[str, Any]:
 @pytest.fixture(scope="session", autouse=True)
 def background_runner(request, tmp_path_factory, background_session):
     """The session's Runner, started with the first test; at the end, every run it started is killed."""
-    runner = Runner(request.session.items, tmp_path_factory, background_session)
+    on_reach = hasattr(request.config, "workerinput")  # an xdist worker: see the module docstring
+    runner = Runner(request.session.items, tmp_path_factory, background_session, on_reach=on_reach)
     request.config.stash.setdefault(_RUNNERS, []).append(runner)
     yield runner
     runner.close()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A worker reaching a module's first test starts the module's set-ups (before its fixtures, so
+    tests that do not request them run while they go)."""
+    for runner in item.config.stash.get(_RUNNERS, []):
+        runner.reach(getattr(getattr(item, "module", None), "__name__", None))
 
 
 def pytest_terminal_summary(terminalreporter, config):

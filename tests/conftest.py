@@ -2,6 +2,7 @@
 constants live in tests/helpers.py; the background runs in the plugin tests/background.py."""
 
 import importlib.util
+import os
 
 import pytest
 from helpers import compose_config  # before utils: importing helpers sets XLA_FLAGS and OPENBLAS_NUM_THREADS
@@ -32,6 +33,13 @@ def _compilation_cache(tmp_path_factory):
         # H100): the suite's float32 tolerances mean float32, and the GPU tier states its own bf16 bounds.
         jax.config.update("jax_default_matmul_precision", "highest")
     path = str(tmp_path_factory.mktemp("xla_cache"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Under xdist (the README's `-n 2`) the workers share one cache: a program one compiled, the
+        # other loads. Each worker's base temp is a folder of the session's (popen-gw0, ...), so the cache
+        # is still new each session. JAX writes an entry in one call and treats an unreadable one as a
+        # miss (a warning, then it compiles), as it already does for the background runs sharing it.
+        path = str(tmp_path_factory.getbasetemp().parent / "xla_cache_shared")
+        os.makedirs(path, exist_ok=True)
     settings = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0,
                 "jax_persistent_cache_min_entry_size_bytes": 0}
     with pytest.MonkeyPatch.context() as mp:

@@ -222,6 +222,21 @@ def eigvalsh_atol(n: int, norm, margin: float = 2):
     return margin * n * EPS32 * norm
 
 
+def optimizer_update(tx, grads, state, params, hparams=None):
+    """`tx.update(grads, state, params)` of an optimizer built from `hparams` (make_optimizer), for
+    tests that step one without an objective. An optimizer whose update reads a Hessian-diagonal
+    estimate (`hparams.hessian_due(state)` not None: Sophia; the train step computes it from the
+    loss, trainer/step.py) gets `hessian_diag=|grads|`: a stand-in, >= 0 and different per
+    coordinate, so a group reading another's leaves would show, passed on every step (the update
+    reads it only on the steps hessian_due says, as it reads the step's)."""
+    import jax
+    import jax.numpy as jnp
+
+    if hparams is None or hparams.hessian_due(state) is None:
+        return tx.update(grads, state, params)
+    return tx.update(grads, state, params, hessian_diag=jax.tree.map(jnp.abs, grads))
+
+
 def run_updates(tx, grads_seq):
     """An optax transform's jitted init + updates over a list of gradient trees -> (the updates as
     NumPy, the states after each update): the optimizer tests' way of stepping one on its own."""

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import EPS32, check_bool_knob, per_optimizer
+from helpers import EPS32, check_bool_knob, optimizer_update, per_optimizer
 
 import train_jax as T
 from models import losses
@@ -118,7 +118,7 @@ def test_every_optimizer_masks_its_direction_not_its_weight_decay(name):
         states = [tx.init(params_seq[0]) for tx in txs]
         out = []
         for p, g in zip(params_seq, grads_seq):
-            step = [tx.update(g, s, p) for tx, s in zip(txs, states)]
+            step = [optimizer_update(tx, g, s, p, hp) for tx, s in zip(txs, states)]
             states = [s for _, s in step]
             out.append(([u for u, _ in step], cautious_kept_fraction(states[2], p)))
         return out
@@ -158,7 +158,7 @@ def test_cautious_false_traces_to_the_computation_it_replaced(name):
     def traced(tx):
         state = tx.init(params)
         return (jax.tree.structure(state), str(jax.make_jaxpr(tx.init)(params)),
-                str(jax.make_jaxpr(tx.update)(grads, state, params)))
+                str(jax.make_jaxpr(lambda g, s, p: optimizer_update(tx, g, s, p, hp))(grads, state, params)))
 
     assert traced(now) == traced(before)
 

@@ -155,6 +155,8 @@ def as_old_names_checkpoint(step_dir: Path) -> None:
                                           (("optimizer=normuon",), False), (("optimizer=adam_mini",), False),
                                           (("optimizer=scion",), False),
                                           (("optimizer=dion", "optimizer.rank_fraction=0.5"), False),
+                                          # a Hessian estimate at steps 0, 3, 6, 9: before and after the resume at 5
+                                          (("optimizer=sophia", "optimizer.precondition_every=3"), False),
                                           (("optimizer=muon", "optimizer.ns_coefficients=polar_express"), False),
                                           (("optimizer=muon", "optimizer.hyperball=true", "model.tie_embeddings=false"),
                                            False),
@@ -165,7 +167,7 @@ def as_old_names_checkpoint(step_dir: Path) -> None:
                                            False)],
                          ids=["plain", "accumulation-legacy-aux-item", "shampoo", "nadamw", "schedule_free_adamw",
                               "ademamix", "soap", "mars", "kron", "adopt", "prodigy", "normuon", "adam_mini",
-                              "scion", "dion", "muon-polar-express",
+                              "scion", "dion", "sophia", "muon-polar-express",
                               "muon-hyperball", "muon-qk-clip", "float16-loss-scale"])
 def test_resume_is_bit_identical(tmp_path, extra, legacy):
     """Stop at step 5 and resume: losses at every step and the final weights and optimizer state

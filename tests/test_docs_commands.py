@@ -168,9 +168,15 @@ def _node_exists(node: str) -> bool:
     return (ROOT / path).is_file() and bool(re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M))
 
 
+def _ci_lines() -> list[str]:
+    return (ROOT / ".ci" / "run").read_text().split("\n")
+
+
 # command as typed -> what runs it: a test ("tests/x.py::test_name") or a file check (callable)
 COVERED_ELSEWHERE = {
-    "pytest": lambda: "pytest" in (ROOT / ".ci" / "run").read_text().split("\n"),  # CI's test command
+    # CI's test command, and the dev extra installs pytest-xdist
+    "pytest -n 2 --dist loadfile": lambda: "pytest -n 2 --dist loadfile" in _ci_lines()
+    and "pytest-xdist" in (ROOT / "pyproject.toml").read_text().split("parity = [")[0],
     "ruff check .": lambda: "ruff check ." in (ROOT / ".ci" / "run").read_text().split("\n"),  # CI lints first
     # the marker exists and is used, and the dev extra installs pytest-xdist (-n, --dist)
     "pytest -m 'not slow' -n 2 --dist loadfile": lambda: '"slow:' in (ROOT / "pyproject.toml").read_text()

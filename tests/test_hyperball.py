@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import check_bool_knob, learnable_losses, per_optimizer, rounding_rtol, sum_atol
+from helpers import check_bool_knob, learnable_losses, optimizer_update, per_optimizer, rounding_rtol, sum_atol
 
 from models.gpt import param_labels
 from optimizer import OPTIMIZERS, make_optimizer
@@ -88,8 +88,8 @@ def test_every_optimizer_steps_on_the_sphere_as_the_reference_does(name):
 
     @jax.jit
     def step(p, g, s_plain, s_ball):
-        u_plain, s_plain = plain.update(g, s_plain, p)
-        u_ball, s_ball = ball.update(g, s_ball, p)
+        u_plain, s_plain = optimizer_update(plain, g, s_plain, p, hp)
+        u_ball, s_ball = optimizer_update(ball, g, s_ball, p, hp)
         return u_plain, u_ball, s_plain, s_ball
 
     radii = {k: matrix_norms(params[k]) for k in ("w", "h")}

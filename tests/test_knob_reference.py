@@ -62,3 +62,11 @@ def test_script_runs_from_another_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert ref.main(["--check"]) == 0
     assert os.path.isabs(ref.PAGE)
+
+
+def test_a_union_knob_is_documented_with_its_members():
+    """A union annotation prints every member (not the first, nor Any): checkpoint.export_max_shard_size
+    takes a size string or a number of bytes (tests/test_sections.py checks both are accepted)."""
+    assert ref._type_name(str | int | None) == "str | int | null"
+    row = next(line for line in ref.render().splitlines() if line.startswith("| `checkpoint.export_max_shard_size`"))
+    assert row.split(" | ")[1] == "str \\| int \\| null"

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import EPS32, adam_sqrt_v_rtol, eigvalsh_atol, rounding_rtol, sum_atol
+from helpers import EPS32, adam_sqrt_v_rtol, eigvalsh_atol, optimizer_update, rounding_rtol, sum_atol
 from optax.contrib import MuonState, ProdigyState
 
 import train_jax as T
@@ -58,7 +58,7 @@ def _setup(cfg, hparams, clip: float | None = 1.0, overrides=None, updates: int 
         labels = {k: label for k, (_, label) in cfg.items()}
     params = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), model)
     tx = make_optimizer(hparams, optax.constant_schedule(1e-2), labels, clip, 1e-2, overrides or {})
-    step = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])
+    step = jax.jit(lambda g, s, p: optimizer_update(tx, g, s, p, hparams)[1])
     states = [tx.init(params)]
     for _ in range(updates):
         grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)

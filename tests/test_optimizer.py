@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import EPS32, per_optimizer
+from helpers import EPS32, optimizer_update, per_optimizer
 
 from models.gpt import GPT, GPTConfig, param_labels
 from optimizer import OPTIMIZERS, make_optimizer
@@ -43,9 +43,10 @@ def _params_and_labels():
     return params, param_labels(model)
 
 
-def _first_update(tx, grads, params):
-    """One jitted init + update (eager optax compiles every small op separately: much slower)."""
-    return jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params)
+def _first_update(tx, grads, params, hparams=None):
+    """One jitted init + update (eager optax compiles every small op separately: much slower);
+    `hparams`: what tx was built from (helpers.optimizer_update)."""
+    return jax.jit(lambda g, p: optimizer_update(tx, g, tx.init(p), p, hparams)[0])(grads, params)
 
 
 def _expected_decay(path, decay_embeddings: bool) -> bool:
@@ -79,7 +80,7 @@ def test_weight_decay_is_decoupled_and_times_the_group_lr_for_every_optimizer(na
     peak = {"hidden": 0.5, "embed": 0.25, "head": 0.125, "scalar": 0.2}  # distinct: a mixed-up group shows
     warmup = optax.linear_schedule(0.2, 1.0, 10)  # step 0 runs at 0.4 of each group's peak (base lr 0.5)
     tx = make_optimizer(opt, warmup, labels, 1.0, 0.5, {g: {"lr": lr} for g, lr in peak.items()})
-    updates = _first_update(tx, jax.tree.map(jnp.zeros_like, params), params)
+    updates = _first_update(tx, jax.tree.map(jnp.zeros_like, params), params, opt)
     new_params = optax.apply_updates(params, updates)
 
     decayed = []
@@ -156,7 +157,7 @@ def test_clipping_by_global_norm(opt):
     lr = 0.1
 
     def first_update(grads, clip):
-        return _first_update(make_optimizer(opt, optax.constant_schedule(lr), labels, clip), grads, params)
+        return _first_update(make_optimizer(opt, optax.constant_schedule(lr), labels, clip), grads, params, opt)
 
     big = _random_grads(params, 10.0)
     clipped = first_update(big, clip=2.0)

@@ -24,7 +24,7 @@ KINDS = {"GROUP_KNOBS": tuple, "CONSTANT_KNOBS": tuple, "RUN_LENGTH_KNOB": (str,
          "MUP_HIDDEN_LR_POWER": (float, NONE, property),
          "diagnostics": (NONE, type(lambda: 0)), "eval_params": (NONE, type(lambda: 0)), "check": "method",
          "transform": "method", "group_knobs": "method", "group_knob_hint": "method", "default_group_lr": "method",
-         "for_run": "method", "decay_embeddings": bool}
+         "for_run": "method", "hessian_due": "method", "decay_embeddings": bool}
 
 
 def test_the_contract_lists_every_member_it_has():
@@ -64,6 +64,7 @@ def test_an_optimizer_that_declares_only_its_transform_gets_every_default():
     assert all(group_knobs(hp, g) == ("lr",) for g in GROUPS)
     assert group_lr(hp, "embed", 0.3, {}) == 0.3 and for_run(hp, "cosine", None, 100) is hp
     assert eval_view(hp) is None and hp.diagnostics is None
+    assert hp.hessian_due(None) is None  # reads no Hessian estimate: the train step computes none
     assert optimizer_knobs(hp) == ("momentum", "weight_decay")  # the float knobs become step arguments
     params = {"w": jnp.ones((3, 2)), "b": jnp.ones((2,))}
     labels = {"w": "hidden", "b": "scalar"}

@@ -140,6 +140,20 @@ def test_the_step_key_changes_with_the_mesh_and_the_shardings(tiny_run):
     assert key(run, a, (replicated,)) == key(run, a, (replicated,))
 
 
+
+def test_a_run_outside_a_comparison_computes_no_step_key(tiny_run, monkeypatch):
+    """The key (the masked view's repr, the shardings flattened) is for the shared table only: a single
+    run builds its step without it; inside sharing() the table needs it, once per run."""
+    run = tiny_run()
+    mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
+    keys = []
+    monkeypatch.setattr(process_cache, "step_key", lambda *a, k=process_cache.step_key: keys.append(k(*a)) or keys[-1])
+    T.init_training(run, mesh)
+    assert keys == []
+    with process_cache.sharing():
+        T.init_training(run, mesh)
+    assert len(keys) == 1
+
 def step_text(run) -> str:
     mesh = meshlib.make_mesh(1, 1, run.dataset.batch_size, devices=jax.devices()[:1])
     _, _, state, step = T.init_training(run, mesh)

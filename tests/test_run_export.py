@@ -140,6 +140,31 @@ def test_bad_export_knobs_are_one_line_at_validation(overrides, says):
     assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
 
 
+# scripts/export_model.py's spelling of each option -> checkpoint.export*'s (flags first: "--max-shard-size" holds no
+# other flag, and "add " is only the fix's verb)
+AS_KNOBS = [("--max-shard-size", "checkpoint.export_max_shard_size"), ("--format ", "checkpoint.export="),
+            ("--dtype ", "checkpoint.export_dtype="), ("leave it out", "null"), ("add ", "set ")]
+
+
+@pytest.mark.parametrize("fmt,dtype,size", [("hf", "float64", None), ("safetensors", None, "5GB"),
+                                            ("hf", None, "5XB"), ("hf", None, "0")])
+def test_export_flags_and_knobs_are_refused_alike(fmt, dtype, size):
+    """The script's flags and a run's knobs go through one check (trainer/export_options.py): the same
+    refusal, word for word but for the names of the options and how a default is asked for."""
+    flags = ["--format", fmt, *(["--dtype", dtype] if dtype else []), *(["--max-shard-size", size] if size else [])]
+    knobs = [f"checkpoint.export={fmt}", "checkpoint.export_path=o",
+             *([f"checkpoint.export_dtype={dtype}"] if dtype else []),
+             *([f"checkpoint.export_max_shard_size={size}"] if size else [])]
+    with pytest.raises(ConfigError) as by_flag:
+        export_script.check_flags(export_script.parse_args(["ckpt", "--out", "o", *flags]))
+    with pytest.raises(ConfigError) as by_knob:
+        validate(compose_config(*knobs))
+    said = str(by_flag.value)
+    for flag, knob in AS_KNOBS:
+        said = said.replace(flag, knob)
+    assert said == str(by_knob.value)
+
+
 @pytest.mark.parametrize("process,zero_wrote", [(0, False), (1, True), (1, False)])
 def test_only_process_0_writes_and_every_process_fails_with_it(process, zero_wrote, tmp_path, monkeypatch):
     """The protocol on one process standing for each of two: process 0 writes (here its writer fails: it

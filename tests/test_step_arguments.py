@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import EPS32, per_optimizer, rounding_rtol
+from helpers import EPS32, optimizer_update, per_optimizer, rounding_rtol
 
 import models
 import train_jax as T
@@ -127,7 +127,7 @@ def test_every_optimizer_built_from_traced_knobs_updates_as_its_constants_do(tin
                             o.group_overrides, o.cautious, o.hyperball)
         state, out = tx.init(params), []
         for g in grads:
-            u, state = tx.update(g, state, params)
+            u, state = optimizer_update(tx, g, state, params, o.hparams)
             out.append(u)
         return out
 

@@ -17,8 +17,11 @@ what determines its value:
     lift) masked, plus the mesh and the state's shardings. Since the step's builders never see
     anything but that view and those arguments, two runs with one key trace one program; shapes
     and dtypes follow from the view (jit retraces on any other signature all the same).
+  * conf/'s composition (`composed`, utils/config.compose_reusing): the overrides that select
+    config groups (and the job name); each run's value overrides are applied to a copy.
 Tables are small LRUs (a comparison has a handful of optimizers and shapes); closing the
-outermost `sharing()` empties them.
+outermost `sharing()` empties them. Inside it, checkpoints are also held in memory for the runs
+that restore them next (utils/checkpoint/memory.py: a branch its trunk's save).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, Callable, Iterator
 import jax
 
 from optimizer import arguments
+from utils.checkpoint import memory
 
 MAX_ENTRIES = 8  # per table: a comparison's optimizers × shapes × variants (an LRU drops the oldest beyond)
 
@@ -41,10 +45,12 @@ _stats: collections.Counter = collections.Counter()  # "<table>/hit", "<table>/m
 
 @contextlib.contextmanager
 def sharing() -> Iterator[None]:
-    """Runs inside share what they build alike (re-entrant); the tables are emptied when the outermost block ends."""
+    """Runs inside share what they build alike (re-entrant), and restore the checkpoints that runs before
+    them saved from memory (utils/checkpoint/memory.py); the tables are emptied when the outermost block ends."""
     _depth[0] += 1
     try:
-        yield
+        with memory.holding():
+            yield
     finally:
         _depth[0] -= 1
         if not _depth[0]:

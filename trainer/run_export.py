@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 import models
-from models import hf_generation, hf_shards
+from trainer import export_options
 from trainer.hooks import Hook, LoopContext
 from utils.errors import CheckpointError, ConfigError
 from utils.logging.messages import say
@@ -60,14 +60,7 @@ def check(run) -> None:
     if ck.export_path is None and ck.save_path is None:
         raise ConfigError(f"checkpoint.export={ck.export} writes to checkpoint.export_path, or {{save_path}}/"
                           f"{DIRECTORY}: set checkpoint.export_path or checkpoint.save_path")
-    if ck.export_dtype is not None and ck.export_dtype not in hf_generation.DTYPES:
-        raise ConfigError(f"checkpoint.export_dtype={ck.export_dtype} is not an export dtype: use "
-                          f"{', '.join(hf_generation.DTYPES)}, or null for the base's or train.param_dtype")
-    if ck.export_max_shard_size is not None:
-        if ck.export != "hf":
-            raise ConfigError(f"checkpoint.export_max_shard_size applies to checkpoint.export=hf (transformers' "
-                              f"shards), not {ck.export}: set checkpoint.export=hf or drop it")
-        hf_shards.parse_size(ck.export_max_shard_size, "checkpoint.export_max_shard_size")
+    export_options.check(ck.export, ck.export_dtype, ck.export_max_shard_size, export_options.KNOBS)
     lora_on = m.lora.on
     if ck.export_merge_lora and not lora_on:
         raise ConfigError("checkpoint.export_merge_lora=true: this run has no LoRA factors (model.lora.rank=0): "
@@ -123,7 +116,8 @@ def export_run(run, model, step: int, tokenizer, generation: dict | None) -> str
     error = None
     if jax.process_index() == 0:
         try:
-            shard_size = None if ck.export_max_shard_size is None else hf_shards.parse_size(ck.export_max_shard_size)
+            shard_size = export_options.check(ck.export, ck.export_dtype, ck.export_max_shard_size,
+                                              export_options.KNOBS)  # validated: here the size in bytes
             model = models.for_export(model, ck.export_merge_lora, ck.export)
             dtype, why = inference.export_dtype(ck.export_dtype, run, generation)
             wrote = inference.write_export(where, ck.export, run, model, step, run.config_dict.get("tokenizer", {}),

@@ -78,10 +78,27 @@ def over_micro_batches(fn: Callable, batch_AxBxT1, keys_A: jax.Array):
     return jax.tree.map(lambda t: t / accum, total), aux
 
 
+# fold_in data of the key the Hutchinson probes z are drawn from (a stream of its own: the dropout keys stay)
+HESSIAN_STREAM = 0x48657373
+
+
+def hutchinson_diagonal(grad_fn: Callable, params, key: jax.Array):
+    """z ⊙ (H z), z Rademacher (one key per leaf from `key`), H the Hessian of the loss whose
+    gradient is `grad_fn(params)`: an unbiased estimate of H's diagonal (E[z_i (Hz)_i] = H_ii, as
+    E[z_i z_j] = δ_ij). H z is the forward-mode derivative of the gradient along z (jax.jvp), one
+    Hessian-vector product for the whole model. `params`: the inexact arrays (others None)."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    z = treedef.unflatten([jax.random.rademacher(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+    hz = jax.jvp(grad_fn, (params,), (z,))[1]
+    return jax.tree.map(lambda a, b: a * b.astype(a.dtype), z, hz)
+
+
 def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metrics: Sequence[step_metrics.StepMetric],
                      state_shardings, mesh, compute_dtype, use_dropout: bool,
                      knobs: dict | None = None, recipe: Callable | None = None,
-                     qk_clip_tau: float | None = None) -> step_metrics.TrainStep:
+                     qk_clip_tau: float | None = None,
+                     hessian_due: Callable | None = None) -> step_metrics.TrainStep:
     """One jitted update: gradient accumulation as a scan over micro-batches, clipping and the
     optimizer inside `tx`, every step metric updated (its state carried in `metric_states`),
     metrics returned as device arrays (pulled only on logging steps). `loss_fn(model, batch_BxT1,
@@ -100,7 +117,16 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
     `qk_clip_tau` (optimizer.qk_clip_tau; then `loss_fn`'s aux must hold "max_logit", as
     models.train_loss(..., max_logits=True) makes it): the new weights' attention heads whose largest
     logit this step passed it are rescaled after the update (trainer/qk_clip.py), and the step's
-    metrics gain optim/qk_clip/*. The metrics read the rescaled weights; `updates` stay the optimizer's."""
+    metrics gain optim/qk_clip/*. The metrics read the rescaled weights; `updates` stay the optimizer's.
+
+    `hessian_due(opt_state)` (the optimizer's contract member, optimizer/contract.py; None or
+    returning None: nothing of this is traced): where it is true, one Hutchinson estimate of this
+    step's loss (`hutchinson_diagonal`) is passed as `tx.update(..., hessian_diag=...)`, under
+    lax.cond so other steps pay nothing but zeros. Its z come from the state's key (fold_in
+    HESSIAN_STREAM): deterministic, so a resumed run draws the same. With gradient accumulation the
+    Hessian-vector product runs over the same micro-batches with the same dropout keys, the
+    derivative of the very mean gradient the update takes: the estimate is of the objective being
+    descended, and its cost (about two gradients' worth, once per interval) stays a fixed share."""
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     compute_dtype = jnp.dtype(compute_dtype)
     step_metrics.stateful(metrics)  # unique state names, checked once here
@@ -135,8 +161,10 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
 
         grads, aux = mean_grads(state.model)
         params = eqx.filter(state.model, eqx.is_array)
+        due = None if hessian_due is None else hessian_due(state.opt_state)
+        extra = {} if due is None else {"hessian_diag": hessian_diag(state, due, mean_grads, grads)}
         # A non-finite gradient (under float16: an overflow) is skipped inside `tx` (optimizer/nonfinite.py).
-        updates, opt_state = step_tx.update(grads, state.opt_state, params)
+        updates, opt_state = step_tx.update(grads, state.opt_state, params, **extra)
         new_model, clip_metrics = eqx.apply_updates(state.model, updates), {}
         if qk_clip_tau is not None:
             new_model, clip_metrics = qk_clip.clip(new_model, qk_clip.step_max_logits(aux), qk_clip_tau)
@@ -145,6 +173,17 @@ def build_train_step(loss_fn: Callable, tx: optax.GradientTransformation, metric
         inputs = step_metrics.StepInputs(state, new_state, grads, updates, aux, loss_at, batch_AxBxT1)
         metric_states, out = step_metrics.compute(step_metric_list, inputs, logging)
         return eqx.tree_at(lambda s: s.metric_states, new_state, metric_states), {**out, **clip_metrics}
+
+    def hessian_diag(state: TrainState, due: jax.Array, mean_grads: Callable, grads):
+        """The Hutchinson estimate of this step's loss where `due`, zeros (like `grads`) elsewhere."""
+        inexact, static = eqx.partition(state.model, eqx.is_inexact_array)
+
+        def estimate():
+            def grad_fn(p):
+                return mean_grads(eqx.combine(p, static))[0]
+            return hutchinson_diagonal(grad_fn, inexact, jax.random.fold_in(state.key, HESSIAN_STREAM))
+
+        return jax.lax.cond(due, estimate, lambda: jax.tree.map(jnp.zeros_like, grads))
 
     replicated = meshlib.replicated(mesh)
     args = None if recipe is None else arguments.as_arguments(knobs)

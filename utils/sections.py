@@ -18,15 +18,43 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _is_exactly(value: Any, tp: Any) -> bool:
+    """`value` is already of kind `tp`, with no conversion (a bool is not an int, an int not a float)."""
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        return isinstance(value, (list, tuple))
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, (tp, dict))
+    if tp in (int, float):
+        return type(value) is tp
+    return isinstance(tp, type) and isinstance(value, tp)
+
+
+def _coerce_union(value: Any, args: tuple, knob: str) -> Any:
+    """A union (`str | int | None`): the member `value` already is, else the first member that takes
+    it as a plain annotation would (an integral float for an int, an int for a float)."""
+    if value is None and type(None) in args:
+        return None
+    inner = [a for a in args if a is not type(None)]
+    for tp in inner:  # a member of the value's own kind checks it, its errors (a nested section's) stand
+        if _is_exactly(value, tp):
+            return _coerce(value, tp, knob)
+    for tp in inner:
+        try:
+            return _coerce(value, tp, knob)
+        except ConfigError:
+            continue
+    names = " or ".join(_type_name(a) if typing.get_origin(a) is not tuple else "list" for a in inner)
+    raise ConfigError(f"{knob}={value!r} must be {'null or ' if type(None) in args else ''}a {names}")
+
+
 def _coerce(value: Any, tp: Any, knob: str) -> Any:
     """Check one value against its annotation, converting only where YAML is ambiguous
-    (an int where a float is expected, an integral float where an int is)."""
+    (an int where a float is expected, an integral float where an int is). A union tries each
+    member (`_coerce_union`)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], knob)
+        return _coerce_union(value, args, knob)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{knob}={value!r} must be a list")

@@ -58,7 +58,7 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 from utils.checkpoint import frozen as frozen_ref
-from utils.checkpoint import integrity
+from utils.checkpoint import integrity, memory
 from utils.errors import CheckpointError, ConfigError
 from utils.files import user_path
 from utils.logging.messages import say
@@ -105,7 +105,7 @@ class CheckpointConfig:
     export: str | None = None  # null | safetensors | hf | peft (export_model.py's --format)
     export_path: str | None = None  # null: {save_path}/export
     export_dtype: str | None = None  # --dtype; null: the model.init_from base's dtype, else train.param_dtype
-    export_max_shard_size: Any = None  # --max-shard-size (export=hf): 5GB, 500MB, or bytes; null: one file
+    export_max_shard_size: str | int | None = None  # --max-shard-size (export=hf): 5GB, 500MB, or bytes; null: one file
     export_merge_lora: bool = False  # --merge-lora: the merged weights W + (alpha/rank)·A·B
 
     def check(self, prefix: str) -> None:
@@ -214,8 +214,13 @@ def _read_mapping(path: str, parse: Callable, errors: tuple, kind: str) -> dict:
     return out
 
 
+# libyaml's parser where PyYAML has it: the same safe loader, ~10x faster than the pure-Python one
+# (a checkpoint's config.yaml took ~50 ms to read on the 2-core VM, once per resumed or branched run).
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def read_yaml(path: str) -> dict:
-    return _read_mapping(path, yaml.safe_load, (yaml.YAMLError,), "YAML")
+    return _read_mapping(path, lambda f: yaml.load(f, Loader=_YAML_LOADER), (yaml.YAMLError,), "YAML")
 
 
 def read_json(path: str) -> dict:
@@ -364,8 +369,11 @@ def open_checkpoint(directory: str, load_file: str, with_opt_state: bool, resumi
                               f"but the directory is {STEP_PREFIX}_{step}: the checkpoint is corrupt")
     config = read_yaml(os.path.join(path, "config", CONFIG_FILE))
     # Every file against the size and sha256 it was saved with, before any array is read; the items
-    # this load never reads (a fresh optimizer state) are checked for presence and size only.
-    if not integrity.verify(path, skip=() if with_opt_state else UNREAD_WITHOUT_OPT_STATE):
+    # this load never reads (a fresh optimizer state, or arrays this process holds: memory.py) are
+    # checked for presence and size only.
+    unread = ARRAY_ITEMS + OPTIONAL_ITEMS if memory.held(path) is not None else (
+        () if with_opt_state else UNREAD_WITHOUT_OPT_STATE)
+    if not integrity.verify(path, skip=unread):
         say(f"note: {path} was written without file hashes (before eqtrain recorded them): it loads unverified")
     for item in ARRAY_ITEMS if with_opt_state else ("model", "progress"):
         if not os.path.isdir(os.path.join(path, item)):
@@ -493,27 +501,38 @@ def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str
     checkpoint holding its frozen base by reference gives "model" without it (`with_frozen` completes it)."""
     _quiet_orbax()
     abstract_model = _arrays(abstract_state.model)
-    _check_model_fits(source, abstract_model, model_config)
+    # The arrays this process saved there and still holds (memory.py), unless the model is kept by reference.
+    held = memory.held(source.path) if frozen_ref.MANIFEST_KEY not in source.manifest else None
+    if held is None:
+        _check_model_fits(source, abstract_model, model_config)
+        same_layout = lambda item, tree: _same_layout(os.path.join(source.path, item), tree)
+        saved = lambda item: os.path.isdir(os.path.join(source.path, item))
+    else:  # the held trees are those the files hold: their layouts answer without reading orbax's metadata
+        same_layout = lambda item, tree: item in held and _shapes(held[item]) == _shapes(tree)
+        saved = lambda item: item in held
     items = {"model": _restore_args(saved_part(source, abstract_state.model)),
              "progress": _restore_args({"step": abstract_state.step, "key": abstract_state.key})}
-    wrap = source.with_opt_state and _unwrapped_opt_state(source, abstract_state.opt_state)
+    wrap = source.with_opt_state and _unwrapped_opt_state(abstract_state.opt_state, same_layout)
     if source.with_opt_state:
         items["opt_state"] = _restore_args(_arrays(abstract_state.opt_state.inner_state if wrap
                                                    else abstract_state.opt_state))
         abstract_metrics = _arrays(abstract_state.metric_states)
-        if abstract_metrics and _same_layout(os.path.join(source.path, "metric_states"), abstract_metrics):
+        if abstract_metrics and same_layout("metric_states", abstract_metrics):
             items["metric_states"] = _restore_args(abstract_metrics)
-        elif set(abstract_metrics) == {"aux"} and _same_layout(os.path.join(source.path, "aux"),
-                                                                abstract_metrics["aux"]):
+        elif set(abstract_metrics) == {"aux"} and same_layout("aux", abstract_metrics["aux"]):
             items["aux"] = _restore_args(abstract_metrics["aux"])
     loss_scale = getattr(abstract_state, "loss_scale", None)
-    if loss_scale is not None and os.path.isdir(os.path.join(source.path, "loss_scale")):
+    if loss_scale is not None and saved("loss_scale"):
         items["loss_scale"] = _restore_args(_arrays(loss_scale))
-    try:
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-            restored = checkpointer.restore(source.path, args=ocp.args.Composite(**items))
-    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types; the user needs the file
-        raise _restore_error(source, e) from None
+    restored = memory.restore(held, {name: args.item for name, args in items.items()}) if held else None
+    if restored is None:
+        if held is not None:  # another dtype or tree than the save's: the files, which orbax casts and checks
+            _check_model_fits(source, abstract_model, model_config)
+        try:
+            with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+                restored = checkpointer.restore(source.path, args=ocp.args.Composite(**items))
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types; the user needs the file
+            raise _restore_error(source, e) from None
     abstract = {"model": abstract_state.model, "progress": None, "opt_state": abstract_state.opt_state,
                 "metric_states": abstract_state.metric_states,
                 "aux": abstract_state.metric_states.get("aux") if abstract_state.metric_states else None,
@@ -524,15 +543,15 @@ def restore(source: Source, abstract_state: Any, model_config: dict) -> dict[str
     return {name: _with_empty(value, abstract[name]) for name, value in out.items()}
 
 
-def _unwrapped_opt_state(source: Source, abstract_opt_state: Any) -> bool:
+def _unwrapped_opt_state(abstract_opt_state: Any, same_layout: Callable[[str, Any], bool]) -> bool:
     """Whether the run wraps its optimizer state in train.skip_nonfinite's optax.ApplyIfFiniteState
     (compute_dtype=float16 switches it on) and the checkpoint holds that state without the wrapper
-    (a float32 or bfloat16 run's): the optimizer state then loads into the wrapper."""
+    (a float32 or bfloat16 run's): the optimizer state then loads into the wrapper. `same_layout(item,
+    tree)`: whether the checkpoint's item holds exactly the arrays of `tree`."""
     if not isinstance(abstract_opt_state, optax.ApplyIfFiniteState):
         return False
-    item = os.path.join(source.path, "opt_state")
-    return (not _same_layout(item, _arrays(abstract_opt_state))
-            and _same_layout(item, _arrays(abstract_opt_state.inner_state)))
+    return (not same_layout("opt_state", _arrays(abstract_opt_state))
+            and same_layout("opt_state", _arrays(abstract_opt_state.inner_state)))
 
 
 def _fresh_wrapper(abstract: Any, inner: Any) -> Any:
@@ -675,7 +694,11 @@ class Checkpointer:
         checkpoint of that step already exists."""
         if step in self._manager.all_steps():
             return False
-        self._manager.save(step, args=self._args(step, state, data_state, metrics, reason), force=True)
+        args = self._args(step, state, data_state, metrics, reason)
+        # Inside a comparison process (memory.holding()), also kept in memory for the runs that restore it next.
+        memory.keep(step_path(self.cfg.save_path, step),
+                    {name: a.item for name, a in args.items() if isinstance(a, ocp.args.PyTreeSave)})
+        self._manager.save(step, args=args, force=True)
         if self._mirror is not None:
             self._mirror.submit(step)
         return True
