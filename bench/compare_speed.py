@@ -4,6 +4,8 @@ and training, for one or more checkouts of eqtrain, alternated in one sitting.
     python bench/compare_speed.py --side before=/tmp/eqtrain-old --side after=. --pairs 2 \\
         optimizers=[adamw,muon] budgets=[15,30,60] lr.points=2 seeds=1 warmup=5 dataset.batch_size=16 \\
         train.max_val_steps=4 logging.log_callback_data=false
+    python bench/compare_speed.py --side pack1=. --side pack4=. --side-arg pack4=pack=4 --pairs 2 \\
+        model=gpt_tiny optimizers=[adamw,muon] budgets=[15,30,60] lr.points=4 ...   # packed against separate runs
 
 Each pair runs `scripts/compare.py <arguments> dir=<fresh>` of every side (a checkout's path;
 default: this one) as a subprocess, in A B then B A order (the machine's speed drifts: bench/pairs.py).
@@ -16,7 +18,9 @@ first compilations. Per comparison, from its runs' metrics.jsonl: wall seconds, 
 and the shares of the wall time spent compiling (Σ time/compile_sec), starting up (Σ
 time/startup_sec), evaluating (Σ time/eval_sec) and in the rest of the trainers' loops (Σ
 time/elapsed_sec less compile and evaluation: the training steps, data and logging); what is
-left is outside the trainers (composing configs, checkpoint restores, the report). Needs: minutes.
+left is outside the trainers (composing configs, checkpoint restores, the report). A pack's members
+(compare.py's `packed:` lines, `pack=N`) share one loop: its compilation, start-up and loop count
+once (the largest member's), its members' evaluations (each its own) add. Needs: minutes.
 """
 
 from __future__ import annotations
@@ -44,22 +48,32 @@ def last_values(metrics_path: str) -> dict[str, float]:
     return out
 
 
-def account(compare_dir: str, wall: float) -> dict[str, float]:
-    """The shares of `wall` per phase, summed over the comparison's runs."""
+def packs(stdout: str) -> list[list[str]]:
+    """The packs compare.py announced (`  packed: id, id, ...`)."""
+    return [line.split("packed:", 1)[1].strip().split(", ") for line in stdout.splitlines()
+            if line.startswith("  packed: ")]
+
+
+def account(compare_dir: str, wall: float, packed: list[list[str]] = ()) -> dict[str, float]:
+    """The shares of `wall` per phase, summed over the comparison's runs (a pack of `packed`: its
+    shared compilation, start-up and loop once, its members' evaluations each)."""
     runs = os.path.join(compare_dir, "runs")
     totals = {"compile": 0.0, "startup": 0.0, "eval": 0.0, "loop": 0.0}
-    count = 0
+    group = {run: tuple(p) for p in packed for run in p}
+    values = {}
     for run in sorted(os.listdir(runs)):
         path = os.path.join(runs, run, "metrics.jsonl")
-        if not os.path.exists(path):
-            continue
-        count += 1
-        t = last_values(path)
-        compile_s, eval_s = t.get("time/compile_sec", 0.0), t.get("time/eval_sec", 0.0)
+        if os.path.exists(path):
+            values[run] = last_values(path)
+    count = len(values)
+    for members in {group.get(run, (run,)) for run in values}:
+        t = [values[m] for m in members if m in values]
+        compile_s = max(v.get("time/compile_sec", 0.0) for v in t)
+        eval_s = sum(v.get("time/eval_sec", 0.0) for v in t)
         totals["compile"] += compile_s
-        totals["startup"] += t.get("time/startup_sec", 0.0)
+        totals["startup"] += max(v.get("time/startup_sec", 0.0) for v in t)
         totals["eval"] += eval_s
-        totals["loop"] += max(t.get("time/elapsed_sec", 0.0) - compile_s - eval_s, 0.0)
+        totals["loop"] += max(max(v.get("time/elapsed_sec", 0.0) for v in t) - compile_s - eval_s, 0.0)
     out = {"wall_s": wall, "runs": count, "runs_per_hour": count / wall * 3600}
     out.update({f"{k}_share": v / wall for k, v in totals.items()})
     out["outside_share"] = 1.0 - sum(out[f"{k}_share"] for k in totals)
@@ -77,13 +91,15 @@ def run_side(checkout: str, arguments: list[str], cache_dir: str, work: str, war
     wall = time.perf_counter() - began
     if proc.returncode != 0:
         raise SystemExit(f"{checkout}: compare.py failed:\n{proc.stderr[-3000:]}")
-    return account(compare_dir, wall)
+    return account(compare_dir, wall, packs(proc.stdout))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--side", action="append", default=[], metavar="NAME=CHECKOUT",
                         help="a checkout to time (repeatable); default: this one, as 'this'")
+    parser.add_argument("--side-arg", action="append", default=[], metavar="NAME=ARG",
+                        help="one more compare.py argument for side NAME only (repeatable), e.g. pack4=pack=4")
     parser.add_argument("--pairs", type=int, default=1, help="alternated rounds (default 1)")
     parser.add_argument("--warm", action="store_true",
                         help="keep the compilation cache, filled by one untimed comparison per side")
@@ -91,19 +107,25 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     sides = dict(s.split("=", 1) for s in args.side) or {"this": REPO}
     sides = {name: os.path.abspath(path) for name, path in sides.items()}
+    extra: dict[str, list[str]] = {name: [] for name in sides}
+    for a in args.side_arg:
+        name, arg = a.split("=", 1)
+        if name not in sides:
+            raise SystemExit(f"--side-arg {a}: no side {name!r} (sides: {', '.join(sides)})")
+        extra[name].append(arg)
     work = tempfile.mkdtemp(prefix="compare_speed_")
     cache_dir = os.path.join(work, "cache")
     # Warm the tokenized corpus (not a compilation cost): one run of the first side, its timing dropped.
     run_side(next(iter(sides.values())), [*args.arguments, "optimizers=[adamw]", "budgets=[4]", "lr.points=1",
                                           "seeds=1", "warmup=1"], cache_dir, work)
     if args.warm:
-        for checkout in sides.values():
-            run_side(checkout, args.arguments, cache_dir, work, warm=True)
+        for name, checkout in sides.items():
+            run_side(checkout, [*args.arguments, *extra[name]], cache_dir, work, warm=True)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
     for i in range(args.pairs):
         order = list(sides) if i % 2 == 0 else list(sides)[::-1]
         for name in order:
-            results[name].append(run_side(sides[name], args.arguments, cache_dir, work, args.warm))
+            results[name].append(run_side(sides[name], [*args.arguments, *extra[name]], cache_dir, work, args.warm))
             r = results[name][-1]
             print(f"pair {i + 1} {name}: {r['wall_s']:.1f} s, {r['runs']} runs, {r['runs_per_hour']:.0f} runs/h",
                   flush=True)

@@ -340,11 +340,38 @@ def run_one(run: PlannedRun, compare_dir: str, train: Callable[..., Any], compos
     """Train `run` unless it is done or failed; (outcome, its run.json record after). Outcome:
     done | skipped | failed | failed before. A signal or a bug propagates, the run left "running".
     `quiet`: the trainer's output goes to the run's train.log (_logged)."""
-    if compose is None:  # in a comparison process, conf/'s groups composed once per selection (compose_reusing)
-        from utils.config import compose_reusing
-
-        compose = lambda overrides: compose_reusing(overrides, job_name="compare")
+    compose = compose or default_compose()
     head = head or f"{run.id}:"
+    began = begin(run, compare_dir, save_every, say, head)
+    if isinstance(began[0], str):
+        return began
+    overrides, json_path = began
+    directory = run_dir(compare_dir, run.id)
+    t0 = time.perf_counter()
+    try:
+        config = compose(overrides)
+        # As train_jax.py's entry point does: the persistent compilation cache, so that the runs, whose
+        # knobs are the step's arguments (optimizer/arguments.py), load each other's programs.
+        compile_cache.enable(to_dict(config))
+        with _logged(directory, quiet):
+            train(config, directory)
+    except EqtrainError as e:
+        return fail_with(run, overrides, json_path, say, head, e)
+    return finish(run, overrides, compare_dir, save_every, say, head, t0)
+
+
+def default_compose() -> Callable:
+    """In a comparison process, conf/'s groups composed once per selection (compose_reusing)."""
+    from utils.config import compose_reusing
+
+    return lambda overrides: compose_reusing(overrides, job_name="compare")
+
+
+def begin(run: PlannedRun, compare_dir: str, save_every: int | None, say: Callable[[str], None],
+          head: str) -> tuple[str, dict] | tuple[list[str], str]:
+    """Before `run` trains: (outcome, record) when it will not (done or failed before, its trunk failed);
+    else (its overrides, its run.json path), the run recorded "running" and its metrics cut back to
+    its newest checkpoint (a resumed run) or emptied."""
     directory = run_dir(compare_dir, run.id)
     json_path = os.path.join(directory, RUN_JSON)
     overrides = run_overrides(run, compare_dir, save_every)
@@ -370,21 +397,24 @@ def run_one(run: PlannedRun, compare_dir: str, train: Callable[..., Any], compos
     else:
         _trim_metrics(directory, None)  # planned: nothing of it counts yet
     write_json(json_path, _record(run, overrides, "running"))
-    t0 = time.perf_counter()
-    try:
-        config = compose(overrides)
-        # As train_jax.py's entry point does: the persistent compilation cache, so that the runs, whose
-        # knobs are the step's arguments (optimizer/arguments.py), load each other's programs.
-        compile_cache.enable(to_dict(config))
-        with _logged(directory, quiet):
-            train(config, directory)
-    except EqtrainError as e:
-        return _fail(run, overrides, json_path, say, head, str(e).splitlines()[0] if str(e) else type(e).__name__,
-                     isinstance(e, TrainingError))
+    return overrides, json_path
+
+
+def fail_with(run: PlannedRun, overrides: list[str], json_path: str, say: Callable[[str], None], head: str,
+              e: EqtrainError) -> tuple[str, dict]:
+    """A run that raised `e` recorded failed (a TrainingError: diverged)."""
+    return _fail(run, overrides, json_path, say, head, str(e).splitlines()[0] if str(e) else type(e).__name__,
+                 isinstance(e, TrainingError))
+
+
+def finish(run: PlannedRun, overrides: list[str], compare_dir: str, save_every: int | None,
+           say: Callable[[str], None], head: str, t0: float) -> tuple[str, dict]:
+    """A run that trained to its end recorded done (save_every's checkpoints pruned)."""
+    directory = run_dir(compare_dir, run.id)
     if save_every:
         _prune(directory, kept_steps(run))
     record = _record(run, overrides, "done")
-    write_json(json_path, record)
+    write_json(os.path.join(directory, RUN_JSON), record)
     loss = final_val_loss(directory)
     say(f"{head} done in {time.perf_counter() - t0:.1f} s" + (f" | val/loss {loss:.4f}" if loss is not None else ""))
     return "done", record
@@ -461,29 +491,45 @@ def _fail(run, overrides: list[str], json_path: str, say: Callable[[str], None],
 
 def run_plan(plan: Plan, compare_dir: str, train: Callable[..., Any], say: Callable[[str], None] = print,
              compose: Callable[[list[str]], object] | None = None, runs: tuple[PlannedRun, ...] | None = None,
-             save_every: int | None = None, quiet: bool = True, keep_checkpoints: bool = False) -> Summary:
+             save_every: int | None = None, quiet: bool = True, keep_checkpoints: bool = False,
+             pack: int = 1) -> Summary:
     """Train every run of `plan` (or `runs`: lr.extend's) not done yet under `compare_dir`, in this
     process, one console line per run (its time and final val/loss) and an estimate of the time left;
     with `quiet` each run's trainer output goes to its train.log; without `keep_checkpoints` the
     checkpoints of finished runs go (prune_done). `compose(overrides)` builds a run's config (default:
-    conf/ composed like train_jax.py's)."""
+    conf/ composed like train_jax.py's). `pack` > 1: runs that may train together do, up to `pack` per
+    vmapped program (compare/pack.py; `train` is then unused: trainer/pack.py trains them)."""
     compare_dir = os.path.abspath(compare_dir)
     todo = plan.runs if runs is None else runs
     open_dir(plan, compare_dir, todo if runs is not None else ())
     summary, total, trained = Summary(), len(todo), []
+    heads = {run.id: f"[{i}/{total}] {run.id}:" for i, run in enumerate(todo, 1)}
+    ended = 0
+
+    def on_outcome(run: PlannedRun, outcome: str, record: dict, seconds: float) -> None:
+        nonlocal ended
+        ended += 1
+        summary.add(outcome, record)
+        if outcome == "done" and not keep_checkpoints:
+            prune_done(todo, compare_dir, run)
+        if outcome in ("done", "failed"):
+            trained.append((run, seconds))
+        ids_ended.add(run.id)
+        left = eta(trained, tuple(r for r in todo if r.id not in ids_ended)) if ended < total else None
+        if left is not None and outcome in ("done", "failed"):
+            say(f"  {total - ended} runs left, about {f_duration(left)}")
+
+    ids_ended: set[str] = set()
     with process_cache.sharing():  # the tokenizer, data and traced steps built once for the runs alike
-        for i, run in enumerate(todo, 1):
-            t0 = time.perf_counter()
-            outcome, record = run_one(run, compare_dir, train, compose, save_every, say, f"[{i}/{total}] {run.id}:",
-                                      quiet)
-            summary.add(outcome, record)
-            if outcome == "done" and not keep_checkpoints:
-                prune_done(todo, compare_dir, run)
-            if outcome in ("done", "failed"):
-                trained.append((run, time.perf_counter() - t0))
-            left = eta(trained, todo[i:]) if i < total else None
-            if left is not None and outcome in ("done", "failed"):
-                say(f"  {total - i} runs left, about {f_duration(left)}")
+        if pack > 1:
+            from compare.pack import run_packed
+
+            run_packed(todo, compare_dir, pack, train, compose, save_every, say, heads, quiet, on_outcome)
+        else:
+            for run in todo:
+                t0 = time.perf_counter()
+                outcome, record = run_one(run, compare_dir, train, compose, save_every, say, heads[run.id], quiet)
+                on_outcome(run, outcome, record, time.perf_counter() - t0)
     say(summary.line(total, compare_dir))
     return summary
 

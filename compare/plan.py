@@ -77,7 +77,7 @@ CONTROLLED = {
     "train.val_at": "val_every=N (every run also evaluates at its branch points and budget)",
 }
 # Knobs of how a comparison runs, not of what it compares: a rerun may change them (not in compare.json).
-EXECUTION = ("dir", "save_every", "parallel", "keep_checkpoints")
+EXECUTION = ("dir", "save_every", "parallel", "keep_checkpoints", "pack")
 # Run knobs the comparison sets unless the run overrides set them: no end-of-run sample, no
 # samples at evaluations (the report reads neither).
 QUIET = ("train.sample_tokens=0", "logging.sample_prompts=[]")

@@ -36,14 +36,29 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from utils.cli import script_argv
+
+def pack_flags(argv: list[str], environ) -> str | None:
+    """XLA_FLAGS with XLA:CPU's vmapped-gradient workaround appended (utils/xla_workarounds.py) when
+    argv asks for pack > 1 and it is not there yet; None otherwise."""
+    from utils.xla_workarounds import has_ynn_flag, with_ynn_flag
+
+    wanted = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == "pack"]
+    if not wanted or not wanted[-1].strip().isdigit() or int(wanted[-1]) <= 1 or has_ynn_flag(environ):
+        return None
+    return with_ynn_flag(environ)
+
+
+if __name__ == "__main__" and (_flags := pack_flags(sys.argv[1:], os.environ)) is not None:
+    os.environ["XLA_FLAGS"] = _flags  # before JAX is imported (below); an in-process caller's pack is checked instead
+
+from utils.cli import script_argv  # after XLA_FLAGS
 from utils.errors import ConfigError, EqtrainError
 from utils.script_errors import script_error
 
 # conf/compare.yaml's top-level keys: an argument whose key starts with one is a comparison knob.
 COMPARE_KEYS = ("optimizers", "budgets", "lr", "seeds", "data_seed", "warmup", "cooldown", "sweep", "workloads",
                 "val_every", "baseline", "tune", "coordinate", "target", "budget_unit", "dir", "save_every", "parallel",
-                "keep_checkpoints", "metric", "variants")
+                "keep_checkpoints", "metric", "variants", "pack")
 # Keys of mappings that are empty in conf/compare.yaml: a new key there needs Hydra's `++`.
 OPEN_MAPPINGS = ("lr.grid.", "sweep.", "workloads.", "variants.")
 
@@ -143,8 +158,11 @@ def compare(argv: list[str]) -> int:
     keep = node.get("keep_checkpoints", False)
     if not isinstance(keep, bool):
         raise ConfigError(f"keep_checkpoints={keep!r} must be true or false")
-    execute = executor(launcher, compare_dir, save_every, _positive(node.get("parallel"), "parallel"), keep)
-    check_runs(plan)
+    pack = _positive(node.get("pack", 1), "pack") or 1
+    if pack > 1 and launcher:
+        raise ConfigError(f"pack={pack} trains its runs in this process: drop {launcher[0]} or set pack=1")
+    execute = executor(launcher, compare_dir, save_every, _positive(node.get("parallel"), "parallel"), keep, pack)
+    check_runs(plan, pack)
     from compare.launch import open_dir
 
     open_dir(plan, compare_dir)  # refuses another comparison's directory before saying how to continue this one
@@ -203,14 +221,14 @@ def _positive(value, knob: str) -> int | None:
 
 
 def executor(launcher: list[str], compare_dir: str, save_every: int | None, parallel: int | None,
-             keep_checkpoints: bool = False):
+             keep_checkpoints: bool = False, pack: int = 1):
     """execute(plan, runs): in this process, or a job per run with hydra/launcher=local|slurm."""
     import train_jax
     from compare.launch import run_jobs, run_plan
 
     if not launcher:
         return lambda plan, runs: run_plan(plan, compare_dir, train=train_jax.train, runs=runs, save_every=save_every,
-                                           keep_checkpoints=keep_checkpoints)
+                                           keep_checkpoints=keep_checkpoints, pack=pack)
     from compare.executor import make_submit
 
     names = [a.split("=", 1)[1] for a in launcher if a.split("=", 1)[0].lstrip("+") == "hydra/launcher"]
@@ -284,9 +302,10 @@ def run_one(compare_dir: str, run_id: str, rest: list[str]) -> int:
     return 2 if outcome == "failed" and not record.get("diverged") else 0
 
 
-def check_runs(plan) -> None:
+def check_runs(plan, pack: int = 1) -> None:
     """Every knob of the runs checked before anything trains: one trunk and one branch per workload,
-    optimizer and sweep combination composed and validated (the others differ in lr, seed and budget only)."""
+    optimizer and sweep combination composed and validated (the others differ in lr, seed and budget only);
+    with pack > 1 also what a pack refuses (trainer/pack.py's check) and the backend's flag."""
     from compare.launch import run_overrides
     from utils.config import compose_overrides, validate
 
@@ -294,7 +313,15 @@ def check_runs(plan) -> None:
     for run in plan.runs:
         if (run.workload, run.optimizer, run.kind, run.sweep) not in seen:
             seen.add((run.workload, run.optimizer, run.kind, run.sweep))
-            validate(compose_overrides(run_overrides(run, "/nonexistent-compare-dir"), job_name="compare"))
+            config = validate(compose_overrides(run_overrides(run, "/nonexistent-compare-dir"), job_name="compare"))
+            if pack > 1:
+                from trainer import pack as packing
+
+                packing.check(config)
+    if pack > 1:
+        from trainer import pack as packing
+
+        packing.check_backend()
 
 
 def main(argv: list[str] | None = None) -> int:

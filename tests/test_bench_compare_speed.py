@@ -29,3 +29,22 @@ def test_the_shares_of_the_wall_time_sum_the_runs_last_values(tmp_path):
     assert out["eval_share"] == pytest.approx(1.5 / 20)
     assert out["loop_share"] == pytest.approx((6.0 - 2.0 - 1.0 + 1.5 - 0.5 - 0.5) / 20)
     assert out["outside_share"] == pytest.approx(1 - (2.5 + 1.5 + 1.5 + 3.5) / 20)
+
+
+def test_a_packs_shared_loop_counts_once_and_its_members_evaluations_each(tmp_path):
+    """Two members of one pack (compare.py's `packed:` line) logged the same compile, start-up and wall
+    clock (one loop) and their own evaluations: compile and start-up count once (the larger), the loop
+    is the larger wall clock less that compile and both evaluations; a run alone counts as before."""
+    stdout = "[1/3] a: ...\n  packed: a, b\n[2/3] b: done\n"
+    assert compare_speed.packs(stdout) == [["a", "b"]]
+    write_run(tmp_path, "a", [{"step": 4, "time/startup_sec": 1.0, "time/compile_sec": 2.0,
+                               "time/elapsed_sec": 10.0, "time/eval_sec": 1.0}])
+    write_run(tmp_path, "b", [{"step": 4, "time/startup_sec": 1.2, "time/compile_sec": 2.0,
+                               "time/elapsed_sec": 10.5, "time/eval_sec": 1.5}])
+    write_run(tmp_path, "c", [{"step": 4, "time/startup_sec": 0.5, "time/compile_sec": 0.0,
+                               "time/elapsed_sec": 3.0, "time/eval_sec": 0.5}])
+    out = compare_speed.account(str(tmp_path), wall=40.0, packed=compare_speed.packs(stdout))
+    assert out["runs"] == 3
+    assert out["compile_share"] == pytest.approx(2.0 / 40) and out["startup_share"] == pytest.approx(1.7 / 40)
+    assert out["eval_share"] == pytest.approx(3.0 / 40)
+    assert out["loop_share"] == pytest.approx((10.5 - 2.0 - 2.5 + 3.0 - 0.0 - 0.5) / 40)

@@ -409,8 +409,10 @@ def test_bench_commands_use_flags_their_script_defines():
         flags = {a.split("=")[0] for a in args if a.startswith("-")}
         assert flags <= known, f"{cmd}: {flags - known} not among {path.name}'s flags {sorted(known)}"
         if path.name == "compare_speed.py":  # --side NAME=CHECKOUT, then scripts/compare.py's own arguments
-            values = {b for a, b in zip(args, args[1:]) if a in ("--side", "--pairs")}
-            assert _compare_args([a for a in args if not a.startswith("-") and a not in values]) is not False, cmd
+            values = {b for a, b in zip(args, args[1:]) if a in ("--side", "--pairs", "--side-arg")}
+            side_args = [b.split("=", 1)[1] for a, b in zip(args, args[1:]) if a == "--side-arg"]  # NAME=ARG
+            compare_args = [a for a in args if not a.startswith("-") and a not in values] + side_args
+            assert _compare_args(compare_args) is not False, cmd
             continue
         overrides = [a for a in args if "=" in a and not a.startswith("-")]
         if overrides:

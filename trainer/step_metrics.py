@@ -212,6 +212,7 @@ class TrainStep:
     background: precompile.Background = dataclasses.field(default_factory=precompile.Background)
     args: Any = None  # the step's third argument, bound: the run's knobs (optimizer/arguments.py) as arrays
     called: set = dataclasses.field(default_factory=set)  # variants called so far (by any run sharing this step)
+    fn: Callable | None = None  # the unjitted `step(state, batch, args, logging=...)`: what trainer/pack.py vmaps
 
     def __call__(self, state, batch, logging: bool = True):
         self.background.wait(self._variant(logging))  # a call racing its compilation would compile it again
@@ -267,6 +268,6 @@ def compile_variants(step: Callable, metrics: Sequence[StepMetric], split: bool 
     logging_step = jax.jit(functools.partial(counted, logging=True), **jit_kwargs)
     if not split and not any(m.logging_only or (m.name is not None and not getattr(m, "same_when_logging", False))
                              for m in metrics):
-        return TrainStep(logging_step, logging_step, traces, args=args)
+        return TrainStep(logging_step, logging_step, traces, args=args, fn=step)
     return TrainStep(jax.jit(functools.partial(counted, logging=False), **jit_kwargs), logging_step, traces,
-                     args=args)
+                     args=args, fn=step)
