@@ -26,15 +26,19 @@ class Prefetcher:
     def _fill(self) -> None:
         try:
             while not self._stop.is_set():
-                item: Any = (next(self.inner), self.inner.state_dict())
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        pass
+                self._put((next(self.inner), self.inner.state_dict()))
         except BaseException as e:  # noqa: BLE001 - handed to the loop, which raises it where a direct read would have
-            self._queue.put(e)
+            self._put(e)
+
+    def _put(self, item: Any) -> None:
+        """Queue `item` once there is room, or give up when closed (a full queue nobody reads must not
+        keep the thread alive past close())."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                pass
 
     def __iter__(self):
         return self

@@ -148,6 +148,8 @@ def _plain_iterator():
 
 
 def test_prefetch_yields_the_same_batches_and_checkpoints_the_consumed_position():
+    # Prefetch threads left by other tests of this process (an in-process run's, until collected) are not ours.
+    others = {t for t in threading.enumerate() if t.name == "eqtrain-prefetch"}
     reference, prefetched = _plain_iterator(), Prefetcher(_plain_iterator(), depth=3)
     assert prefetched.state_dict() == reference.state_dict()
     for _ in range(4):
@@ -159,7 +161,7 @@ def test_prefetch_yields_the_same_batches_and_checkpoints_the_consumed_position(
     for _ in range(6):
         np.testing.assert_array_equal(next(resumed), next(reference))
     prefetched.close(), resumed.close()
-    assert not any(t.name == "eqtrain-prefetch" and t.is_alive() for t in threading.enumerate())
+    assert not any(t.name == "eqtrain-prefetch" and t.is_alive() and t not in others for t in threading.enumerate())
 
 
 def test_a_loader_error_in_the_prefetch_thread_reaches_the_loop():
@@ -180,6 +182,32 @@ def test_a_loader_error_in_the_prefetch_thread_reaches_the_loop():
     next(it)
     with pytest.raises(ValueError, match="bad record"):
         next(it)
+
+
+def test_closing_a_prefetcher_whose_loader_failed_behind_a_full_queue_ends_its_thread():
+    """The loader fails while the queue is full and nobody reads: close() must still end the thread
+    (its error was waiting for room in the queue, which never came)."""
+    failed = threading.Event()
+
+    class FailsThird:
+        def __init__(self):
+            self.n = 0
+
+        def __next__(self):
+            self.n += 1
+            if self.n == 3:
+                failed.set()
+                raise ValueError("bad record")
+            return np.zeros(1)
+
+        def state_dict(self):
+            return {"n": self.n}
+
+    it = Prefetcher(FailsThird(), depth=1)
+    next(it)  # the thread starts: batch 2 fills the queue, then the loader fails on batch 3
+    assert failed.wait(10)
+    it.close()
+    assert not it._thread.is_alive()
 
 
 # --- mixtures --------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import per_optimizer, rounding_rtol
+from helpers import optimizer_update, per_optimizer, rounding_rtol
 
 import train_jax as T
 from models import losses
@@ -262,9 +262,10 @@ def test_after_a_skipped_step_the_applied_lr_is_the_logged_one_and_the_last_is_m
             np.testing.assert_allclose(lr, want, rtol=1e-3, err_msg=f"step {n}: the lr {label} applied")  # the same
 
 
-def three_steps_the_second_not_finite(tx, params, rng):
-    """Steps 0, 1 and 2 of `tx` on random gradients, step 1's all NaN: (the last updates, the state)."""
-    update = jax.jit(tx.update)
+def three_steps_the_second_not_finite(tx, params, rng, hparams=None):
+    """Steps 0, 1 and 2 of `tx` (built from `hparams`, for an update that reads a Hessian estimate:
+    helpers.optimizer_update) on random gradients, step 1's all NaN: (the last updates, the state)."""
+    update = jax.jit(lambda grads, state, params: optimizer_update(tx, grads, state, params, hparams))
     state = tx.init(params)
     for n in range(3):
         grads = {k: jnp.asarray(rng.normal(size=p.shape), jnp.float32) * (np.nan if n == 1 else 1.0)
@@ -283,9 +284,10 @@ def test_every_optimizers_schedule_counts_a_skipped_step(name):
     shapes = {"w": ((2, 8, 12), "hidden"), "e": ((16, 8), "embed"), "h": ((8, 16), "head"), "b": ((8,), "scalar")}
     rng = np.random.default_rng(0)
     params = {k: jnp.asarray(rng.normal(size=shape), jnp.float32) for k, (shape, _) in shapes.items()}
-    tx = skip_nonfinite(make_optimizer(OPTIMIZERS[name](), schedule, {k: g for k, (_, g) in shapes.items()}, None,
+    hparams = OPTIMIZERS[name]()
+    tx = skip_nonfinite(make_optimizer(hparams, schedule, {k: g for k, (_, g) in shapes.items()}, None,
                                        1e-2, {}), max_consecutive_skips=3)
-    updates, state = three_steps_the_second_not_finite(tx, params, rng)
+    updates, state = three_steps_the_second_not_finite(tx, params, rng, hparams)
     assert int(state.total_notfinite) == 1
     for k, u in updates.items():
         assert float(jnp.abs(u).max()) > 0, f"{name}: {k} did not move on step 2 (it used the lr of step 1)"
