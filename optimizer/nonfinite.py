@@ -1,5 +1,5 @@
-"""train.skip_nonfinite: a step whose gradient is not finite is skipped, and the lr schedule still
-follows the run's step.
+"""train.skip_nonfinite: a step whose gradient (or another input of the update: Sophia's Hessian
+estimate) is not finite is skipped, and the lr schedule still follows the run's step.
 
 optax.apply_if_finite keeps the whole inner state on a skipped step, the schedule's counter
 (`ScaleByScheduleState.count`) included: after k skips every later update would use the lr of k
@@ -53,6 +53,10 @@ def skip_nonfinite(tx: optax.GradientTransformation, max_consecutive_skips: int)
     inner = optax.apply_if_finite(tx, max_consecutive_skips)
 
     def update(updates, state, params=None, **extra_args):
+        extra = jax.tree.leaves(extra_args)
+        if extra:  # another input of the update (Sophia's Hessian estimate) not finite: the step is skipped too
+            finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in extra]))
+            updates = jax.tree.map(lambda g: jnp.where(finite, g, jnp.nan), updates)
         updates, new = inner.update(updates, state, params, **extra_args)
         # apply_if_finite applies the update anyway once the skips in a row exceed the limit
         skipped = jnp.logical_and(~new.last_finite, new.notfinite_count <= max_consecutive_skips)

@@ -178,3 +178,28 @@ def test_clip_fraction_and_hessian_mean_are_those_of_the_update():
     np.testing.assert_allclose(float(got["optim/hidden/hessian_mean"]), nu_now.mean(),
                                rtol=2 * (5 * EPS32 / 2) + sum_atol(32, 1.0))
     del u
+
+
+def test_a_non_finite_hessian_estimate_skips_the_step_as_a_non_finite_gradient_does():
+    """train.skip_nonfinite: with a finite gradient but a NaN in the estimate, the step is skipped
+    (zero update, the moments and Hessian average kept, total_notfinite counted), where letting it
+    through would make every later update NaN; a finite estimate steps as before."""
+    from optimizer import make_optimizer
+    from optimizer.nonfinite import skip_nonfinite
+
+    hparams = Sophia()
+    params = {"w": jnp.ones((4, 6), jnp.float32), "b": jnp.ones((6,), jnp.float32)}
+    tx = skip_nonfinite(make_optimizer(hparams, lambda _: 1e-2, {"w": "hidden", "b": "scalar"}, None, 1e-2, {}), 3)
+    state = tx.init(params)
+    grads = {k: jnp.full_like(p, 0.5) for k, p in params.items()}
+    finite = {k: jnp.full_like(p, 2.0) for k, p in params.items()}
+    updates, after_finite = tx.update(grads, state, params, hessian_diag=finite)
+    assert all(float(jnp.abs(u).max()) > 0 for u in updates.values())
+    assert int(after_finite.total_notfinite) == 0
+    bad = {**finite, "w": finite["w"].at[1, 2].set(jnp.nan)}
+    updates, after_bad = tx.update(grads, after_finite, params, hessian_diag=bad)
+    assert all(float(jnp.abs(u).max()) == 0 for u in updates.values())
+    assert int(after_bad.total_notfinite) == 1
+    for kept, was in zip(jax.tree.leaves(after_bad.inner_state), jax.tree.leaves(after_finite.inner_state)):
+        if jnp.issubdtype(kept.dtype, jnp.floating):  # moments and the Hessian average: kept as they were
+            np.testing.assert_array_equal(kept, was)
