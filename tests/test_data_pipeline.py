@@ -164,21 +164,25 @@ def test_prefetch_yields_the_same_batches_and_checkpoints_the_consumed_position(
     assert not any(t.name == "eqtrain-prefetch" and t.is_alive() and t not in others for t in threading.enumerate())
 
 
+class FailsAt:
+    """A loader whose `at`-th batch raises "bad record" (and sets `failed` then)."""
+
+    def __init__(self, at: int):
+        self.n, self.at, self.failed = 0, at, threading.Event()
+
+    def __next__(self):
+        self.n += 1
+        if self.n == self.at:
+            self.failed.set()
+            raise ValueError("bad record")
+        return np.zeros(1)
+
+    def state_dict(self):
+        return {"n": self.n}
+
+
 def test_a_loader_error_in_the_prefetch_thread_reaches_the_loop():
-    class Failing:
-        def __init__(self):
-            self.n = 0
-
-        def __next__(self):
-            self.n += 1
-            if self.n == 2:
-                raise ValueError("bad record")
-            return np.zeros(1)
-
-        def state_dict(self):
-            return {"n": self.n}
-
-    it = Prefetcher(Failing(), depth=2)
+    it = Prefetcher(FailsAt(2), depth=2)
     next(it)
     with pytest.raises(ValueError, match="bad record"):
         next(it)
@@ -187,25 +191,10 @@ def test_a_loader_error_in_the_prefetch_thread_reaches_the_loop():
 def test_closing_a_prefetcher_whose_loader_failed_behind_a_full_queue_ends_its_thread():
     """The loader fails while the queue is full and nobody reads: close() must still end the thread
     (its error was waiting for room in the queue, which never came)."""
-    failed = threading.Event()
-
-    class FailsThird:
-        def __init__(self):
-            self.n = 0
-
-        def __next__(self):
-            self.n += 1
-            if self.n == 3:
-                failed.set()
-                raise ValueError("bad record")
-            return np.zeros(1)
-
-        def state_dict(self):
-            return {"n": self.n}
-
-    it = Prefetcher(FailsThird(), depth=1)
+    loader = FailsAt(3)
+    it = Prefetcher(loader, depth=1)
     next(it)  # the thread starts: batch 2 fills the queue, then the loader fails on batch 3
-    assert failed.wait(10)
+    assert loader.failed.wait(10)
     it.close()
     assert not it._thread.is_alive()
 
