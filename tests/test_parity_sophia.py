@@ -156,7 +156,7 @@ def test_weights_match_pytorch_optimizer_sophiah_at_b1_zero():
     # one more a side; the clip is 1-Lipschitz and past it |u| <= clip·(1 + rel):
     # |Δu| <= rel·clip·(1 + rel), rel = 2·(4R + 1)·EPS32/2.
     rel = 2 * (4 * refreshes + 1) * EPS32 / 2
-    atol = 0.0
+    atol = 0.0  # the weights' bound, summed over the steps below (each step's term derived there)
     for t, (p, _, _, _, tp, _, _) in enumerate(out):
         lr = float(SCHEDULE(t))
         scale = max(np.abs(x).max() for x in p.values())

@@ -25,13 +25,12 @@ import pytest
 from helpers import ON_CUDA, SUITE_XLA_FLAGS, sum_atol
 
 import models
+from utils.xla_workarounds import YNN_FLAG  # the workaround (docs/performance.md): reductions back to XLA's emitters
 
 ROOT = Path(__file__).resolve().parent.parent
 B, T, V = 2, 8, 32
 TOKENS_BxT = np.random.default_rng(0).integers(0, V, (B, T))
 FAMILIES = sorted(models.MODELS)
-# The workaround (docs/performance.md): YNNPACK keeps its other fusions, reductions go back to XLA's emitters.
-YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type=-reduce"
 YNN_BUG = (not ON_CUDA) and "xla_cpu_experimental_ynn_fusion_type" not in os.environ.get("XLA_FLAGS", "")
 # bfloat16 keeps 8 significant bits: one rounding to nearest moves a value by at most 2^-9 of it.
 BF16_ROUNDING = 2.0**-9
