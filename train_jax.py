@@ -166,6 +166,8 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
     the step's arguments, so runs that differ only in them share one compiled program; a replaced
     `schedule` is a constant of the step, and the lr_config's knobs with it."""
     labels = models.param_labels(models.abstract(run.model))
+    returned = schedule or init_scheduler(run)  # the run's own (a constant's, past its end too)
+    run = dataclasses.replace(run, optimizer=arguments.canonical(run.optimizer))  # constant lr as its trapezoid
     given, view = schedule, shared.step_view(run)  # the view: all the step is built from (and keyed by)
 
     def recipe(knobs):
@@ -176,7 +178,6 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
         return init_optimizer(bound, s, labels), (default_metrics(bound, s, labels) if metrics is None else metrics)
 
     knobs = arguments.lift(run.optimizer, run.train.gradient_clip_val)
-    schedule = given or init_scheduler(run)
     tx, step_metric_list = recipe(knobs)
     state, shardings = init_state(run, tx, mesh, step_metric_list, source)
 
@@ -188,11 +189,11 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
                                 qk_clip_tau=tau, hessian_due=view.optimizer.hparams.hessian_due)
 
     if given is not None or metrics is not None:  # a caller's schedule or metrics: no key names them
-        return schedule, tx, state, build()
+        return returned, tx, state, build()
     # One traced step per comparison process and key (trainer/process_cache.py); this run's knobs bound to it.
     # The key (the masked view's repr, the shardings flattened) is computed only where a table can use it.
     step = shared.remember("train_step", shared.step_key(view, mesh, shardings), build) if shared.active() else build()
-    return schedule, tx, state, step.with_args(arguments.as_arguments(knobs))
+    return returned, tx, state, step.with_args(arguments.as_arguments(knobs))
 
 
 def default_metrics(run: RunConfig, schedule: optax.Schedule, labels) -> list[step_metrics.StepMetric]:

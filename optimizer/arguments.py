@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from optimizer.schedules import Constant
+
 Values = dict[str, Any]  # a pytree of Python floats (outside the step) or float32 scalars (inside it)
 
 
@@ -90,6 +92,18 @@ def bind(o, clip: float | None, values: Values):
     bound = dataclasses.replace(o, schedule=schedule, hparams=hparams, group_overrides=groups,
                                 schedule_steps=values["schedule_steps"])
     return bound, values.get("clip", clip)
+
+
+def canonical(o):
+    """`o` (an OptimizerConfig) as the step program that serves the most runs is built from: a
+    `constant` schedule as the trapezoid it equals on every step of the run (schedules.Constant.
+    as_trapezoid), so a comparison's constant-lr trunks and its cooldown branches (trapezoid, the
+    default decay shape) trace one program and compile it once. The lrs are the same bit for bit;
+    the run's own config (its yaml, the header's schedule name) keeps `constant`."""
+    if type(o.schedule) is not Constant:
+        return o
+    schedule, steps = o.schedule.as_trapezoid(o.schedule_steps)
+    return dataclasses.replace(o, schedule_name="trapezoid", schedule=schedule, schedule_steps=steps)
 
 
 def known_zero(value) -> bool:

@@ -56,6 +56,17 @@ def _one_minus_sqrt_shape(x):
 
 # trapezoid's decay_shape -> the fraction of (lr - min_lr) left at fraction x of the decay.
 DECAY_SHAPES = {"linear": _linear_shape, "1-sqrt": _one_minus_sqrt_shape}
+# The decay shape of the trapezoid a constant schedule's step program is built as (Constant.as_trapezoid):
+# the comparison's default cooldown (conf/compare.yaml cooldown.shape), so that its trunks share their
+# branches' program. Never reached within a run: any shape gives the same lrs.
+CONSTANT_PROGRAM_SHAPE = "1-sqrt"
+
+
+def _maximum(a, b):
+    """max(a, b): in Python for Python numbers (a run's own schedule, built outside the step: an eager
+    jnp op there would compile a program of its own), else jnp's (the step's float32 knobs). The
+    knobs are step counts, integers below 2**24, so float64 and float32 arithmetic agree exactly."""
+    return max(a, b) if isinstance(a, (int, float)) and isinstance(b, (int, float)) else jnp.maximum(a, b)
 
 
 def _with_warmup(lr: float, warmup: int, after: Callable) -> optax.Schedule:
@@ -78,8 +89,8 @@ def _decay(lr: float, min_lr: float, decay_start: int, max_steps: int, shape: Ca
     no room left (warmup and flat phase fill the run) lr holds to the last step and min_lr
     follows it; the length is floored at 1, so no edge case divides by zero.
     """
-    peak = jnp.maximum(decay_start - 1, 0)
-    span = jnp.maximum(max_steps - 1 - peak, 1)
+    peak = _maximum(decay_start - 1, 0)
+    span = _maximum(max_steps - 1 - peak, 1)
 
     def after(s):
         x = jnp.clip((s - peak) / span, 0.0, 1.0)
@@ -109,6 +120,18 @@ class Constant:
 
     def build(self, max_steps: int) -> optax.Schedule:
         return _with_warmup(self.lr, self.warmup, lambda s: jnp.full_like(s, self.lr))
+
+    def as_trapezoid(self, max_steps: int) -> tuple[Trapezoid, int]:
+        """(a Trapezoid, its max_steps) equal to this schedule bit for bit on steps 0..max_steps-1:
+        a decay of 1 step over max_steps + 1 starts after the run's last step. Built this way, a
+        comparison's constant-lr trunk runs the same step program as its cooldown branches, which
+        take these knobs as arguments (optimizer/arguments.py `canonical`).
+
+        Why bit for bit: on steps below warmup both compute the same warmup expression; after it the
+        trapezoid's decay fraction x = clip((s - peak) / span, 0, 1) with peak = max_steps - 1 is 0
+        on every step up to max_steps - 1, where both shapes give exactly 1, and min_lr (0) + (lr - 0)·1
+        is lr exactly in floating point."""
+        return Trapezoid(self.lr, self.warmup, decay=1, decay_shape=CONSTANT_PROGRAM_SHAPE), max_steps + 1
 
 
 @dataclass(frozen=True)
@@ -184,7 +207,7 @@ class Trapezoid:
             )
 
     def build(self, max_steps: int) -> optax.Schedule:
-        start = jnp.maximum(max_steps - self.decay, self.warmup)
+        start = _maximum(max_steps - self.decay, self.warmup)
         shape = DECAY_SHAPES[self.decay_shape]
         return _with_warmup(self.lr, self.warmup, _decay(self.lr, self.min_lr, start, max_steps, shape))
 

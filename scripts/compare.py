@@ -162,6 +162,19 @@ def compare(argv: list[str]) -> int:
     if pack > 1 and launcher:
         raise ConfigError(f"pack={pack} trains its runs in this process: drop {launcher[0]} or set pack=1")
     execute = executor(launcher, compare_dir, save_every, _positive(node.get("parallel"), "parallel"), keep, pack)
+    from trainer import process_cache
+
+    # One sharing() for the whole comparison: the check's compositions serve the first runs, and the
+    # traced steps and data serve every phase (the tuning runs, lr.extend's, the evaluation seeds').
+    with process_cache.sharing():
+        summaries = run_phases(plan, knobs, compare_dir, execute, pack)
+    build_report(compare_dir)
+    return 2 if any(s.user_errors for s in summaries) else 0
+
+
+def run_phases(plan, knobs, compare_dir: str, execute, pack: int) -> list:
+    """Check every run's knobs, then train the plan and each phase that follows it (coordinate
+    tuning's next settings, lr.extend's, the evaluation seeds', the target track's): their summaries."""
     check_runs(plan, pack)
     from compare.launch import open_dir
 
@@ -210,8 +223,7 @@ def compare(argv: list[str]) -> int:
         print(f"compare: target: {len(runs)} runs (each optimizer's setting chosen at the largest budget, on seeds "
               f"{seeds[0]}..{seeds[-1]}), each read for the step it reaches val/loss {knobs.target_loss:g}")
         summaries.append(execute(plan, runs))
-    build_report(compare_dir)
-    return 2 if any(s.user_errors for s in summaries) else 0
+    return summaries
 
 
 def _positive(value, knob: str) -> int | None:
@@ -307,13 +319,13 @@ def check_runs(plan, pack: int = 1) -> None:
     optimizer and sweep combination composed and validated (the others differ in lr, seed and budget only);
     with pack > 1 also what a pack refuses (trainer/pack.py's check) and the backend's flag."""
     from compare.launch import run_overrides
-    from utils.config import compose_overrides, validate
+    from utils.config import compose_reusing, validate
 
     seen = set()
     for run in plan.runs:
         if (run.workload, run.optimizer, run.kind, run.sweep) not in seen:
             seen.add((run.workload, run.optimizer, run.kind, run.sweep))
-            config = validate(compose_overrides(run_overrides(run, "/nonexistent-compare-dir"), job_name="compare"))
+            config = validate(compose_reusing(run_overrides(run, "/nonexistent-compare-dir"), job_name="compare"))
             if pack > 1:
                 from trainer import pack as packing
 

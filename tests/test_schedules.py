@@ -7,6 +7,7 @@ edge cases (decay of 0 or 1 steps, warmup filling the run, a 1-step run) and the
 Pure functions of a step: no model, no optimizer state except hand-checked SGD runs, and the
 schedule across a step that train.skip_nonfinite skips (it follows the step counter)."""
 
+import dataclasses
 import math
 
 import equinox as eqx
@@ -143,6 +144,29 @@ def test_one_minus_sqrt_decay_values():
     no_floor = _values(Trapezoid(lr=LR, warmup=WARMUP, decay=decay, decay_shape="1-sqrt").build(N), range(N))
     assert np.array_equal(no_floor[:N - decay], constant[:N - decay])  # a constant trunk is an exact branch point
     assert Trapezoid(lr=LR).decay_shape == "linear"  # the default keeps earlier runs' numbers
+
+
+@pytest.mark.parametrize("warmup,steps", [(0, 1), (0, 9), (3, 9), (9, 9), (12, 9)])
+def test_a_constant_schedule_is_its_trapezoid_bit_for_bit(warmup, steps):
+    """Constant.as_trapezoid (what the train step is built from: a comparison's trunk then shares its
+    branches' program) gives the constant's lrs bit for bit on every step of the run, with the knobs
+    as the step takes them (float32 arguments of one jitted program) and as Python numbers; and its
+    decay, past the run's end, is a real one (step `steps` is below lr), so the equality is not
+    two constant programs. Warmups of 0, inside the run, filling it and outlasting it."""
+    constant = Constant(lr=LR, warmup=warmup)
+    trapezoid, length = constant.as_trapezoid(steps)
+    assert (trapezoid.decay_shape, length) == ("1-sqrt", steps + 1)
+    run = jnp.arange(steps + 1)
+
+    def traced(schedule, n):
+        knobs = {k: float(getattr(schedule, k)) for k in ("lr", "warmup", "decay") if getattr(schedule, k, 0)}
+        build = lambda v, m: dataclasses.replace(schedule, **v).build(m)(run)
+        return np.asarray(jax.jit(build)(knobs, float(n)))
+
+    for ours, theirs in ((traced(constant, steps), traced(trapezoid, length)),
+                         (_values(constant.build(steps), run), _values(trapezoid.build(length), run))):
+        assert np.array_equal(ours[:steps], theirs[:steps]), (ours, theirs)
+        assert theirs[steps] < ours[steps] or warmup > steps  # the decay exists, past the run
 
 
 def test_decay_of_zero_steps_never_decays():
