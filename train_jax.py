@@ -86,8 +86,10 @@ def init_optimizer(run: RunConfig, schedule: optax.Schedule, labels) -> optax.Gr
     return skip_nonfinite(tx, t.max_consecutive_skips) if t.skip_nonfinite else tx
 
 
-def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, metrics=(), source: Source | None = None):
-    """(state, its shardings): built or restored (`source`) straight into its shards; `metrics`' states beside it."""
+def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, metrics=(), source: Source | None = None,
+               shapes_key: str | None = None):
+    """(state, its shardings): built or restored (`source`) straight into its shards; `metrics`' states beside it.
+    `shapes_key`: what determines the state's shapes (a comparison process traces them once per key)."""
     init_metrics = lambda m: step_metrics.init_states(metrics, eqx.filter(m, eqx.is_inexact_array))
 
     def build(keys) -> TrainState:
@@ -98,7 +100,8 @@ def init_state(run: RunConfig, tx: optax.GradientTransformation, mesh, metrics=(
 
     # The keys are the program's argument, not its constants: one initialisation program serves every seed.
     keys = initial_keys(run.random_seed)
-    abstract = jax.eval_shape(build, keys)
+    abstract = shared.remember("abstract_state", shapes_key, lambda: jax.eval_shape(build, keys)) \
+        if shapes_key is not None else jax.eval_shape(build, keys)
     shardings = layout.state_shardings(mesh, abstract, abstract.model, models.param_axes(abstract.model),
                                        zero1=run.parallel.shard_optimizer_state)
     if source is None:
@@ -147,14 +150,20 @@ def build_trainer(run: RunConfig, source: Source | None = None, schedule: optax.
 def check_memory(run: RunConfig, mesh) -> None:
     """Refuse a window that the memory estimate (trainer/memory.py: a lower bound) says cannot fit
     one device: a ConfigError naming dataset.context_length and the largest window that fits. The
-    state's shapes come from `eval_shape`: nothing is allocated, read or compiled."""
-    model = models.abstract(run.model, run.train.param_dtype)
-    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))  # eqx.is_array is False for these
-    labels = models.param_labels(model)
-    opt_state = jax.eval_shape(init_optimizer(run, init_scheduler(run), labels).init, params)
-    trained = [x for x, label in zip(jax.tree.leaves(params), jax.tree.leaves(labels)) if label != lora.FROZEN_GROUP]
+    state's shapes come from `eval_shape`: nothing is allocated, read or compiled (once per comparison
+    process and step key: the shapes follow from what the step is built from)."""
+    def state_bytes() -> int:
+        model = models.abstract(run.model, run.train.param_dtype)
+        params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))  # eqx.is_array is False for these
+        labels = models.param_labels(model)
+        opt_state = jax.eval_shape(init_optimizer(run, init_scheduler(run), labels).init, params)
+        trained = [x for x, label in zip(jax.tree.leaves(params), jax.tree.leaves(labels))
+                   if label != lora.FROZEN_GROUP]
+        return memory.state_bytes(params, opt_state, trained)
+
+    nbytes = shared.remember("state_bytes", shared.view_key(run), state_bytes) if shared.active() else state_bytes()
     capacity, where = memory.device_memory()
-    memory.check_window(run, memory.state_bytes(params, opt_state, trained), mesh.devices.size, capacity, where)
+    memory.check_window(run, nbytes, mesh.devices.size, capacity, where)
 
 
 def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=None,
@@ -179,7 +188,8 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
 
     knobs = arguments.lift(run.optimizer, run.train.gradient_clip_val)
     tx, step_metric_list = recipe(knobs)
-    state, shardings = init_state(run, tx, mesh, step_metric_list, source)
+    shapes_key = shared.view_key(run) if shared.active() and given is None and metrics is None else None
+    state, shardings = init_state(run, tx, mesh, step_metric_list, source, shapes_key)
 
     def build():
         tau = view.optimizer.qk_clip_tau  # QK-clip: the loss's aux carries the per-head max logits (trainer/qk_clip.py)
@@ -250,7 +260,8 @@ def make_hooks(run: RunConfig, trainer: Trainer, run_dir: str, stop_signals: Sto
         hooks.append(H.EvalSamples(sample, run.logging.sample_prompts, run.logging.sample_tokens, sinks))
     hooks.append(H.Divergence(vouchers))
     if saver:
-        hooks += [H.Checkpoint(saver, ck.save_path, vouchers), H.StopOnSignal(stop_signals)]
+        hooks += [H.Checkpoint(saver, ck.save_path, vouchers, ck.save_at_end, t.max_steps),
+                  H.StopOnSignal(stop_signals)]
     if ck.export:  # after the last checkpoint: an export that fails leaves it saved
         hooks.append(RunExport(run, trainer.tokenizer, generation))
     if t.sample_tokens:

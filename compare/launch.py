@@ -11,8 +11,8 @@ run.json says where it stands: planned -> running -> done | failed. Every run sa
 
 - skips done runs (and failed ones: a diverged run is a result; delete its directory to retry),
 - resumes a run that was interrupted (its status still "running") from its newest checkpoint
-  (a trunk's branch points, a branch's end, every `save_every` steps when set, or the save a
-  SIGTERM/Ctrl-C made), first cutting its metrics.jsonl back to that checkpoint's step so the log
+  (a trunk's branch points, every `save_every` steps when set, or the save a SIGTERM/Ctrl-C made;
+  a branch's end only with keep_checkpoints), first cutting its metrics.jsonl back to that checkpoint's step so the log
   reads as an uninterrupted run's,
 - and refuses a directory whose compare.json (knobs, run overrides, plan) differs.
 
@@ -126,8 +126,11 @@ def kept_steps(run: PlannedRun) -> set[int]:
     return {int(s) for s in planned.strip("[]").split(",") if s}
 
 
-def run_overrides(run: PlannedRun, compare_dir: str, save_every: int | None = None) -> list[str]:
-    """The plan's overrides plus where the run saves (and, for a branch, which checkpoint it loads)."""
+def run_overrides(run: PlannedRun, compare_dir: str, save_every: int | None = None,
+                  keep_checkpoints: bool = False) -> list[str]:
+    """The plan's overrides plus where the run saves (and, for a branch, which checkpoint it loads).
+    A branch skips the save at its end unless `keep_checkpoints`: prune_done would delete it at once
+    (a stop signal's save, and save_every's, still happen)."""
     ckpt = lambda run_id: os.path.join(run_dir(compare_dir, run_id), "ckpt")
     steps = _save_steps(run, save_every)
     out = [o for o in run.overrides if steps is None or override_key(o) != "checkpoint.save_steps"]
@@ -137,6 +140,7 @@ def run_overrides(run: PlannedRun, compare_dir: str, save_every: int | None = No
     if run.kind == "branch":
         out += ["checkpoint.load=true", f"checkpoint.load_path={ckpt(run.trunk)}",
                 f"checkpoint.load_file=iter_{run.branch_step}", "checkpoint.overwrite_config=true"]
+        out += [] if keep_checkpoints else ["checkpoint.save_at_end=false"]
     return out
 
 
@@ -336,13 +340,13 @@ def _record(run: PlannedRun, overrides: list[str], status: str, error: str | Non
 
 def run_one(run: PlannedRun, compare_dir: str, train: Callable[..., Any], compose: Callable | None = None,
             save_every: int | None = None, say: Callable[[str], None] = print, head: str = "",
-            quiet: bool = False) -> tuple[str, dict]:
+            quiet: bool = False, keep_checkpoints: bool = False) -> tuple[str, dict]:
     """Train `run` unless it is done or failed; (outcome, its run.json record after). Outcome:
     done | skipped | failed | failed before. A signal or a bug propagates, the run left "running".
     `quiet`: the trainer's output goes to the run's train.log (_logged)."""
     compose = compose or default_compose()
     head = head or f"{run.id}:"
-    began = begin(run, compare_dir, save_every, say, head)
+    began = begin(run, compare_dir, save_every, say, head, keep_checkpoints)
     if isinstance(began[0], str):
         return began
     overrides, json_path = began
@@ -368,13 +372,13 @@ def default_compose() -> Callable:
 
 
 def begin(run: PlannedRun, compare_dir: str, save_every: int | None, say: Callable[[str], None],
-          head: str) -> tuple[str, dict] | tuple[list[str], str]:
+          head: str, keep_checkpoints: bool = False) -> tuple[str, dict] | tuple[list[str], str]:
     """Before `run` trains: (outcome, record) when it will not (done or failed before, its trunk failed);
     else (its overrides, its run.json path), the run recorded "running" and its metrics cut back to
     its newest checkpoint (a resumed run) or emptied."""
     directory = run_dir(compare_dir, run.id)
     json_path = os.path.join(directory, RUN_JSON)
-    overrides = run_overrides(run, compare_dir, save_every)
+    overrides = run_overrides(run, compare_dir, save_every, keep_checkpoints)
     before = read_json(json_path) or {}
     if before.get("status") == "done":
         say(f"{head} skipped (done before)")
@@ -524,11 +528,13 @@ def run_plan(plan: Plan, compare_dir: str, train: Callable[..., Any], say: Calla
         if pack > 1:
             from compare.pack import run_packed
 
-            run_packed(todo, compare_dir, pack, train, compose, save_every, say, heads, quiet, on_outcome)
+            run_packed(todo, compare_dir, pack, train, compose, save_every, say, heads, quiet, on_outcome,
+                       keep_checkpoints)
         else:
             for run in todo:
                 t0 = time.perf_counter()
-                outcome, record = run_one(run, compare_dir, train, compose, save_every, say, heads[run.id], quiet)
+                outcome, record = run_one(run, compare_dir, train, compose, save_every, say, heads[run.id], quiet,
+                                          keep_checkpoints)
                 on_outcome(run, outcome, record, time.perf_counter() - t0)
     say(summary.line(total, compare_dir))
     return summary

@@ -89,7 +89,7 @@ def _logged(directories: Sequence[str], quiet: bool):
 
 def run_packed(todo: Sequence[PlannedRun], compare_dir: str, pack: int, train: Callable, compose: Callable | None,
                save_every: int | None, say: Callable[[str], None], heads: dict[str, str], quiet: bool,
-               on_outcome: Callable[[PlannedRun, str, dict, float], None]) -> None:
+               on_outcome: Callable[[PlannedRun, str, dict, float], None], keep_checkpoints: bool = False) -> None:
     """Every run of `todo` in plan order, those that train in packs of up to `pack` (each run's
     outcome, record and seconds to `on_outcome` as it ends). A run that will not train (done,
     failed, its trunk failed) goes through begin() alone, as run_one would take it; a run left alone
@@ -101,7 +101,7 @@ def run_packed(todo: Sequence[PlannedRun], compare_dir: str, pack: int, train: C
 
     def key(run: PlannedRun) -> tuple:
         if run.id not in keys:
-            configs[run.id] = compose(_overrides(run, compare_dir, save_every))
+            configs[run.id] = compose(_overrides(run, compare_dir, save_every, keep_checkpoints))
             keys[run.id] = pack_key(configs[run.id], start_step(run, compare_dir))
         return keys[run.id]
 
@@ -109,7 +109,7 @@ def run_packed(todo: Sequence[PlannedRun], compare_dir: str, pack: int, train: C
         run = pending.pop(0)
         t0 = time.perf_counter()
         if not will_train(run, compare_dir):
-            outcome, record = begin(run, compare_dir, save_every, say, heads[run.id])
+            outcome, record = begin(run, compare_dir, save_every, say, heads[run.id], keep_checkpoints)
             on_outcome(run, outcome, record, time.perf_counter() - t0)
             continue
         group = [run]
@@ -120,19 +120,21 @@ def run_packed(todo: Sequence[PlannedRun], compare_dir: str, pack: int, train: C
                 group.append(other)
                 pending.remove(other)
         if len(group) == 1:
-            outcome, record = run_one(run, compare_dir, train, compose, save_every, say, heads[run.id], quiet)
+            outcome, record = run_one(run, compare_dir, train, compose, save_every, say, heads[run.id], quiet,
+                                      keep_checkpoints)
             on_outcome(run, outcome, record, time.perf_counter() - t0)
             continue
-        _train_group(group, configs, compose, compare_dir, save_every, say, heads, quiet, on_outcome, t0)
+        _train_group(group, configs, compose, compare_dir, save_every, say, heads, quiet, on_outcome, t0,
+                     keep_checkpoints)
 
 
 def _train_group(group: list[PlannedRun], configs: dict, compose: Callable, compare_dir: str,
                  save_every: int | None, say: Callable[[str], None], heads: dict[str, str], quiet: bool,
-                 on_outcome: Callable, t0: float) -> None:
+                 on_outcome: Callable, t0: float, keep_checkpoints: bool = False) -> None:
     """begin() each run of `group`, train them as one pack, record each as it ends (finish / fail_with)."""
     from trainer.pack import train_pack
 
-    began = [begin(r, compare_dir, save_every, say, heads[r.id]) for r in group]
+    began = [begin(r, compare_dir, save_every, say, heads[r.id], keep_checkpoints) for r in group]
     overrides = {r.id: b[0] for r, b in zip(group, began)}
     json_paths = {r.id: b[1] for r, b in zip(group, began)}
     if len(group) > 1:
@@ -160,7 +162,7 @@ def _train_group(group: list[PlannedRun], configs: dict, compose: Callable, comp
             on_outcome(r, outcome, record, seconds)
 
 
-def _overrides(run: PlannedRun, compare_dir: str, save_every: int | None) -> list[str]:
+def _overrides(run: PlannedRun, compare_dir: str, save_every: int | None, keep_checkpoints: bool) -> list[str]:
     from compare.launch import run_overrides
 
-    return run_overrides(run, compare_dir, save_every)
+    return run_overrides(run, compare_dir, save_every, keep_checkpoints)

@@ -247,7 +247,8 @@ def executor(launcher: list[str], compare_dir: str, save_every: int | None, para
     if not names:
         raise ConfigError(f"{launcher[0]}: hydra.launcher.* settings need hydra/launcher=local or slurm too")
     command = lambda run: [sys.executable, os.path.abspath(__file__), "--run", compare_dir, run.id,
-                           *([f"save_every={save_every}"] if save_every else [])]
+                           *([f"save_every={save_every}"] if save_every else []),
+                           *(["keep_checkpoints=true"] if keep_checkpoints else [])]
     overrides = [a for a in launcher if a.startswith(("hydra.", "+hydra.", "++hydra."))]
     submit, default = make_submit(names[-1], overrides, compare_dir, command)
     return lambda plan, runs: run_jobs(plan, compare_dir, submit, parallel or default, runs=runs,
@@ -299,18 +300,22 @@ def evaluation(plan, compare_dir: str, phase: str = "eval"):
 
 
 def run_one(compare_dir: str, run_id: str, rest: list[str]) -> int:
-    """What a launcher's job runs (`--run DIR ID [save_every=N]`): one run of the comparison."""
+    """What a launcher's job runs (`--run DIR ID [save_every=N] [keep_checkpoints=true]`): one run of the comparison."""
     import train_jax
     from compare.launch import load_run
     from compare.launch import run_one as train_one
 
-    save_every = None
+    save_every, keep = None, False
     for arg in rest:
-        if not arg.startswith("save_every="):
-            raise ConfigError(f"{arg}: --run DIR ID takes only save_every=N after them")
-        save_every = _positive(int(arg.split("=", 1)[1]), "save_every")
+        if arg.startswith("save_every="):
+            save_every = _positive(int(arg.split("=", 1)[1]), "save_every")
+        elif arg == "keep_checkpoints=true":
+            keep = True
+        else:
+            raise ConfigError(f"{arg}: --run DIR ID takes only save_every=N and keep_checkpoints=true after them")
     compare_dir = os.path.abspath(compare_dir)
-    outcome, record = train_one(load_run(compare_dir, run_id), compare_dir, train_jax.train, save_every=save_every)
+    outcome, record = train_one(load_run(compare_dir, run_id), compare_dir, train_jax.train, save_every=save_every,
+                                keep_checkpoints=keep)
     return 2 if outcome == "failed" and not record.get("diverged") else 0
 
 

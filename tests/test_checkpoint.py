@@ -253,6 +253,18 @@ def losses_file_has_training(run_dir: Path) -> bool:
     return path.exists() and any("train/loss" in line for line in path.read_text().splitlines())
 
 
+@pytest.mark.slow
+def test_save_at_end_false_skips_the_runs_last_step_but_not_a_segments(tmp_path):
+    """checkpoint.save_at_end=false: the run saves at its save_steps and at a shorter segment's end
+    (checkpoint.num_steps: the next segment resumes from it), not at its last step (train.max_steps
+    12; the default saves there: test_interrupted_save_is_removed_with_a_warning)."""
+    overrides = ("checkpoint.save=true", "checkpoint.save_path=ck", "checkpoint.save_steps=[4]")
+    train(tmp_path, "a", *overrides, "checkpoint.save_at_end=false", "checkpoint.num_steps=6")
+    assert complete_steps("ck") == [4, 6]
+    _, run_dir = train(tmp_path, "b", *overrides, "checkpoint.save_at_end=false", "checkpoint.resume=auto")
+    assert min(losses(run_dir)) == 7 and max(losses(run_dir)) == 12 and complete_steps("ck") == [4, 6]
+
+
 def test_interrupted_save_is_removed_with_a_warning(tmp_path, capsys):
     ck = Path("ck")
     train(tmp_path, "a", "checkpoint.save=true", f"checkpoint.save_path={ck}", "checkpoint.num_steps=4")

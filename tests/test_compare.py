@@ -491,6 +491,17 @@ def test_save_every_adds_interval_saves_and_keeps_the_branch_points(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["iter_24", "iter_8"]
 
 
+def test_a_branch_saves_its_end_only_when_its_checkpoints_are_kept(tmp_path):
+    """A branch's end checkpoint is deleted as soon as it is done (prune_done), so it is not written
+    (checkpoint.save_at_end=false) unless keep_checkpoints=true keeps it; a trunk's end is a branch
+    point, always saved (its save_steps)."""
+    trunk, b10, _ = plan().runs
+    end_save = lambda run, keep: "checkpoint.save_at_end=false" not in launch.run_overrides(
+        run, str(tmp_path), None, keep_checkpoints=keep)
+    assert not end_save(b10, False) and end_save(b10, True)
+    assert end_save(trunk, False) and end_save(trunk, True)
+
+
 def fake_train(cfg, run_dir):
     """A stand-in for train_jax.train: val/loss = 3 + (log10(lr) + 2.5)² (best lr 10^-2.5 ≈ 3.2e-3)
     + 0.1·weight_decay + 1/step, logged where train_jax evaluates (every train.val_freq steps, at train.val_at

@@ -124,17 +124,17 @@ def test_runs_are_grouped_by_program_start_and_data_up_to_n_in_plan_order(tmp_pa
     (The trainer is stubbed: only the grouping runs; composing 18 runs' configs is its time.)"""
     groups = []
 
-    def fake_group(group, configs, compose, compare_dir, save_every, say, heads, quiet, on_outcome, t0):
+    def fake_group(group, configs, compose, compare_dir, save_every, say, heads, quiet, on_outcome, t0, keep):
         groups.append([r.id for r in group])
         for r in group:
-            overrides, json_path = launch.begin(r, compare_dir, save_every, say, heads[r.id])
+            overrides, json_path = launch.begin(r, compare_dir, save_every, say, heads[r.id], keep)
             on_outcome(r, *launch.finish(r, overrides, compare_dir, save_every, say, heads[r.id], t0), 0.0)
 
     alone = []
 
-    def fake_one(run, compare_dir, train, compose, save_every, say, head, quiet):
+    def fake_one(run, compare_dir, train, compose, save_every, say, head, quiet, keep):
         alone.append(run.id)
-        overrides, _ = launch.begin(run, compare_dir, save_every, say, head)
+        overrides, _ = launch.begin(run, compare_dir, save_every, say, head, keep)
         return launch.finish(run, overrides, compare_dir, save_every, say, head, 0.0)
 
     monkeypatch.setattr(grouping, "_train_group", fake_group)

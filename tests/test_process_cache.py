@@ -190,9 +190,10 @@ def records(compare_dir: str) -> dict[str, list[dict]]:
 @pytest.mark.slow
 def test_a_comparison_traces_one_step_per_variant_and_trains_as_unshared_runs(tmp_path, monkeypatch):
     """adamw and sgdm, 2 lrs, budgets 4 and 6 (per lr a trunk and 2 branches: 12 runs): the shared
-    comparison builds one step per optimizer and schedule (trunk: constant, branch: its decay),
-    traces each once per variant it calls (plain, logging) and never again; every logged value of
-    every run equals, bit for bit, the same plan trained with nothing shared."""
+    comparison builds one step per optimizer (a trunk's constant lr runs as its branches' trapezoid),
+    traces each once per variant it calls (plain, logging) and never again, and the state's shapes
+    and memory estimate once per optimizer; every logged value of every run equals, bit for bit, the
+    same plan trained with nothing shared."""
     built = []
     build = T.build_train_step
     monkeypatch.setattr(T, "build_train_step", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
@@ -202,9 +203,13 @@ def test_a_comparison_traces_one_step_per_variant_and_trains_as_unshared_runs(tm
                         "warmup": 1})
     plan = make_plan(k, run, base_lrs(k.optimizers, run))
     shared = str(tmp_path / "shared")
+    before = process_cache.stats()
     summary = launch.run_plan(plan, shared, train=T.train, say=lambda line: None)
     assert len(summary.done) == len(plan.runs) == 12
-    assert len(built) == 2 * 2  # (adamw, sgdm) × (trunk, branch)
+    assert len(built) == 2  # adamw, sgdm: trunks and branches alike
+    counted = {k: v - before.get(k, 0) for k, v in process_cache.stats().items()}
+    for table in ("abstract_state", "state_bytes"):
+        assert (counted[f"{table}/miss"], counted[f"{table}/hit"]) == (2, 10), counted
     assert all(step.compiled() == len(step.called) for step in built)  # one trace per variant, none later
 
     built.clear()

@@ -382,8 +382,15 @@ class Checkpoint(Hook):
     needs = ("val/loss",)  # the best-checkpoint policy ranks by it
     off_the_clock = False  # true after a call that saved (the save synced): its time is not training
 
-    def __init__(self, saver, save_path: str, vouchers: Sequence[str] = VOUCHERS):
+    def __init__(self, saver, save_path: str, vouchers: Sequence[str] = VOUCHERS, save_at_end: bool = True,
+                 max_steps: int | None = None):
         self.saver, self.save_path, self.vouchers = saver, save_path, vouchers
+        self.save_at_end, self.max_steps = save_at_end, max_steps  # checkpoint.save_at_end, train.max_steps
+
+    def ends_here(self, ctx: LoopContext) -> bool:
+        """A save at the segment's end: always, unless it is the run's end (its last step, or early
+        stopping's) and checkpoint.save_at_end is false (a comparison's branch, whose checkpoint it deletes)."""
+        return ctx.ending and (self.save_at_end or not (ctx.finished or ctx.step == self.max_steps))
 
     def due(self, ctx: LoopContext) -> bool:
         return ctx.step > ctx.start and (self.saver.due(ctx.step) or ctx.ending or "val/loss" in ctx.record)
@@ -395,7 +402,7 @@ class Checkpoint(Hook):
         if best:
             self.off_the_clock = True
             say(f"checkpoint: new best val/loss {ctx.record['val/loss']:.4f}, saving {self.save_path}/best")
-        if self.saver.due(ctx.step) or ctx.ending:
+        if self.saver.due(ctx.step) or self.ends_here(ctx):
             self.save(ctx, "end" if ctx.step == ctx.end else "early stop" if ctx.finished else "scheduled")
 
     def on_stop(self, ctx: LoopContext) -> None:

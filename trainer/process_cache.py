@@ -148,3 +148,11 @@ def step_key(view, mesh, shardings) -> tuple:
     """Everything static in the step program of a run whose step_view is `view`."""
     leaves, treedef = jax.tree.flatten(shardings)
     return repr(masked(view)), mesh, tuple(leaves), treedef
+
+
+def view_key(run) -> str:
+    """What determines the shapes of a run's state (the model, the optimizer's structure, the dtypes,
+    the step metrics' states): its step view with the argument knobs masked (no value of those changes a
+    shape: one program serves them all), its schedule as the step is built from it (a constant lr as
+    its trapezoid: arguments.canonical)."""
+    return repr(masked(step_view(dataclasses.replace(run, optimizer=arguments.canonical(run.optimizer)))))

@@ -93,6 +93,7 @@ class CheckpointConfig:
     async_save: bool = True  # write files in the background while training goes on
     compress: bool = False  # zstd-compress arrays: ~8% smaller files for 2-3x the writer's CPU time
     save_on_interrupt: bool = True  # Ctrl-C finishes the step and saves (SIGTERM/SIGUSR1 always do)
+    save_at_end: bool = True  # save the run's last step; false: save_steps' and a stop signal's saves only
     load: bool = False
     load_path: str | None = None  # a save_path of an earlier run
     load_file: str = "latest"  # iter_N | iter_N.ckpt | latest
