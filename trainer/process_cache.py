@@ -16,7 +16,10 @@ what determines its value:
     (train_jax.init_training), with the knobs the step takes as arguments (optimizer/arguments.py's
     lift) masked, plus the mesh and the state's shardings. Since the step's builders never see
     anything but that view and those arguments, two runs with one key trace one program; shapes
-    and dtypes follow from the view (jit retraces on any other signature all the same).
+    and dtypes follow from the view (jit retraces on any other signature all the same). A constant
+    lr's view is its trapezoid's (optimizer/arguments.py `canonical`): trunks share their branches' step;
+  * the state's shapes (`abstract_state`) and the memory check's estimate (`state_bytes`):
+    `view_key(run)`, the same masked view, which they follow from;
   * conf/'s composition (`composed`, utils/config.compose_reusing): the overrides that select
     config groups (and the job name); each run's value overrides are applied to a copy.
 Tables are small LRUs (a comparison has a handful of optimizers and shapes); closing the
