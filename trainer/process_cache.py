@@ -16,8 +16,9 @@ what determines its value:
     (train_jax.init_training), with the knobs the step takes as arguments (optimizer/arguments.py's
     lift) masked, plus the mesh and the state's shardings. Since the step's builders never see
     anything but that view and those arguments, two runs with one key trace one program; shapes
-    and dtypes follow from the view (jit retraces on any other signature all the same). A constant
-    lr's view is its trapezoid's (optimizer/arguments.py `canonical`): trunks share their branches' step;
+    and dtypes follow from the view (jit retraces on any other signature all the same). init_training
+    takes the view of the run with a constant lr as its trapezoid (optimizer/arguments.py `canonical`),
+    so trunks share their branches' step;
   * the state's shapes (`abstract_state`) and the memory check's estimate (`state_bytes`):
     `view_key(run)`, the same masked view, which they follow from;
   * conf/'s composition (`composed`, utils/config.compose_reusing): the overrides that select
