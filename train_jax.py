@@ -188,7 +188,8 @@ def init_training(run: RunConfig, mesh, source: Source | None = None, metrics=No
 
     knobs = arguments.lift(run.optimizer, run.train.gradient_clip_val)
     tx, step_metric_list = recipe(knobs)
-    shapes_key = shared.view_key(run) if shared.active() and given is None and metrics is None else None
+    # The view is already the canonical run's: its masked repr is view_key(run), without building it again.
+    shapes_key = repr(shared.masked(view)) if shared.active() and given is None and metrics is None else None
     state, shardings = init_state(run, tx, mesh, step_metric_list, source, shapes_key)
 
     def build():

@@ -12,8 +12,8 @@ run.json says where it stands: planned -> running -> done | failed. Every run sa
 - skips done runs (and failed ones: a diverged run is a result; delete its directory to retry),
 - resumes a run that was interrupted (its status still "running") from its newest checkpoint
   (a trunk's branch points, every `save_every` steps when set, or the save a SIGTERM/Ctrl-C made;
-  a branch's end only with keep_checkpoints), first cutting its metrics.jsonl back to that checkpoint's step so the log
-  reads as an uninterrupted run's,
+  a branch's end only with keep_checkpoints), first cutting its metrics.jsonl back to that
+  checkpoint's step so the log reads as an uninterrupted run's,
 - and refuses a directory whose compare.json (knobs, run overrides, plan) differs.
 
 A run that raises an EqtrainError is "failed" (a TrainingError, a NaN/inf loss, also
